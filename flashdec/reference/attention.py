@@ -1,0 +1,105 @@
+"""Reference single-token decode attention, dense and paged.
+
+The two are written differently on purpose (batched masked softmax vs a per-request gather and
+explicit max-subtracted exponentials) so that each is the other's check. Both compute in float32
+and return q's dtype. A request with seq_len 0 gets an all-zero row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    check_int_tensor,
+    check_paged_decode_inputs,
+    check_paged_decode_values,
+    check_tensor,
+    resolve_sm_scale,
+)
+
+
+def dense_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over dense ``k/v_cache [B, max_len, Hkv, D]``.
+
+    Only the first ``seq_lens[b]`` positions of request ``b`` are attended.
+    """
+    q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    seq_lens = check_int_tensor("seq_lens", seq_lens, ndim=1, device=q.device)
+    batch, num_q_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must have the same shape")
+    if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"k/v_cache must be [batch={batch}, max_len, num_kv_heads, head_dim={head_dim}] and "
+            f"seq_lens [batch], got {tuple(k_cache.shape)} and {tuple(seq_lens.shape)}"
+        )
+    max_len, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if batch and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > max_len):
+        raise ValueError(f"seq_lens must lie in [0, {max_len}], got {seq_lens.tolist()}")
+    scale = resolve_sm_scale(sm_scale, head_dim)
+    group = num_q_heads // num_kv_heads
+
+    qf = q.float().view(batch, num_kv_heads, group, head_dim)
+    kf = k_cache.float()
+    vf = v_cache.float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, kf) * scale  # [B, Hkv, G, L]
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows: all -inf -> zeros
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vf)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    kv_layout: str = "token_major",
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over one layer's paged cache.
+
+    ``k/v_cache`` is ``[num_blocks, Hkv, block_size, D]`` (token_major) or
+    ``[num_blocks, Hkv, D, block_size]`` (dim_major); token ``t`` of request ``b`` lives in block
+    ``block_tables[b, t // block_size]`` at offset ``t % block_size``.
+    """
+    dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    check_paged_decode_values(block_tables, seq_lens, dims)
+    scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    group = dims.num_q_heads // dims.num_kv_heads
+    if kv_layout == "dim_major":  # view as token-major: [N, Hkv, block_size, D]
+        k_cache = k_cache.transpose(2, 3)
+        v_cache = v_cache.transpose(2, 3)
+
+    out = torch.zeros(dims.batch, dims.num_q_heads, dims.head_dim, dtype=torch.float32)
+    lens = seq_lens.to("cpu").tolist()
+    tables = block_tables.to("cpu").tolist()
+    for b, seq_len in enumerate(lens):
+        if seq_len == 0:
+            continue
+        tokens = torch.arange(seq_len)
+        blocks = torch.tensor(tables[b], dtype=torch.long)[tokens // dims.block_size]
+        offsets = tokens % dims.block_size
+        k = k_cache[blocks.to(q.device), :, offsets.to(q.device)].float().cpu()  # [L, Hkv, D]
+        v = v_cache[blocks.to(q.device), :, offsets.to(q.device)].float().cpu()
+        for h in range(dims.num_q_heads):
+            kv_head = h // group
+            logits = (k[:, kv_head, :] @ q[b, h].float().cpu()) * scale  # [L]
+            weights = torch.exp(logits - logits.max())
+            out[b, h] = (weights @ v[:, kv_head, :]) / weights.sum()
+    return out.to(device=q.device, dtype=q.dtype)

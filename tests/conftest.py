@@ -1,0 +1,30 @@
+"""Test set-up: Triton runs interpreted on CPU-only machines.
+
+TRITON_INTERPRET must be set before Triton is first imported, so this happens at the top of the
+first conftest, before any test module imports flashdec's kernels.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh there)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernel tests run: the GPU when present, else the CPU through the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")

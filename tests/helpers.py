@@ -1,0 +1,65 @@
+"""Builders shared by tests: random paged caches with permuted block ids, tolerances."""
+
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) per dtype for kernel-vs-reference comparisons
+TOLERANCES = {
+    torch.float32: (2e-3, 2e-3),  # GPU fp32 dots may run as tf32
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def make_paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    kv_layout: str = "token_major",
+    extra_blocks: int = 3,
+    generator: torch.Generator | None = None,
+):
+    """Random K/V in a paged cache with randomly permuted block ids.
+
+    Returns ``(k_cache, v_cache, block_tables, seq_lens_tensor, k_dense, v_dense)``; the dense
+    tensors are ``[B, max_len, Hkv, D]`` copies of the same tokens for the dense reference.
+    Table entries past each request's used blocks are filled with -1 (never read).
+    """
+    gen = generator or torch.Generator().manual_seed(0)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    max_blocks = max([1, *blocks_per_seq])
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    cursor = 0
+    for b, nb in enumerate(blocks_per_seq):
+        tables[b, :nb] = perm[cursor : cursor + nb].to(torch.int32)
+        cursor += nb
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    max_len = max([1, *seq_lens])
+    k_dense = torch.zeros(len(seq_lens), max_len, num_kv_heads, head_dim, dtype=dtype)
+    v_dense = torch.zeros_like(k_dense)
+    for b, n in enumerate(seq_lens):
+        for t in range(n):
+            blk, off = int(tables[b, t // block_size]), t % block_size
+            k_dense[b, t] = k_cache[blk, :, off]
+            v_dense[b, t] = v_cache[blk, :, off]
+    if kv_layout == "dim_major":
+        k_cache = k_cache.transpose(2, 3).contiguous()
+        v_cache = v_cache.transpose(2, 3).contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    dev = torch.device(device)
+    return (
+        k_cache.to(dev),
+        v_cache.to(dev),
+        tables.to(dev),
+        lens.to(dev),
+        k_dense.to(dev),
+        v_dense.to(dev),
+    )
