@@ -1,0 +1,127 @@
+"""What every scheduling policy shares: the rejection rule, batch selection and the plan skeleton.
+
+A policy only decides *which waiting requests to admit*; everything else — which requests can
+never run, which runnable requests are decoded when there are more than the batch holds — is the
+same for all policies, so the comparison between them measures admission alone.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from typing import ClassVar
+
+from flashdec.scheduler.decision import SchedulerDecision
+from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
+from flashdec.scheduler.spec import RequestId, SchedulerConfig
+
+
+def rejection_reason(
+    request: WaitingRequest, snapshot: SchedulingSnapshot, config: SchedulerConfig
+) -> str | None:
+    """Why ``request`` can never run on this pool, or ``None`` if it can.
+
+    A request is hopeless when its prefix is not resident or does not cover its context exactly,
+    when its block table would outgrow ``max_blocks_per_seq``, or when its lifetime private blocks
+    exceed an empty pool (the pool less the reserve and the resident prefixes, which stay).
+    """
+    spec = request.spec
+    if spec.prefix_id is not None:
+        prefix = snapshot.prefix_map.get(spec.prefix_id)
+        if prefix is None:
+            return f"prefix {spec.prefix_id!r} is not resident"
+        if prefix.num_tokens != spec.initial_context_tokens:
+            return (
+                f"prefix {spec.prefix_id!r} holds {prefix.num_tokens} tokens but the context is "
+                f"{spec.initial_context_tokens} tokens (a prefix must cover it exactly)"
+            )
+    table_blocks = spec.lifetime_blocks(snapshot.block_size)
+    if table_blocks > snapshot.max_blocks_per_seq:
+        return (
+            f"needs a {table_blocks}-block table, more than max_blocks_per_seq "
+            f"{snapshot.max_blocks_per_seq}"
+        )
+    capacity = empty_pool_capacity(snapshot, config)
+    if request.lifetime_private_blocks > capacity:
+        return (
+            f"needs {request.lifetime_private_blocks} private blocks over its lifetime, more "
+            f"than an empty pool offers ({capacity})"
+        )
+    return None
+
+
+def empty_pool_capacity(snapshot: SchedulingSnapshot, config: SchedulerConfig) -> int:
+    """Private blocks available once every active request is gone."""
+    return snapshot.total_blocks - config.reserve_blocks - snapshot.resident_prefix_blocks
+
+
+def select_batch(
+    snapshot: SchedulingSnapshot, admit: tuple[RequestId, ...], config: SchedulerConfig
+) -> tuple[RequestId, ...]:
+    """Runnable requests to decode this step, at most ``max_batch_size``.
+
+    Runnable = active with a token left to decode, plus the requests admitted now. Those waiting
+    longest for service go first (a newly admitted request has waited 0 steps), ties by
+    submission order — so a request left out of a full batch rises until it is served.
+    """
+    order = {r.request_id: r.spec.submission_order for r in snapshot.waiting}
+    candidates = [
+        (r.service_wait_steps, r.spec.submission_order, r.request_id)
+        for r in snapshot.active
+        if r.runnable
+    ]
+    candidates += [(0, order[rid], rid) for rid in admit]
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    return tuple(rid for _, _, rid in candidates[: config.max_batch_size])
+
+
+class BaseScheduler(ABC):
+    """A policy: ``plan(snapshot)`` is pure — it reads the snapshot and returns a decision."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        self._config = config
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._config!r})"
+
+    def plan(self, snapshot: SchedulingSnapshot) -> SchedulerDecision:
+        """Decide admissions, rejections and this step's batch. Mutates nothing."""
+        if not isinstance(snapshot, SchedulingSnapshot):
+            raise TypeError(f"snapshot must be a SchedulingSnapshot, got {type(snapshot).__name__}")
+        config = self._config
+        reject = tuple(
+            r.request_id
+            for r in snapshot.waiting
+            if rejection_reason(r, snapshot, config) is not None
+        )
+        rejected = set(reject)
+        candidates = tuple(r for r in snapshot.waiting if r.request_id not in rejected)
+        admit = self._admit(snapshot, candidates)
+        batch = select_batch(snapshot, admit, config)
+        return SchedulerDecision(
+            admit=admit, reject=reject, batch=batch, snapshot=snapshot, config=config
+        )
+
+    @abstractmethod
+    def _admit(
+        self, snapshot: SchedulingSnapshot, candidates: tuple[WaitingRequest, ...]
+    ) -> tuple[RequestId, ...]:
+        """Ids to admit, chosen from ``candidates`` (waiting, not rejected, submission order)."""
+
+    def select_victims(
+        self, snapshot: SchedulingSnapshot, needing_block: Collection[RequestId]
+    ) -> tuple[RequestId, ...]:
+        """Active ids to cancel so that every id in ``needing_block`` gets its next block.
+
+        Called by a runner when the pool is short at a block boundary. The default is to cancel
+        nothing: the short requests stay stuck until blocks free up.
+        """
+        return ()

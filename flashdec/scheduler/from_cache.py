@@ -1,0 +1,159 @@
+"""``snapshot_from_cache``: read a ``PagedKVCache`` into a ``SchedulingSnapshot``.
+
+The cache is the single source of truth for lengths, blocks and prefixes; the caller supplies
+what only it knows — each request's spec, which ids wait and which run, and the fairness counters.
+Nothing is mutated; every argument is checked before anything is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flashdec._checks import check_positive_int
+from flashdec.scheduler.snapshot import (
+    ActiveRequest,
+    PrefixInfo,
+    SchedulingSnapshot,
+    WaitingRequest,
+    lifetime_private_blocks,
+)
+from flashdec.scheduler.spec import RequestId, RequestSpec, check_request_id
+
+
+def _ids(name: str, value: Iterable[RequestId]) -> tuple[RequestId, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of request ids, got {type(value).__name__}")
+    ids = tuple(value)
+    for i, rid in enumerate(ids):
+        check_request_id(f"{name}[{i}]", rid)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} must not repeat an id, got {ids!r}")
+    return ids
+
+
+def _counters(
+    name: str, value: Mapping[RequestId, int] | None, allowed: tuple[RequestId, ...]
+) -> dict[RequestId, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be a mapping of request id -> int, got {type(value).__name__}"
+        )
+    known = set(allowed)
+    for rid, count in value.items():
+        if rid not in known:
+            raise ValueError(f"{name} has a counter for {rid!r}, which is not in its id list")
+        check_positive_int(f"{name}[{rid!r}]", count, minimum=0)
+    return dict(value)
+
+
+def snapshot_from_cache(
+    cache: Any,
+    *,
+    step: int,
+    specs: Mapping[RequestId, RequestSpec],
+    waiting_ids: Iterable[RequestId],
+    active_ids: Iterable[RequestId],
+    waiting_wait_steps: Mapping[RequestId, int] | None = None,
+    waiting_skip_counts: Mapping[RequestId, int] | None = None,
+    active_service_wait_steps: Mapping[RequestId, int] | None = None,
+) -> SchedulingSnapshot:
+    """Snapshot of ``cache`` for a scheduler.
+
+    ``specs`` maps every listed id to its spec. ``active_ids`` must be exactly the cache's active
+    requests (each attached to its spec's prefix, if any); ``waiting_ids`` must be unknown to the
+    cache. Counters default to 0 and may only name ids of their own list. Raises RuntimeError while
+    a token transaction is open (a reserved block would make lengths and blocks disagree).
+    """
+    from flashdec.cache import RequestState  # lazy: the scheduler package stays torch-light
+
+    check_positive_int("step", step, minimum=0)
+    if not isinstance(specs, Mapping):
+        raise TypeError(
+            f"specs must be a mapping of request id -> RequestSpec, got {type(specs).__name__}"
+        )
+    waiting = _ids("waiting_ids", waiting_ids)
+    active = _ids("active_ids", active_ids)
+    both = set(waiting) & set(active)
+    if both:
+        raise ValueError(f"ids both waiting and active: {sorted(both, key=repr)!r}")
+    for rid in waiting + active:
+        spec = specs.get(rid)
+        if not isinstance(spec, RequestSpec):
+            raise (ValueError if spec is None else TypeError)(
+                f"specs[{rid!r}] must be a RequestSpec, got {type(spec).__name__}"
+            )
+        if spec.request_id != rid:
+            raise ValueError(f"specs[{rid!r}].request_id is {spec.request_id!r}")
+    wait_steps = _counters("waiting_wait_steps", waiting_wait_steps, waiting)
+    skips = _counters("waiting_skip_counts", waiting_skip_counts, waiting)
+    service = _counters("active_service_wait_steps", active_service_wait_steps, active)
+
+    if cache.metrics().get("retained_transaction_state_count", 0):
+        raise RuntimeError("cannot snapshot the cache while a token transaction is open")
+    cache_active = set(cache.request_ids(RequestState.ACTIVE))
+    if cache_active != set(active):
+        missing = sorted(cache_active - set(active), key=repr)
+        extra = sorted(set(active) - cache_active, key=repr)
+        raise ValueError(
+            "active_ids must be exactly the cache's active requests: "
+            f"missing {missing!r}, not active in the cache {extra!r}"
+        )
+    known = set(cache.request_ids())
+    seen = [rid for rid in waiting if rid in known]
+    if seen:
+        raise ValueError(f"waiting ids are already known to the cache: {seen!r}")
+
+    block_size = cache.block_size
+    prefixes = []
+    for pid in cache.prefix_ids():
+        state = cache.prefix_state(pid)
+        prefixes.append(PrefixInfo(pid, state.num_blocks, state.num_tokens, state.refcount))
+    prefix_map = {p.prefix_id: p for p in prefixes}
+
+    active_rows = []
+    for rid in active:
+        spec = specs[rid]
+        attached = cache.request_prefix(rid)
+        if attached != spec.prefix_id:
+            raise ValueError(
+                f"active request {rid!r} has prefix {attached!r} attached in the cache but its "
+                f"spec names {spec.prefix_id!r}"
+            )
+        blocks = len(cache.request_block_ids(rid))
+        prefix_blocks = prefix_map[attached].num_blocks if attached is not None else 0
+        active_rows.append(
+            ActiveRequest(
+                request_id=rid,
+                spec=spec,
+                committed_tokens=cache.seq_len(rid),
+                committed_blocks=blocks,
+                committed_private_blocks=blocks - prefix_blocks,
+                lifetime_private_blocks=lifetime_private_blocks(spec, block_size, prefix_map),
+                service_wait_steps=service.get(rid, 0),
+            )
+        )
+    waiting_rows = [
+        WaitingRequest(
+            request_id=rid,
+            spec=specs[rid],
+            lifetime_private_blocks=lifetime_private_blocks(specs[rid], block_size, prefix_map),
+            wait_steps=wait_steps.get(rid, 0),
+            skip_count=skips.get(rid, 0),
+        )
+        for rid in waiting
+    ]
+    waiting_rows.sort(key=lambda r: r.spec.submission_order)
+    return SchedulingSnapshot(
+        step=step,
+        cache_version=cache.version,
+        block_size=block_size,
+        total_blocks=cache.max_blocks,
+        free_blocks=cache.num_free_blocks,
+        max_blocks_per_seq=cache.max_blocks_per_seq,
+        prefixes=tuple(prefixes),
+        active=tuple(active_rows),
+        waiting=tuple(waiting_rows),
+    )

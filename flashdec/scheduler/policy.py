@@ -1,0 +1,66 @@
+"""``BlockAwareScheduler``: the "lifetime" policy.
+
+A waiting request is admitted only when every block it can ever need fits beside the remaining
+lifetime commitment of every active request and the reserve. Since every active request's future
+blocks are already set aside, no admitted request can stall at a block boundary, and nothing ever
+has to be cancelled to make room.
+
+Waiting order is FIFO by submission order, with backfilling: a request that does not fit yet may
+be overtaken by later, smaller ones — but once it has been overtaken ``aging_threshold`` times it
+blocks every later arrival until it is admitted, which bounds its wait.
+"""
+
+from __future__ import annotations
+
+from flashdec.scheduler.base import BaseScheduler
+from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
+from flashdec.scheduler.spec import RequestId
+
+
+def lifetime_headroom(snapshot: SchedulingSnapshot, reserve_blocks: int) -> int:
+    """Blocks a new request may commit to without endangering any active request.
+
+    Two views of the same quantity; the smaller wins, so blocks held by anything the snapshot does
+    not describe (visible only as fewer free blocks) are never promised twice:
+    pool − reserve − resident prefixes − Σ active lifetime private blocks, and
+    free − reserve − Σ active private blocks still to be taken.
+    """
+    by_pool = (
+        snapshot.total_blocks
+        - reserve_blocks
+        - snapshot.resident_prefix_blocks
+        - sum(r.lifetime_private_blocks for r in snapshot.active)
+    )
+    by_free = (
+        snapshot.free_blocks
+        - reserve_blocks
+        - sum(r.remaining_private_blocks for r in snapshot.active)
+    )
+    return min(by_pool, by_free)
+
+
+class BlockAwareScheduler(BaseScheduler):
+    """Lifetime-commitment admission with FIFO + aging (SPEC §6)."""
+
+    name = "lifetime"
+
+    def _admit(
+        self, snapshot: SchedulingSnapshot, candidates: tuple[WaitingRequest, ...]
+    ) -> tuple[RequestId, ...]:
+        config = self.config
+        headroom = lifetime_headroom(snapshot, config.reserve_blocks)
+        slots = config.max_active_requests - len(snapshot.active)
+        admit: list[RequestId] = []
+        for request in candidates:
+            if slots <= 0:
+                break
+            if request.lifetime_private_blocks <= headroom:
+                admit.append(request.request_id)
+                headroom -= request.lifetime_private_blocks
+                slots -= 1
+            elif config.aging_threshold is not None and (
+                request.skip_count >= config.aging_threshold
+            ):
+                # aged: nobody submitted after it may take the blocks it is waiting for
+                break
+        return tuple(admit)
