@@ -1,0 +1,100 @@
+"""Physical block allocator: a free list plus who owns each block. No policy at all.
+
+It knows nothing of requests, lengths or prefixes; an owner is any hashable tag the caller picks.
+Allocation is all-or-nothing and every call checks its arguments before it changes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+
+class BlockAllocator:
+    """Hands out ids in ``[0, num_blocks)``; each id is free or owned by exactly one tag."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._num_blocks = num_blocks
+        # a stack: the lowest ids come out first on a fresh pool, released ids are reused first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._owner: list[Hashable | None] = [None] * num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_blocks - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int, owner: Hashable) -> list[int]:
+        """Take ``n`` free blocks for ``owner``; RuntimeError (nothing taken) if fewer are free."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if owner is None:
+            raise ValueError("owner must not be None (None marks a free block)")
+        if n > len(self._free):
+            raise RuntimeError(
+                f"out of KV blocks: {n} requested, {len(self._free)} of {self._num_blocks} free"
+            )
+        taken = [self._free.pop() for _ in range(n)]
+        for block_id in taken:
+            self._owner[block_id] = owner
+        return taken
+
+    def release(self, block_ids: Iterable[int], owner: Hashable | None = None) -> None:
+        """Return blocks to the free list; all must be allocated (to ``owner`` when given)."""
+        ids = list(block_ids)
+        seen: set[int] = set()
+        for block_id in ids:
+            if isinstance(block_id, bool) or not isinstance(block_id, int):
+                raise TypeError(f"block ids must be ints, got {type(block_id).__name__}")
+            if not 0 <= block_id < self._num_blocks:
+                raise ValueError(f"block id {block_id} outside [0, {self._num_blocks})")
+            if block_id in seen:
+                raise ValueError(f"block id {block_id} listed twice in one release")
+            seen.add(block_id)
+            current = self._owner[block_id]
+            if current is None:
+                raise RuntimeError(f"block {block_id} is already free")
+            if owner is not None and current != owner:
+                raise RuntimeError(f"block {block_id} is owned by {current!r}, not by {owner!r}")
+        for block_id in ids:
+            self._owner[block_id] = None
+            self._free.append(block_id)
+
+    def owner_of(self, block_id: int) -> Hashable | None:
+        """The tag owning ``block_id``, or None when it is free."""
+        return self._owner[block_id]
+
+    def owned_blocks(self) -> dict[Hashable, list[int]]:
+        """Every owner with its blocks (ascending ids); O(num_blocks)."""
+        result: dict[Hashable, list[int]] = {}
+        for block_id, owner in enumerate(self._owner):
+            if owner is not None:
+                result.setdefault(owner, []).append(block_id)
+        return result
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless the free list and the owner table describe the same partition."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise RuntimeError("allocator free list holds a block twice")
+        for block_id, owner in enumerate(self._owner):
+            if (owner is None) != (block_id in free):
+                state = "free" if block_id in free else "not free"
+                raise RuntimeError(
+                    f"allocator block {block_id} is {state} but its owner is {owner!r}"
+                )
