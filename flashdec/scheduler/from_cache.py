@@ -91,7 +91,7 @@ def snapshot_from_cache(
     skips = _counters("waiting_skip_counts", waiting_skip_counts, waiting)
     service = _counters("active_service_wait_steps", active_service_wait_steps, active)
 
-    if cache.metrics().get("retained_transaction_state_count", 0):
+    if cache.open_transaction_id is not None:
         raise RuntimeError("cannot snapshot the cache while a token transaction is open")
     cache_active = set(cache.request_ids(RequestState.ACTIVE))
     if cache_active != set(active):

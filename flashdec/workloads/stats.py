@@ -1,0 +1,94 @@
+"""Summary statistics every workload reports: latency percentiles, Jain's fairness index, rates.
+
+Plain Python (no numpy): inputs are a few thousand numbers at most and results must be exact
+and identical on every machine for the same input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+
+def _finite_numbers(name: str, values: Iterable[float]) -> list[float]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be an iterable of numbers, got {type(values).__name__}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name}[{i}] must be a number, got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise ValueError(f"{name}[{i}] must be finite, got {v}")
+        out.append(float(v))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks."""
+    data = sorted(_finite_numbers("values", values))
+    if not data:
+        raise ValueError("percentile of an empty sequence is undefined")
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+        raise ValueError(f"q must be a number in [0, 100], got {q!r}")
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Latency summary in milliseconds; ``count`` samples (all zeros when there are none)."""
+
+    count: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    max_ms: float
+
+    @classmethod
+    def from_seconds(cls, seconds: Iterable[float]) -> LatencyStats:
+        data = _finite_numbers("seconds", seconds)
+        if any(s < 0 for s in data):
+            raise ValueError("latencies must be >= 0 seconds")
+        if not data:
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        ms = [s * 1e3 for s in data]
+        return cls(
+            count=len(ms),
+            p50_ms=percentile(ms, 50),
+            p90_ms=percentile(ms, 90),
+            p99_ms=percentile(ms, 99),
+            mean_ms=math.fsum(ms) / len(ms),
+            max_ms=max(ms),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def jain_index(values: Iterable[float]) -> float:
+    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all equal, 1/n when one gets everything.
+
+    Values must be >= 0. An empty input or all zeros counts as perfectly fair (1.0): nobody
+    received more than anybody else.
+    """
+    data = _finite_numbers("values", values)
+    if any(v < 0 for v in data):
+        raise ValueError("jain_index needs values >= 0")
+    square_sum = math.fsum(v * v for v in data)
+    if not data or square_sum == 0:
+        return 1.0
+    return math.fsum(data) ** 2 / (len(data) * square_sum)
+
+
+def safe_rate(amount: float, seconds: float) -> float:
+    """``amount / seconds``, 0.0 when no time elapsed (nothing was measured)."""
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def ratio(part: int, whole: int) -> float:
+    """``part / whole`` as a fraction; 1.0 for an empty whole (nothing was left undone)."""
+    return part / whole if whole else 1.0
