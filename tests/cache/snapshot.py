@@ -1,0 +1,81 @@
+"""Snapshot of everything observable about a PagedKVCache, to prove a rejected call changed
+nothing (metrics, version, every request and prefix, the open transaction, the K/V bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from flashdec.cache import PagedKVCache
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a float tensor so equality is bitwise (-0.0 != 0.0, NaN == NaN)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().cpu().contiguous().view(ints)
+
+
+def snapshot(cache: PagedKVCache) -> dict[str, Any]:
+    requests = {
+        rid: (
+            cache.request_state(rid),
+            cache.seq_len(rid),
+            cache.request_block_ids(rid),
+            cache.request_prefix(rid),
+        )
+        for rid in cache.request_ids()
+    }
+    prefixes = {pid: cache.prefix_state(pid) for pid in cache.prefix_ids()}
+    open_tx = cache._tx.open  # private peek: the layer progress is not public
+    tx = None
+    if open_tx is not None:
+        tx = (
+            open_tx.transaction_id,
+            open_tx.next_layer,
+            dict(open_tx.reserved),
+            open_tx.metadata.buffer.clone(),
+        )
+    return {
+        "version": cache.version,
+        "metrics": cache.metrics(),
+        "num_free_blocks": cache.num_free_blocks,
+        "requests": requests,
+        "prefixes": prefixes,
+        "open_transaction_id": cache.open_transaction_id,
+        "tx": tx,
+        "history": list(cache._tx.history),
+        "k": _bits(cache.k_cache).clone(),
+        "v": _bits(cache.v_cache).clone(),
+    }
+
+
+def assert_same_state(cache: PagedKVCache, before: dict[str, Any]) -> None:
+    after = snapshot(cache)
+    for key, old in before.items():
+        new = after[key]
+        if key in ("k", "v"):
+            assert torch.equal(old, new), f"{key}_cache bytes changed"
+        elif key == "tx":
+            assert (old is None) == (new is None), "open transaction appeared/disappeared"
+            if old is not None:
+                assert old[:3] == new[:3], f"open transaction changed: {old[:3]} -> {new[:3]}"
+                assert torch.equal(old[3], new[3]), "transaction metadata changed"
+        else:
+            assert old == new, f"{key} changed: {old!r} -> {new!r}"
+    cache.validate_invariants()
+
+
+def assert_rejected(
+    cache: PagedKVCache,
+    exc: type[BaseException],
+    match: str | None,
+    call: Callable[[], object],
+) -> None:
+    """``call`` raises ``exc`` (message matching ``match``) and the cache is left unchanged."""
+    before = snapshot(cache)
+    with pytest.raises(exc, match=match):
+        call()
+    assert_same_state(cache, before)
