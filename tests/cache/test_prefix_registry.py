@@ -66,7 +66,7 @@ def test_refcounts_and_evict_rules():
 
 
 def test_budget_evicts_least_recently_used_inactive_first():
-    alloc, reg = make(capacity=6)
+    _alloc, reg = make(capacity=6)
     reg.register("a", 2)
     reg.register("b", 2)
     reg.register("c", 2)
@@ -128,7 +128,7 @@ def test_register_rejections():
 
 
 def test_integrity_check_compares_refcounts_with_attachments():
-    alloc, reg = make()
+    _alloc, reg = make()
     reg.register("a", 1)
     reg.attach("a")
     reg.check_integrity({"a": 1})
