@@ -1,0 +1,24 @@
+"""Triton kernels: paged decode attention (split-KV) and (fused RoPE +) KV append."""
+
+from flashdec.kernels.append import (
+    fused_rope_kv_append,
+    kv_append,
+    launch_fused_rope_kv_append,
+    launch_kv_append,
+)
+from flashdec.kernels.decode import decode, launch_decode, paged_decode_attention
+from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, KernelConfig, plan_decode
+
+__all__ = [
+    "DecodePlan",
+    "DecodeWorkspace",
+    "KernelConfig",
+    "decode",
+    "fused_rope_kv_append",
+    "kv_append",
+    "launch_decode",
+    "launch_fused_rope_kv_append",
+    "launch_kv_append",
+    "paged_decode_attention",
+    "plan_decode",
+]

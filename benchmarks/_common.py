@@ -1,0 +1,188 @@
+"""Shared benchmark utilities: run metadata, timing, physical ceilings, Markdown/JSON/plot output.
+
+Every benchmark in this folder writes ``benchmarks/results/<name>.md`` + ``.json`` (+ ``.png``)
+naming the exact command, git commit, GPU and library versions, so a result can be traced back.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def git_commit() -> str:
+    """HEAD's hash, with ``-dirty`` when tracked files differ; ``FLASHDEC_COMMIT`` overrides
+    (the GPU machine receives a copy of the tree, sometimes without ``.git``)."""
+    if os.environ.get("FLASHDEC_COMMIT"):
+        return os.environ["FLASHDEC_COMMIT"]
+    head = _git("rev-parse", "--short=12", "HEAD")
+    if head == "unknown":
+        return head
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return head + ("-dirty" if dirty and dirty != "unknown" else "")
+
+
+def module_version(name: str) -> str | None:
+    try:
+        module = __import__(name)
+    except Exception:  # a peer that fails to import is reported as missing
+        return None
+    return getattr(module, "__version__", "unknown")
+
+
+def environment() -> dict[str, Any]:
+    """Who/what/where of a run: command, commit, GPU, versions, time."""
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {
+            "name": props.name,
+            "sm_count": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+        }
+    return {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(),
+        "date_utc": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": module_version("triton"),
+        "flashinfer": module_version("flashinfer"),
+    }
+
+
+def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median device time of ``fn`` in microseconds (``triton.testing.do_bench``; the L2 is
+    flushed before every timed call, so data is read from HBM as in a real decode step)."""
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_ceiling_tbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def read_ceiling_tbs(nbytes: int = 2 * 2**30) -> float:
+    """Read-only bandwidth in TB/s: a large float32 reduction (decode reads far more than it
+    writes, so it can exceed the copy figure slightly)."""
+    src = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")
+    us = bench_us(lambda: src.sum())
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += [
+        "| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def environment_markdown(env: dict[str, Any]) -> str:
+    gpu = env.get("gpu") or {}
+    return "\n".join(
+        [
+            f"- command: `{env['command']}`",
+            f"- commit: `{env['commit']}`, date (UTC): {env['date_utc']}",
+            f"- GPU: {gpu.get('name', 'none')} ({gpu.get('sm_count', '?')} SMs, "
+            f"{gpu.get('memory_gib', '?')} GiB, sm_{gpu.get('capability', '?')})",
+            f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}), "
+            f"triton {env['triton']}, flashinfer {env['flashinfer'] or 'not installed'}",
+        ]
+    )
+
+
+def write_results(
+    name: str, markdown: str, payload: dict[str, Any], out_dir: Path | None = None
+) -> tuple[Path, Path]:
+    """Write ``<name>.md`` and ``<name>.json`` under ``out_dir`` (default benchmarks/results)."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = out_dir / f"{name}.md", out_dir / f"{name}.json"
+    md_path.write_text(markdown.rstrip() + "\n")
+    json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return md_path, json_path
+
+
+def bar_plot(
+    path: Path,
+    labels: Sequence[str],
+    series: dict[str, Sequence[float | None]],
+    ylabel: str,
+    title: str,
+    hline: float | None = None,
+) -> Path | None:
+    """Grouped bar chart (matplotlib, Agg); returns None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    n = max(1, len(series))
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(labels) * n), 5))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(labels))]
+        ys = [v if v is not None else 0.0 for v in values]
+        ax.bar(xs, ys, width=width, label=name)
+    if hline is not None:
+        ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    import math
+
+    values = [v for v in values if v is not None and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))

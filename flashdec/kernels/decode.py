@@ -1,0 +1,513 @@
+"""Paged single-token decode attention in Triton, with split-KV and a log-sum-exp merge.
+
+One program handles one (request, KV head, split): the G = Hq / Hkv query heads that share the
+KV head are packed into one ``[BLOCK_G, D]`` tile (padded to >= 16 rows so ``tl.dot`` runs on
+tensor cores), and each loop iteration gathers ``BLOCK_N`` tokens — one or several pages —
+through the block table. The softmax is computed online in float32 in the log2 domain (log2(e)
+is folded into the scale so the kernel uses ``exp2``).
+
+- stage 1: per-split partial softmax. With a single split the program normalises and writes the
+  output directly; otherwise it writes its normalised partial output and log2-sum-exp.
+- stage 2: merge the splits of each (request, query head) by log-sum-exp.
+
+Each program derives its token range from the device-side ``seq_lens``, so a plan sized for a
+maximum length serves any shorter batch without a host sync (splits past a request's end write
+nothing and are skipped by the merge), and the last split also takes any tokens past the planned
+range, so longer requests stay correct. Limits: head_dim <= 256; any page size; strides honoured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdec._checks import (
+    check_paged_decode_inputs,
+    check_paged_decode_values,
+    check_positive_int,
+    check_tensor,
+    resolve_sm_scale,
+    same_device,
+)
+from flashdec.kernels._runtime import INTERPRET, check_kernel_device
+from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, plan_decode
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    tokens_per_split,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    stride_btb,
+    stride_btn,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # False: one split per request, output written directly
+    UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so compute in fp32
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    kv_head = pid_bh % NUM_KV_HEADS
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    if SPLIT:  # noqa: SIM108 (constexpr branch: no ternaries in kernels)
+        # the last split also covers tokens past the planned range (plan sized too small)
+        hi = tl.where(split == num_splits - 1, seq_len, hi)
+    else:
+        hi = seq_len
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    even_d: tl.constexpr = BLOCK_D == HEAD_DIM
+
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    table = block_tables_ptr + b * stride_btb
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
+        mask_n = offs_n < hi
+        # gather: logical page -> physical block id (int64: caches can exceed 2**31 elements)
+        block_ids = tl.load(table + (offs_n // PAGE_SIZE) * stride_btn, mask=mask_n, other=0)
+        block_ids = block_ids.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        if even_d:  # noqa: SIM108
+            kv_mask = mask_n[:, None]
+        else:
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_ptrs = (
+            k_base
+            + block_ids[:, None] * stride_kb
+            + in_page[:, None] * stride_kt
+            + offs_d[None, :] * stride_kd
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v_ptrs = (
+            v_base
+            + block_ids[:, None] * stride_vb
+            + in_page[:, None] * stride_vt
+            + offs_d[None, :] * stride_vd
+        )
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if not SPLIT:
+        # single pass: normalise and write the output; seq_len 0 leaves acc = 0 -> a zero row
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        # stage 1 of 2: this split's normalised output and log2-sum-exp; empty splits write nothing
+        has_tokens = lo < seq_len
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = m_i + tl.log2(l_safe)
+        po_ptrs = (
+            part_out_ptr
+            + b * stride_pob
+            + heads[:, None] * stride_poh
+            + split * stride_pos
+            + offs_d[None, :] * stride_pod
+        )
+        row_mask = mask_g & has_tokens
+        tl.store(po_ptrs, o, mask=row_mask[:, None] & mask_d[None, :])
+        pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
+        tl.store(pl_ptrs, lse, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    tokens_per_split,
+    num_splits,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # stage 2 of 2: out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M), M = max_s lse_s
+    pid = tl.program_id(0)
+    b = pid // NUM_Q_HEADS
+    h = pid % NUM_Q_HEADS
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_valid = tl.minimum(tl.cdiv(seq_len, tokens_per_split), num_splits)
+
+    offs_s0 = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse_base = part_lse_ptr + b * stride_plb + h * stride_plh
+    po_base = part_out_ptr + b * stride_pob + h * stride_poh
+
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + offs_s0
+        lse = tl.load(lse_base + offs_s * stride_pls, mask=offs_s < num_valid, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_all = tl.max(m, 0)
+
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + offs_s0
+        mask_s = offs_s < num_valid
+        lse = tl.load(lse_base + offs_s * stride_pls, mask=mask_s, other=float("-inf"))
+        w = tl.where(mask_s, tl.exp2(lse - m_all), 0.0)  # [BLOCK_S]
+        po_ptrs = po_base + offs_s[:, None] * stride_pos + offs_d[None, :] * stride_pod
+        o = tl.load(po_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        denom += w
+    total = tl.sum(denom, 0)
+    res = acc / tl.where(total > 0.0, total, 1.0)  # no valid split (seq_len 0) -> zeros
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _check_plan_matches(plan: DecodePlan, dims, q: torch.Tensor, kv_layout: str) -> None:
+    """Structural agreement between a workspace's plan and this call (no host sync)."""
+    expected = {
+        "num_q_heads": plan.num_q_heads,
+        "num_kv_heads": plan.num_kv_heads,
+        "head_dim": plan.head_dim,
+        "block_size": plan.block_size,
+    }
+    for name, value in expected.items():
+        if getattr(dims, name) != value:
+            raise ValueError(
+                f"workspace was planned for {name}={value}, but the inputs have "
+                f"{name}={getattr(dims, name)}"
+            )
+    if dims.batch > plan.batch:
+        raise ValueError(f"workspace was planned for batch <= {plan.batch}, got {dims.batch}")
+    if q.dtype != plan.dtype:
+        raise TypeError(f"workspace was planned for dtype {plan.dtype}, got {q.dtype}")
+    if kv_layout != plan.kv_layout:
+        raise ValueError(
+            f"workspace was planned for kv_layout {plan.kv_layout!r}, got {kv_layout!r}"
+        )
+    if not same_device(q.device, plan.device):
+        raise TypeError(f"workspace lives on {plan.device}, inputs on {q.device}")
+
+
+def _kv_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
+    """(block, head, token, dim) strides: dim-major is token-major with the last two swapped."""
+    sb, sh, s2, s3 = cache.stride()
+    return (sb, sh, s2, s3) if kv_layout == "token_major" else (sb, sh, s3, s2)
+
+
+def launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    plan: DecodePlan,
+    out: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    batch: int,
+) -> torch.Tensor:
+    """Trusted launcher: no checks, no allocation, no host sync (inputs already validated)."""
+    if batch == 0:
+        return out
+    kv_layout = plan.kv_layout
+    skb, skh, skt, skd = _kv_strides(k_cache, kv_layout)
+    svb, svh, svt, svd = _kv_strides(v_cache, kv_layout)
+    splits = plan.num_splits
+    upcast = INTERPRET and q.dtype == torch.bfloat16
+    precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+    if splits == 1:  # the partial buffers are not touched: pass out as a stand-in pointer
+        partial_out, partial_lse = out, out
+        po_strides = (0, 0, 0, 0)
+        pl_strides = (0, 0, 0)
+    else:
+        po_strides = partial_out.stride()
+        pl_strides = partial_lse.stride()
+    _decode_split_kernel[(batch * plan.num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_out,
+        partial_lse,
+        sm_scale * LOG2E,
+        plan.tokens_per_split,
+        splits,
+        *q.stride(),
+        skb,
+        skh,
+        skt,
+        skd,
+        svb,
+        svh,
+        svt,
+        svd,
+        *block_tables.stride(),
+        *out.stride(),
+        *po_strides,
+        *pl_strides,
+        NUM_KV_HEADS=plan.num_kv_heads,
+        GROUP=plan.group_size,
+        PAGE_SIZE=plan.block_size,
+        HEAD_DIM=plan.head_dim,
+        BLOCK_G=plan.block_g,
+        BLOCK_D=plan.block_d,
+        BLOCK_N=plan.block_n,
+        SPLIT=splits > 1,
+        UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch * plan.num_q_heads,)](
+            partial_out,
+            partial_lse,
+            seq_lens,
+            out,
+            plan.tokens_per_split,
+            splits,
+            *partial_out.stride(),
+            *partial_lse.stride(),
+            *out.stride(),
+            NUM_Q_HEADS=plan.num_q_heads,
+            HEAD_DIM=plan.head_dim,
+            BLOCK_D=plan.block_d,
+            BLOCK_S=plan.merge_block_s,
+            num_warps=4,
+        )
+    return out
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    block_size: int | None = None,
+    num_warps: int | None = None,
+    kv_layout: str = "token_major",
+    num_stages: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """Paged decode attention of ``q [B, Hq, D]`` over one layer's cache; returns ``[B, Hq, D]``.
+
+    Same semantics as :func:`flashdec.paged_decode_attention_ref`. ``block_size``, if given,
+    must equal the cache's page size. ``num_warps`` / ``num_stages`` override the tuned defaults.
+    With ``workspace`` (from :func:`plan_decode`) the call allocates nothing and never syncs with
+    the host: the split count is the plan's, and the output goes to ``out`` or ``workspace.out``.
+    Without it, the call reads the lengths back once to plan the split itself and validates the
+    block ids in use.
+    """
+    dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    check_kernel_device("q", q)
+    if block_size is not None:
+        check_positive_int("block_size", block_size)
+        if block_size != dims.block_size:
+            raise ValueError(
+                f"block_size={block_size} does not match the cache's page size {dims.block_size}"
+            )
+    if num_warps is not None:
+        check_positive_int("num_warps", num_warps)
+        if num_warps & (num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    if num_stages is not None:
+        check_positive_int("num_stages", num_stages)
+    if dims.head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {dims.head_dim}")
+    scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    if out is not None:
+        out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
+        if tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+
+    if dims.batch == 0 and workspace is None:
+        return torch.empty_like(q) if out is None else out
+    if workspace is not None:
+        if not isinstance(workspace, DecodeWorkspace):
+            raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
+        plan = workspace.plan
+        _check_plan_matches(plan, dims, q, kv_layout)
+        if out is None:
+            out = workspace.out if dims.batch == plan.batch else workspace.out[: dims.batch]
+        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+    else:
+        check_paged_decode_values(block_tables, seq_lens, dims)
+        lens = seq_lens.to("cpu", torch.int64)
+        max_len = int(lens.max()) if dims.batch else 0
+        total = int(lens.sum()) if dims.batch else 0
+        plan = _cached_plan(
+            dims.batch,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+            dims.block_size,
+            _bucket(max_len),
+            _bucket(total),
+            q.dtype,
+            q.device,
+            kv_layout,
+        )
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if plan.uses_split:
+            shape = (dims.batch, dims.num_q_heads, plan.num_splits)
+            partial_out = torch.empty(*shape, dims.head_dim, dtype=torch.float32, device=q.device)
+            partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        else:
+            partial_out = partial_lse = out
+    if num_warps is not None or num_stages is not None:
+        plan = dataclasses.replace(
+            plan,
+            num_warps=plan.num_warps if num_warps is None else num_warps,
+            num_stages=plan.num_stages if num_stages is None else num_stages,
+        )
+    return launch_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        plan,
+        out,
+        partial_out,
+        partial_lse,
+        dims.batch,
+    )
+
+
+def _bucket(n: int) -> int:
+    """Round up to a few significant bits so that plans are reused across nearby lengths."""
+    if n <= 64:
+        return n
+    shift = n.bit_length() - 4
+    return ((n + (1 << shift) - 1) >> shift) << shift
+
+
+_PLAN_CACHE: dict[tuple, DecodePlan] = {}
+
+
+def _cached_plan(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_len: int,
+    total: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_layout: str,
+) -> DecodePlan:
+    key = (batch, num_q_heads, num_kv_heads, head_dim, block_size, max_len, total, dtype)
+    key += (str(device), kv_layout)
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        if len(_PLAN_CACHE) > 4096:
+            _PLAN_CACHE.clear()
+        plan = plan_decode(
+            batch,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            max_len,
+            dtype,
+            device,
+            kv_layout,
+            max_blocks_per_seq=max(1, math.ceil(max_len / block_size)),
+            total_tokens=total,
+        )
+        _PLAN_CACHE[key] = plan
+    return plan
+
+
+paged_decode_attention = decode

@@ -1,0 +1,279 @@
+"""Launch planning for the paged decode kernel: split-KV heuristic, tile table, workspace.
+
+A :class:`DecodePlan` is computed once per batch layout (like FlashInfer's ``plan()``) and fixes
+everything the launch needs: tile sizes, warps, pipeline depth and — the part that matters most
+for speed — how many splits each request's KV is cut into. A :class:`DecodeWorkspace` holds the
+fixed-address buffers one plan needs, so a ``decode`` call with it allocates nothing and never
+synchronises with the host (CUDA-graph capturable).
+
+Split-KV heuristic: the work is counted in token-heads (tokens x KV heads) over the whole batch
+and cut into pieces of a fixed number of tokens, sized so that about ``programs_per_sm`` programs
+land on every SM. A long request therefore gets many splits and a short one few, which keeps a
+skewed batch (one long request among many short ones) as balanced as a uniform one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashdec._checks import FLOAT_DTYPES, check_kv_layout, check_positive_int
+from flashdec.kernels._runtime import next_power_of_2, sm_count
+
+# Programs per SM the split heuristic aims for (several resident programs hide load latency).
+DEFAULT_PROGRAMS_PER_SM = 4
+# A split shorter than this costs more in set-up and merge traffic than it gains in parallelism.
+DEFAULT_MIN_TOKENS_PER_SPLIT = 256
+# Upper bound on splits per request (keeps the merge loop and the workspace small).
+MAX_SPLITS = 1024
+# Splits merged per loop step of the log-sum-exp merge kernel.
+MERGE_BLOCK_S = 16
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch options of the split kernel."""
+
+    block_n: int  # tokens per loop iteration (gathered from one or several pages)
+    num_warps: int
+    num_stages: int
+
+
+def default_kernel_config(head_dim: int, group_size: int, dtype: torch.dtype) -> KernelConfig:
+    """The tuned defaults per (head_dim, query heads per KV head, dtype).
+
+    Chosen from H200 measurements (benchmarks/results/decode.md): about 16-32 KiB of K per loop
+    iteration, three pipeline stages, more warps when the packed query tile is tall.
+    """
+    block_d = max(16, next_power_of_2(head_dim))
+    block_g = max(16, next_power_of_2(group_size))
+    elem = torch.empty((), dtype=dtype).element_size()
+    if block_d <= 64:
+        block_n = 128
+    elif block_d <= 128:
+        block_n = 64
+    else:
+        block_n = 32
+    if elem == 4:  # fp32 (tests): half the tokens for the same bytes
+        block_n = max(16, block_n // 2)
+    num_warps = 8 if block_g >= 64 or block_d >= 256 else 4
+    num_stages = 3
+    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch configuration of one paged decode batch layout (see :func:`plan_decode`)."""
+
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # the cache's page size
+    max_seq_len: int  # the longest request the plan was sized for (longer ones stay correct)
+    max_blocks_per_seq: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_layout: str
+    num_splits: int  # splits per request; 1 = single pass, no merge kernel
+    tokens_per_split: int  # a multiple of block_n; the last split also takes any excess
+    block_g: int  # packed query rows per program (>= 16 so tl.dot uses tensor cores)
+    block_d: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    merge_block_s: int
+    sm_count: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def uses_split(self) -> bool:
+        return self.num_splits > 1
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Stage-1 grid: one program per (request, KV head) x split."""
+        return (self.batch * self.num_kv_heads, self.num_splits)
+
+    @property
+    def merge_grid(self) -> tuple[int]:
+        return (self.batch * self.num_q_heads,)
+
+    def allocate_workspace(self) -> DecodeWorkspace:
+        return DecodeWorkspace.allocate(self)
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Fixed-address buffers for ``decode(..., workspace=ws)``: no allocation, no host sync.
+
+    ``partial_out [B, Hq, num_splits, D]`` float32 holds each split's normalised output and
+    ``partial_lse [B, Hq, num_splits]`` float32 its log2-sum-exp; ``out [B, Hq, D]`` is the
+    default output. One workspace can serve every layer of a step (calls are stream-ordered).
+    """
+
+    plan: DecodePlan
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def allocate(cls, plan: DecodePlan) -> DecodeWorkspace:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan, got {type(plan).__name__}")
+        b, hq, d, s = plan.batch, plan.num_q_heads, plan.head_dim, plan.num_splits
+        return cls(
+            plan=plan,
+            partial_out=torch.empty(b, hq, s, d, dtype=torch.float32, device=plan.device),
+            partial_lse=torch.empty(b, hq, s, dtype=torch.float32, device=plan.device),
+            out=torch.empty(b, hq, d, dtype=plan.dtype, device=plan.device),
+        )
+
+
+def choose_tokens_per_split(
+    total_tokens: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    block_n: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
+    min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)`` for a batch holding ``total_tokens`` tokens.
+
+    Work is measured over the whole batch so every split carries about the same number of
+    tokens whatever the mix of lengths.
+    """
+    max_seq_len = max(1, max_seq_len)
+    target_programs = max(1, num_sms * programs_per_sm)
+    per_split = math.ceil(max(1, total_tokens) * num_kv_heads / target_programs)
+    per_split = max(per_split, min_tokens_per_split, math.ceil(max_seq_len / MAX_SPLITS))
+    per_split = math.ceil(per_split / block_n) * block_n
+    if per_split >= max_seq_len:
+        return 1, math.ceil(max_seq_len / block_n) * block_n
+    return math.ceil(max_seq_len / per_split), per_split
+
+
+def plan_decode(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_layout: str = "token_major",
+    max_blocks_per_seq: int | None = None,
+    *,
+    total_tokens: int | None = None,
+    num_splits: int | None = None,
+    tokens_per_split: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
+    min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+) -> DecodePlan:
+    """Compute the launch configuration for one batch layout.
+
+    ``max_seq_len`` bounds the lengths the plan is sized for (e.g. ``max_blocks_per_seq *
+    block_size`` for a CUDA graph); longer requests are still computed correctly, by their last
+    split. ``total_tokens`` (sum of the batch's lengths, default ``batch * max_seq_len``) feeds the
+    split heuristic. ``num_splits`` / ``tokens_per_split`` force the split (tests, tuning);
+    ``block_n`` / ``num_warps`` / ``num_stages`` override the tile table.
+    """
+    for name, value in (
+        ("batch", batch),
+        ("num_q_heads", num_q_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+    ):
+        check_positive_int(name, value)
+    check_positive_int("max_seq_len", max_seq_len, minimum=0)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    check_kv_layout(kv_layout)
+    device = torch.device(device)
+    if max_blocks_per_seq is None:
+        max_blocks_per_seq = max(1, math.ceil(max_seq_len / block_size))
+    check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
+    group = num_q_heads // num_kv_heads
+
+    config = default_kernel_config(head_dim, group, dtype)
+    if block_n is not None:
+        check_positive_int("block_n", block_n, minimum=16)
+        if block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        config = dataclasses.replace(config, block_n=block_n)
+    if num_warps is not None:
+        check_positive_int("num_warps", num_warps)
+        config = dataclasses.replace(config, num_warps=num_warps)
+    if num_stages is not None:
+        check_positive_int("num_stages", num_stages)
+        config = dataclasses.replace(config, num_stages=num_stages)
+    bn = config.block_n
+
+    num_sms = sm_count(device)
+    if tokens_per_split is not None:
+        check_positive_int("tokens_per_split", tokens_per_split)
+        if tokens_per_split % bn:
+            raise ValueError(f"tokens_per_split must be a multiple of block_n={bn}")
+        splits = max(1, math.ceil(max_seq_len / tokens_per_split))
+        if num_splits is not None:
+            check_positive_int("num_splits", num_splits)
+            splits = num_splits
+        per_split = tokens_per_split
+    elif num_splits is not None:
+        check_positive_int("num_splits", num_splits)
+        splits = num_splits
+        per_split = max(bn, math.ceil(math.ceil(max(1, max_seq_len) / splits) / bn) * bn)
+    else:
+        total = batch * max_seq_len if total_tokens is None else total_tokens
+        splits, per_split = choose_tokens_per_split(
+            total,
+            max_seq_len,
+            num_kv_heads,
+            bn,
+            num_sms,
+            programs_per_sm=programs_per_sm,
+            min_tokens_per_split=min_tokens_per_split,
+        )
+    if splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
+
+    return DecodePlan(
+        batch=batch,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_seq_len=max_seq_len,
+        max_blocks_per_seq=max_blocks_per_seq,
+        dtype=dtype,
+        device=device,
+        kv_layout=kv_layout,
+        num_splits=splits,
+        tokens_per_split=per_split,
+        block_g=max(16, next_power_of_2(group)),
+        block_d=max(16, next_power_of_2(head_dim)),
+        block_n=bn,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        merge_block_s=MERGE_BLOCK_S,
+        sm_count=num_sms,
+    )

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU check for the kernels: GPU tests, then benchmarks; prints a short summary last.
+# Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
+#
+#   GPU_CHECK_PHASES="tests sweep decode append" bash scripts/gpu_check.sh
+#   extra arguments per phase: SWEEP_ARGS, PPS_ARGS, DECODE_ARGS, APPEND_ARGS
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashdec_gpu}
+mkdir -p "$OUT"
+PHASES=${GPU_CHECK_PHASES:-tests decode append}
+export PYTHONUNBUFFERED=1
+LOG="$OUT/log.txt"
+: >"$LOG"
+
+# FlashInfer wheels (peer for the benchmarks), when carried in .whl/
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv 2>&1 | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  2>&1 | tee -a "$LOG"
+
+status=0
+for phase in $PHASES; do
+  start=$(date +%s)
+  echo "=== phase $phase ===" | tee -a "$LOG"
+  case $phase in
+    tests)
+      python3 -m pytest -m gpu tests/kernels -x -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    quicktests)
+      python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
+        | tail -5 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    sweep)
+      python3 benchmarks/bench_decode.py --sweep --out-dir "$OUT" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    pps)
+      python3 benchmarks/bench_decode.py --sweep --name decode_pps --out-dir "$OUT" \
+        ${PPS_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    decode)
+      python3 benchmarks/bench_decode.py --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    append)
+      python3 benchmarks/bench_append.py --out-dir "$OUT" ${APPEND_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    *) echo "unknown phase $phase"; rc=2 ;;
+  esac
+  echo "=== phase $phase: rc=$rc, $(( $(date +%s) - start )) s ===" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && status=$rc
+done
+
+echo "=== summary ==="
+grep -h "=== phase .*rc=" "$LOG"
+[ -f "$OUT/decode.md" ] && sed -n '/^## Summary/,/^## All shapes/p' "$OUT/decode.md"
+[ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
+exit $status

@@ -1,0 +1,108 @@
+"""The launch plan: split heuristic, overrides, workspace buffers (no kernel launches)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashdec.kernels import DecodePlan, DecodeWorkspace, plan_decode
+from flashdec.kernels.decode_plan import MAX_SPLITS, choose_tokens_per_split
+
+
+def _plan(batch, max_len, hkv=8, hq=32, d=128, page=16, **kw) -> DecodePlan:
+    return plan_decode(batch, hq, hkv, d, page, max_len, torch.bfloat16, "cpu", **kw)
+
+
+def test_small_batch_long_context_fills_the_gpu():
+    plan = _plan(1, 32768)
+    assert plan.uses_split
+    programs = plan.grid[0] * plan.grid[1]
+    assert programs >= plan.sm_count  # at least one wave
+    assert plan.tokens_per_split % plan.block_n == 0
+    assert plan.num_splits * plan.tokens_per_split >= 32768
+
+
+def test_large_batch_needs_no_split():
+    assert not _plan(512, 256).uses_split
+    assert not _plan(64, 2048).uses_split
+
+
+def test_skewed_batch_is_cut_by_tokens_not_by_request():
+    lens = [32768] + [1024] * 63
+    plan = _plan(64, max(lens), total_tokens=sum(lens))
+    per_request = [math.ceil(n / plan.tokens_per_split) for n in lens]
+    work = [min(n, plan.tokens_per_split) for n in lens]
+    assert per_request[0] > 8  # the long request is spread over many programs
+    assert max(work) <= 2 * min(work)  # and no program carries much more than another
+    uniform = _plan(64, sum(lens) // 64, total_tokens=sum(lens))
+    assert uniform.tokens_per_split >= plan.tokens_per_split // 2
+
+
+def test_forced_splits_and_overrides():
+    plan = _plan(2, 1000, num_splits=3, block_n=32, num_warps=8, num_stages=2)
+    assert (plan.num_splits, plan.block_n, plan.num_warps, plan.num_stages) == (3, 32, 8, 2)
+    assert plan.tokens_per_split == 352  # ceil(1000 / 3) rounded up to block_n
+    plan = _plan(2, 1000, tokens_per_split=128, block_n=64)
+    assert (plan.num_splits, plan.tokens_per_split) == (8, 128)
+    assert _plan(2, 1000, num_splits=1).num_splits == 1
+
+
+def test_tiles_pad_the_query_group_to_tensor_core_rows():
+    assert _plan(4, 100, hkv=32).block_g == 16  # MHA: 1 row padded to 16
+    assert _plan(4, 100, hkv=1).block_g == 32  # MQA: 32 query heads in one tile
+    assert _plan(4, 100, hq=24, hkv=8, d=80).block_d == 128
+
+
+def test_plan_is_frozen_and_workspace_shapes():
+    plan = _plan(3, 4096)
+    with pytest.raises(AttributeError):
+        plan.num_splits = 2  # type: ignore[misc]
+    ws = DecodeWorkspace.allocate(plan)
+    assert ws.partial_out.shape == (3, 32, plan.num_splits, 128)
+    assert ws.partial_out.dtype == torch.float32
+    assert ws.partial_lse.shape == (3, 32, plan.num_splits)
+    assert ws.out.shape == (3, 32, 128) and ws.out.dtype == torch.bfloat16
+    assert plan.allocate_workspace().plan is plan
+
+
+def test_choose_tokens_per_split_bounds():
+    splits, per = choose_tokens_per_split(10**7, 10**7, 8, 64, 132)
+    assert splits <= MAX_SPLITS and per % 64 == 0 and splits * per >= 10**7
+    assert choose_tokens_per_split(0, 0, 8, 64, 132)[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"batch": 0}, ValueError),
+        ({"num_q_heads": 6, "num_kv_heads": 4}, ValueError),
+        ({"head_dim": 512}, ValueError),
+        ({"dtype": torch.int32}, TypeError),
+        ({"kv_layout": "NHD"}, ValueError),
+        ({"block_n": 48}, ValueError),
+        ({"tokens_per_split": 100}, ValueError),
+        ({"num_splits": MAX_SPLITS + 1}, ValueError),
+        ({"batch": 2.0}, TypeError),
+    ],
+)
+def test_plan_rejects_bad_arguments(kwargs, error):
+    args = {
+        "batch": 2,
+        "num_q_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "block_size": 16,
+        "max_seq_len": 100,
+        "dtype": torch.float16,
+        "device": "cpu",
+    }
+    args.update(kwargs)
+    with pytest.raises(error):
+        plan_decode(**args)
+
+
+def test_workspace_allocate_needs_a_plan():
+    with pytest.raises(TypeError):
+        DecodeWorkspace.allocate("plan")  # type: ignore[arg-type]
