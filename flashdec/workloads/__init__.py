@@ -1,0 +1,39 @@
+"""Workloads that exercise the whole runtime and report step latency, fairness and memory."""
+
+from flashdec.workloads.engine_workload import (
+    IntegratedWorkloadConfig,
+    IntegratedWorkloadResult,
+    StepRecord,
+    SyntheticWorkloadConfig,
+    WorkloadResult,
+    run_integrated_workload,
+    run_synthetic_workload,
+)
+from flashdec.workloads.report import registry, result_to_json
+from flashdec.workloads.scheduler_workload import (
+    PolicyRunResult,
+    SchedulerWorkloadResult,
+    WorkloadTrace,
+    build_trace,
+    run_scheduler_workload,
+)
+from flashdec.workloads.stats import LatencyStats, jain_index
+
+__all__ = [
+    "IntegratedWorkloadConfig",
+    "IntegratedWorkloadResult",
+    "LatencyStats",
+    "PolicyRunResult",
+    "SchedulerWorkloadResult",
+    "StepRecord",
+    "SyntheticWorkloadConfig",
+    "WorkloadResult",
+    "WorkloadTrace",
+    "build_trace",
+    "jain_index",
+    "registry",
+    "result_to_json",
+    "run_integrated_workload",
+    "run_scheduler_workload",
+    "run_synthetic_workload",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from flashdec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""Where FlashDec runs: device discovery and whether Triton runs natively or interpreted.
+
+``TRITON_INTERPRET`` must be decided before Triton is first imported; entry points (the CLI,
+tests/conftest.py) call :func:`prepare_triton` early. Library code never sets it on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+def triton_mode() -> str:
+    """``native`` on a CUDA device, ``interpreted`` under TRITON_INTERPRET, else ``unavailable``."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "interpreted"
+    if torch.cuda.is_available():
+        return "native"
+    return "unavailable"
+
+
+def prepare_triton() -> str:
+    """Turn on Triton's interpreter when there is no GPU (before Triton is imported)."""
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return triton_mode()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class EnvironmentReport:
+    python: str
+    platform: str
+    flashdec: str
+    torch: str
+    triton: str | None
+    numpy: str | None
+    transformers: str | None
+    cuda_available: bool
+    gpu_name: str | None
+    gpu_sm_count: int | None
+    gpu_memory_gib: float | None
+    triton_mode: str
+
+    def rows(self) -> list[tuple[str, str]]:
+        def show(value) -> str:
+            return "—" if value is None else str(value)
+
+        return [
+            ("python", self.python),
+            ("platform", self.platform),
+            ("flashdec", self.flashdec),
+            ("torch", self.torch),
+            ("triton", show(self.triton)),
+            ("numpy", show(self.numpy)),
+            ("transformers", show(self.transformers)),
+            ("CUDA available", "yes" if self.cuda_available else "no"),
+            ("GPU", show(self.gpu_name)),
+            ("SMs", show(self.gpu_sm_count)),
+            ("GPU memory (GiB)", show(self.gpu_memory_gib)),
+            ("Triton kernels", self.triton_mode),
+        ]
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+def environment_report() -> EnvironmentReport:
+    from flashdec import __version__
+
+    cuda = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if cuda else None
+    return EnvironmentReport(
+        python=platform.python_version(),
+        platform=f"{platform.system()} {platform.machine()}",
+        flashdec=__version__,
+        torch=torch.__version__,
+        triton=_version("triton"),
+        numpy=_version("numpy"),
+        transformers=_version("transformers"),
+        cuda_available=cuda,
+        gpu_name=props.name if props else None,
+        gpu_sm_count=props.multi_processor_count if props else None,
+        gpu_memory_gib=round(props.total_memory / 2**30, 1) if props else None,
+        triton_mode=triton_mode(),
+    )
