@@ -423,10 +423,13 @@ class _Run:
         self.max_service_wait = max(
             [self.max_service_wait, *(n for _, n in self.counters.active_service_wait_steps)]
         )
+        self._record_trajectory(len(served))
+        return bool(decision.admit or decision.reject or served or victims)
+
+    def _record_trajectory(self, batch_size: int) -> None:
         self.traj_active.append(len(self.active))
         self.traj_free.append(self.cache.num_free_blocks)
-        self.traj_batch.append(len(served))
-        return bool(decision.admit or decision.reject or served or victims)
+        self.traj_batch.append(batch_size)
 
     def run(self, patience: int, max_steps: int, check_invariants: bool) -> PolicyRunResult:
         idle = 0
@@ -437,7 +440,8 @@ class _Run:
             if not self.waiting and not self.active:
                 if not self.pending:
                     break
-                step += 1  # nothing to do until the next arrival
+                self._record_trajectory(0)  # nothing to do until the next arrival
+                step += 1
                 continue
             changed = self.step(step)
             if check_invariants:
