@@ -11,6 +11,8 @@ a few seconds. Writes ``benchmarks/results/scheduler_matrix.{md,json,png}``.
 from __future__ import annotations
 
 import argparse
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,21 @@ def plot(path: Path, results: list[tuple[str, SchedulerWorkloadResult]]) -> Path
     return path
 
 
+def dirty_files() -> list[str]:
+    """Tracked files that differ from the commit at run time (why a commit reads ``-dirty``)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def describe_traces(seed: int) -> str:
     lines = []
     for name in ("boundary", "aging", "prefix", "mixed"):
@@ -176,6 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     env = environment()
+    reproduce = " ".join(
+        ["PYTHONPATH=. .venv/bin/python benchmarks/run_scheduler_matrix.py"]
+        + [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]
+    )
+    dirty = dirty_files()
+    env = {**env, "exact_command": reproduce, "modified_tracked_files": dirty}
     results: list[tuple[str, SchedulerWorkloadResult]] = []
     rows = []
     for label, trace, overrides in SCENARIOS:
@@ -189,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         "# Scheduler matrix: lifetime vs cancel vs greedy",
         "",
         environment_markdown(env),
+        f"- exact command: `{reproduce}`",
+        f"- tracked files modified at run time: {', '.join(dirty) or 'none'}",
         "- device: CPU (a real `PagedKVCache`: 1 layer, 1 KV head, head_dim 4, fp32, torch append)",
         "",
         "Every policy shares the rejection rule (a request that cannot fit an empty pool, or whose",
