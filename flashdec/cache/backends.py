@@ -8,6 +8,7 @@ The cache calls the *trusted* launchers: it validated its own reservation, so no
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -40,7 +41,7 @@ def torch_scatter(
 def load_launcher(backend: str) -> Callable[..., object]:
     """The trusted Triton launcher for ``backend`` ("triton" or "fused"), imported on demand."""
     try:
-        from flashdec.kernels import append as kernels
+        kernels = importlib.import_module("flashdec.kernels.append")
     except ImportError as err:
         raise RuntimeError(
             f"append_backend={backend!r} needs flashdec.kernels.append, which cannot be "
