@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "CancelScheduler": "flashdec.scheduler",
     # engine
     "DecodeEngine": "flashdec.engine",
+    "EngineRequestState": "flashdec.engine",
     "StepResult": "flashdec.engine",
     # workloads
     "run_synthetic_workload": "flashdec.workloads",
