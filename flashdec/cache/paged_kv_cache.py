@@ -132,6 +132,15 @@ class PagedKVCache:
         self._version = 0
         self._launchers: dict[str, Any] = {}
 
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
+            f"head_dim={self._head_dim}, block_size={self._block_size}, "
+            f"max_blocks={self._max_blocks}, dtype={self._dtype}, device={self._device}, "
+            f"free={self._allocator.num_free}, requests={len(self._requests)}, "
+            f"prefixes={len(self._prefixes)}, version={self._version})"
+        )
+
     # ---- geometry and simple queries -----------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -438,10 +447,15 @@ class PagedKVCache:
         records = self._active_records(rids, "append to")
         self._tx.ensure_none_open("append")
         slots = self._plan_slots(records)
-        launcher = self._launcher(backend) if backend != "torch" else None
+        if backend != "torch":
+            self._launcher(backend)  # import failures surface before anything is taken
         taken, meta = self._take_slots(slots)
         try:
-            q_rot = self._write(0, meta, q, k, v, rotary_dim, base, backend, launcher, rope)
+            q_rot = None
+            if rope:
+                q_rot = self._write_rope(0, meta, q, k, v, rotary_dim, base, backend)
+            else:
+                self._write_plain(0, meta, k, v, backend)
         except BaseException:
             self._release_taken(taken)
             raise
@@ -449,43 +463,38 @@ class PagedKVCache:
         self._version += 1
         return q_rot, meta
 
-    def _write(
-        self,
-        layer: int,
-        meta: TransactionMetadata,
-        q: Any,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rotary_dim: int | None,
-        base: float,
-        backend: str,
-        launcher: Any,
-        rope: bool,
-    ) -> torch.Tensor | None:
-        """Launch the write of one layer; no host sync on any backend."""
+    def _write_plain(
+        self, layer: int, meta: TransactionMetadata, k: torch.Tensor, v: torch.Tensor, backend: str
+    ) -> None:
+        """Scatter one layer's k, v into the reserved slots (no host sync on either backend)."""
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
-        if rope and backend == "fused":
-            return launcher(
-                q,
-                k,
-                v,
-                k_layer,
-                v_layer,
-                meta.block_ids,
-                meta.offsets,
-                meta.positions,
-                rotary_dim,
-                base,
-                None,
-            )
-        q_rot = None
-        if rope:
-            q_rot = apply_rope(q, meta.positions, rotary_dim, base)
-            k = apply_rope(k, meta.positions, rotary_dim, base)
         if backend == "torch":
             torch_scatter(k_layer, v_layer, k, v, meta.block_ids, meta.offsets)
         else:
-            launcher(k_layer, v_layer, k, v, meta.block_ids, meta.offsets)
+            self._launcher(backend)(k_layer, v_layer, k, v, meta.block_ids, meta.offsets)
+
+    def _write_rope(
+        self,
+        layer: int,
+        meta: TransactionMetadata,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_dim: int,
+        base: float,
+        backend: str,
+    ) -> torch.Tensor:
+        """Rotate q and k at the reserved positions, store rotated k and v; returns rotated q."""
+        if backend == "fused":
+            k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
+            launch = self._launcher("fused")
+            return launch(
+                q, k, v, k_layer, v_layer, meta.block_ids, meta.offsets, meta.positions,
+                rotary_dim, base, None,
+            )  # fmt: skip
+        q_rot = apply_rope(q, meta.positions, rotary_dim, base)
+        k_rot = apply_rope(k, meta.positions, rotary_dim, base)
+        self._write_plain(layer, meta, k_rot, v, backend)
         return q_rot
 
     # ---- multi-layer token transactions ----------------------------------------------------
@@ -535,8 +544,7 @@ class PagedKVCache:
         batch = len(open_tx.request_ids)
         k = self._check_token_kv("k", k, batch)
         v = self._check_token_kv("v", v, batch)
-        launcher = self._launcher(backend) if backend != "torch" else None
-        self._write(layer, open_tx.metadata, None, k, v, None, 0.0, backend, launcher, False)
+        self._write_plain(layer, open_tx.metadata, k, v, backend)
         open_tx.next_layer += 1
 
     def write_token_layer_rope(
@@ -561,10 +569,7 @@ class PagedKVCache:
         v = self._check_token_kv("v", v, batch)
         rotary_dim = check_rotary_dim(rotary_dim, self._head_dim)
         base = _check_base(base)
-        launcher = self._launcher(backend) if backend != "torch" else None
-        q_rot = self._write(
-            layer, open_tx.metadata, q, k, v, rotary_dim, base, backend, launcher, True
-        )
+        q_rot = self._write_rope(layer, open_tx.metadata, q, k, v, rotary_dim, base, backend)
         open_tx.next_layer += 1
         return q_rot
 
