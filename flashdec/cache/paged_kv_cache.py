@@ -381,15 +381,18 @@ class PagedKVCache:
                     (taken[rec.request_id],) = self._allocator.allocate(
                         1, request_owner(rec.request_id)
                     )
-            tables = np.stack([rec.table for rec in slots.records])
-            block_ids = []
-            for row, (rec, pos) in enumerate(zip(slots.records, slots.positions, strict=True)):
-                logical = pos // self._block_size
-                if rec.request_id in taken:
-                    tables[row, logical] = taken[rec.request_id]
-                block_ids.append(int(tables[row, logical]))
+            block_ids = [
+                taken[rec.request_id] if needs else int(rec.table[pos // self._block_size])
+                for rec, pos, needs in zip(
+                    slots.records, slots.positions, slots.needs_block, strict=True
+                )
+            ]
             meta = TransactionMetadata.upload(
-                slots.positions, block_ids, tables, self._block_size, self._device
+                slots.positions,
+                block_ids,
+                [rec.table for rec in slots.records],
+                self._block_size,
+                self._device,
             )
         except BaseException:
             self._release_taken(taken)

@@ -13,6 +13,7 @@ in a bounded deque, to tell "already committed" from "unknown" for recent handle
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -88,22 +89,29 @@ class TransactionMetadata:
         cls,
         positions: list[int],
         block_ids: list[int],
-        tables: np.ndarray,
+        tables: Sequence[np.ndarray],
         block_size: int,
         device: torch.device,
     ) -> TransactionMetadata:
-        """Pack on the host and copy to ``device`` in one transfer (pinned + async on CUDA)."""
-        batch, width = tables.shape
+        """Pack on the host and copy to ``device`` in one transfer (pinned + async on CUDA).
+
+        ``tables`` are the requests' committed table rows; each new token's block id is written
+        at its logical index, so the uploaded tables already cover the reserved slot.
+        """
+        batch, width = len(tables), tables[0].shape[0]
         pinned = device.type == "cuda"
         host = torch.empty(5 * batch + batch * width, dtype=torch.int32, pin_memory=pinned)
         arr = host.numpy()
         pos = np.asarray(positions, dtype=np.int32)
+        ids = np.asarray(block_ids, dtype=np.int32)
         arr[0:batch] = pos
-        arr[batch : 2 * batch] = block_ids
+        arr[batch : 2 * batch] = ids
         arr[2 * batch : 3 * batch] = pos % block_size
         arr[3 * batch : 4 * batch] = pos
         arr[4 * batch : 5 * batch] = pos + 1
-        arr[5 * batch :] = tables.reshape(-1)
+        table_rows = arr[5 * batch :].reshape(batch, width)
+        np.stack(tables, out=table_rows)  # rows copied straight into the upload buffer
+        table_rows[np.arange(batch), pos // block_size] = ids
         buffer = host.to(device, non_blocking=True) if pinned else host
         return cls(buffer, batch, width)
 
