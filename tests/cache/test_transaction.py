@@ -142,10 +142,9 @@ def test_failing_write_leaves_transaction_open_and_abort_restores(cache, monkeyp
         assert_same_state(cache, mid)
         cache.abort_token(tx)
         after = snapshot(cache)
-        for key in ("requests", "num_free_blocks", "k", "v"):
-            assert (
-                torch.equal(before[key], after[key]) if key in "kv" else before[key] == after[key]
-            )
+        assert after["requests"] == before["requests"]
+        assert after["num_free_blocks"] == before["num_free_blocks"]
+        assert torch.equal(after["k"], before["k"]) and torch.equal(after["v"], before["v"])
 
 
 def test_view_is_detached(cache):
