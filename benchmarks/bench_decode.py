@@ -171,6 +171,28 @@ def parse_heads(spec: str) -> tuple[int, int, int]:
     return hq, hkv, d
 
 
+def cuda_graph_of(fn):
+    """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graph_or_error(fn, warmup, rep):
+    try:
+        graph = cuda_graph_of(fn)
+        return time_or_error(graph.replay, warmup, rep)
+    except Exception as exc:
+        torch.cuda.synchronize()
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
 def time_or_error(fn, warmup, rep):
     try:
         fn()
@@ -215,6 +237,9 @@ def run_matrix(args, flashinfer, fi_error, env, ceilings) -> list[dict]:
             }
             row["flashdec_us"], row["flashdec_error"] = time_or_error(api, args.warmup, args.rep)
             row["flashdec_launch_us"], _ = time_or_error(launch, args.warmup, args.rep)
+            row["flashdec_graph_us"], row["flashdec_graph_error"] = time_graph_or_error(
+                api, args.warmup, args.rep
+            )
             ref = None
             if flashinfer is not None:
                 for key, tc in (("fi_tc", True), ("fi_cc", False)):
@@ -224,6 +249,8 @@ def run_matrix(args, flashinfer, fi_error, env, ceilings) -> list[dict]:
                         row[f"{key}_us"], row[f"{key}_error"] = None, f"{type(exc).__name__}: {exc}"
                         continue
                     row[f"{key}_us"], row[f"{key}_error"] = time_or_error(fn, args.warmup, args.rep)
+                    if row[f"{key}_us"] is not None:
+                        row[f"{key}_graph_us"], _ = time_graph_or_error(fn, args.warmup, args.rep)
                     if ref is None and row[f"{key}_us"] is not None:
                         ref = fn().float()
             else:
@@ -245,13 +272,23 @@ def run_matrix(args, flashinfer, fi_error, env, ceilings) -> list[dict]:
             best = min([x for x in fis if x], default=None)
             row["ratio_vs_fi_tc"] = us / row["fi_tc_us"] if us and row.get("fi_tc_us") else None
             row["ratio_vs_best_fi"] = us / best if us and best else None
+            g_us, g_fi = row.get("flashdec_graph_us"), row.get("fi_tc_graph_us")
+            g_best = min([x for x in (g_fi, row.get("fi_cc_graph_us")) if x], default=None)
+            row["graph_ratio_vs_fi_tc"] = g_us / g_fi if g_us and g_fi else None
+            row["graph_ratio_vs_best_fi"] = g_us / g_best if g_us and g_best else None
+            if g_us:
+                row["graph_pct_copy"] = (
+                    100 * case.kv_bytes / (g_us * 1e-6) / 1e12 / ceilings["copy_tbs"]
+                )
             rows.append(row)
             print(
                 f"{dname} {head:>9} p{page:<3} {label:<24} {fmt(row['kv_mib'], 0):>6} MiB  "
                 f"FD {fmt(us):>7} us ({fmt(row.get('pct_copy'))}%)  "
                 f"launch {fmt(row['flashdec_launch_us'])}  FI-tc {fmt(row.get('fi_tc_us'))}  "
                 f"FI-cc {fmt(row.get('fi_cc_us'))}  SDPA {fmt(row.get('sdpa_us'))}  "
-                f"x{fmt(row['ratio_vs_best_fi'], 2)}  splits {plan.num_splits}",
+                f"x{fmt(row['ratio_vs_best_fi'], 2)}  splits {plan.num_splits}  | graph FD "
+                f"{fmt(row.get('flashdec_graph_us'))} ({fmt(row.get('graph_pct_copy'))}%) FI-tc "
+                f"{fmt(row.get('fi_tc_graph_us'))} x{fmt(row.get('graph_ratio_vs_fi_tc'), 2)}",
                 flush=True,
             )
             del case
@@ -260,64 +297,77 @@ def run_matrix(args, flashinfer, fi_error, env, ceilings) -> list[dict]:
     return rows
 
 
+MODES = [
+    # (name, FlashDec time, FlashInfer-tc time, ratio vs tc, ratio vs best FI, % of copy)
+    ("eager", "flashdec_us", "fi_tc_us", "ratio_vs_fi_tc", "ratio_vs_best_fi", "pct_copy"),
+    ("CUDA graph", "flashdec_graph_us", "fi_tc_graph_us", "graph_ratio_vs_fi_tc",
+     "graph_ratio_vs_best_fi", "graph_pct_copy"),
+]  # fmt: skip
+
+
 def summarize(rows: list[dict], ceilings: dict) -> list[str]:
     lines = []
     prim = [r for r in rows if r["dtype"] == "bf16" and r["heads"] == PRIMARY]
-    ratios = [r["ratio_vs_fi_tc"] for r in prim if r.get("ratio_vs_fi_tc")]
-    if ratios:
-        worst = max(prim, key=lambda r: r.get("ratio_vs_fi_tc") or 0)
-        lines.append(
-            f"- bf16 {PRIMARY} vs FlashInfer tensor-core: worst ratio {max(ratios):.3f} "
-            f"({worst['shape']}, page {worst['page']}), geometric mean {geomean(ratios):.3f} "
-            f"over {len(ratios)} shapes (target <= 1.00 each, <= 0.95 geomean)"
-        )
-    big = [r["pct_copy"] for r in prim if r.get("pct_copy") and r["kv_mib"] >= 512]
-    if big:
-        lines.append(
-            f"- bf16 {PRIMARY}, KV >= 512 MiB: {min(big):.1f}-{max(big):.1f}% of copy bandwidth "
-            "(target >= 90%)"
-        )
-    b1 = [r["pct_copy"] for r in prim if r["shape"] == "B=1 L=32768" and r.get("pct_copy")]
-    if b1:
-        lines.append(
-            f"- bf16 {PRIMARY}, B=1 L=32768: {', '.join(f'{x:.1f}%' for x in b1)} "
-            "of copy bandwidth (target >= 75%)"
-        )
-    for r in rows:
-        if r["shape"].startswith("skewed"):
+    for mode, fd, fi, r_tc, r_best, pct in MODES:
+        lines.append(f"- **{mode} timings**")
+        ratios = [r[r_tc] for r in prim if r.get(r_tc)]
+        if ratios:
+            worst = max(prim, key=lambda r: r.get(r_tc) or 0)
+            lines.append(
+                f"  - bf16 {PRIMARY} vs FlashInfer tensor-core: worst ratio {max(ratios):.3f} "
+                f"({worst['shape']}, page {worst['page']}), geometric mean "
+                f"{geomean(ratios):.3f} over {len(ratios)} shapes (target <= 1.00 each, "
+                "<= 0.95 geomean)"
+            )
+        big = [r[pct] for r in prim if r.get(pct) and r["kv_mib"] >= 512]
+        if big:
+            lines.append(
+                f"  - bf16 {PRIMARY}, KV >= 512 MiB: {min(big):.1f}-{max(big):.1f}% of copy "
+                "bandwidth (target >= 90%)"
+            )
+        b1 = [r[pct] for r in prim if r["shape"] == "B=1 L=32768" and r.get(pct)]
+        if b1:
+            lines.append(
+                f"  - bf16 {PRIMARY}, B=1 L=32768: {', '.join(f'{x:.1f}%' for x in b1)} "
+                "of copy bandwidth (target >= 75%)"
+            )
+        for r in rows:
+            if not r["shape"].startswith("skewed"):
+                continue
             uni = [
                 u
                 for u in rows
                 if u["shape"].startswith("uniform")
-                and u["dtype"] == r["dtype"]
-                and u["heads"] == r["heads"]
-                and u["page"] == r["page"]
+                and (u["dtype"], u["heads"], u["page"]) == (r["dtype"], r["heads"], r["page"])
             ]
-            if uni and uni[0].get("flashdec_us") and r.get("flashdec_us"):
-                fi = ""
-                if r.get("fi_tc_us") and uni[0].get("fi_tc_us"):
-                    fi = f"; FlashInfer-tc {r['fi_tc_us']:.0f} vs {uni[0]['fi_tc_us']:.0f} us"
+            if uni and uni[0].get(fd) and r.get(fd):
+                peer = ""
+                if r.get(fi) and uni[0].get(fi):
+                    peer = f"; FlashInfer-tc {r[fi]:.0f} vs {uni[0][fi]:.0f} us"
                 lines.append(
-                    f"- skewed vs uniform ({r['dtype']} {r['heads']} page {r['page']}): FlashDec "
-                    f"{r['flashdec_us']:.0f} vs {uni[0]['flashdec_us']:.0f} us "
-                    f"(x{r['flashdec_us'] / uni[0]['flashdec_us']:.2f}, target <= 1.10){fi}"
+                    f"  - skewed vs uniform ({r['dtype']} {r['heads']} page {r['page']}): "
+                    f"FlashDec {r[fd]:.0f} vs {uni[0][fd]:.0f} us (x{r[fd] / uni[0][fd]:.2f}, "
+                    f"target <= 1.10){peer}"
                 )
-    losses = [r for r in rows if r.get("ratio_vs_best_fi") and r["ratio_vs_best_fi"] > 1.0]
-    lines.append(
-        f"- shapes where FlashDec is slower than FlashInfer's faster path: {len(losses)} "
-        f"of {sum(1 for r in rows if r.get('ratio_vs_best_fi'))}"
-    )
-    for r in sorted(losses, key=lambda r: -r["ratio_vs_best_fi"])[:25]:
+        losses = [r for r in rows if r.get(r_best) and r[r_best] > 1.0]
         lines.append(
-            f"  - {r['dtype']} {r['heads']} page {r['page']} {r['shape']}: "
-            f"x{r['ratio_vs_best_fi']:.3f}"
+            f"  - shapes where FlashDec is slower than FlashInfer's faster path: {len(losses)} "
+            f"of {sum(1 for r in rows if r.get(r_best))}"
         )
+        for r in sorted(losses, key=lambda r: -r[r_best])[:20]:
+            lines.append(
+                f"    - {r['dtype']} {r['heads']} page {r['page']} {r['shape']}: x{r[r_best]:.3f}"
+            )
+        rs = [r[r_best] for r in rows if r.get(r_best)]
+        if rs:
+            lines.append(
+                f"  - all shapes: geometric mean FlashDec / best FlashInfer {geomean(rs):.3f}"
+            )
     fi_fail = [r for r in rows if r.get("fi_tc_error") or r.get("fi_cc_error")]
-    if fi_fail:
-        lines.append(
-            f"- FlashInfer failed (either path) on {len(fi_fail)} shapes; FlashDec on "
-            f"{sum(1 for r in rows if r.get('flashdec_error'))}"
-        )
+    lines.append(
+        f"- FlashInfer failed (either path) on {len(fi_fail)} of {len(rows)} shapes; FlashDec on "
+        f"{sum(1 for r in rows if r.get('flashdec_error'))}"
+    )
     return lines
 
 
@@ -338,6 +388,10 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
         "SDPA us",
         "FD/FI-tc",
         "FD/best FI",
+        "graph: FD us",
+        "graph: FI-tc us",
+        "graph: FD/FI-tc",
+        "graph: % copy",
         "splits",
         "max |diff|",
     ]
@@ -359,6 +413,10 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
                 fmt(r.get("sdpa_us")),
                 fmt(r.get("ratio_vs_fi_tc"), 3),
                 fmt(r.get("ratio_vs_best_fi"), 3),
+                fmt(r.get("flashdec_graph_us")),
+                fmt(r.get("fi_tc_graph_us")),
+                fmt(r.get("graph_ratio_vs_fi_tc"), 3),
+                fmt(r.get("graph_pct_copy")),
                 str(r["plan"]["splits"]),
                 fmt(r.get("max_abs_diff_vs_peer"), 4),
             ]
@@ -372,7 +430,9 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
         f"- FlashInfer: {'present' if not fi_error else 'MISSING (' + fi_error + ')'}",
         f"- timing: median of triton.testing.do_bench (warmup {args.warmup} ms, rep "
         f"{args.rep} ms, L2 flushed per call); FlashDec through plan_decode + "
-        "decode(workspace=...); '% copy' = KV bytes / time / copy ceiling",
+        "decode(workspace=...); '% copy' = KV bytes / time / copy ceiling; 'graph' columns "
+        "time one call captured in a CUDA graph (replay), which removes the Python launch "
+        "overhead of both libraries",
         f"- dtypes: {', '.join(args.dtypes)}; head configs for {args.dtypes[0]}: "
         f"{', '.join(args.heads)}"
         + (
@@ -451,7 +511,8 @@ def run_sweep(args, env) -> None:
                     except Exception as exc:
                         print("plan failed", cfg, exc)
                         continue
-                    us, err = time_or_error(launch, args.warmup, args.rep)
+                    # CUDA-graph replay: the kernels' own time, without Python launch overhead
+                    us, err = time_graph_or_error(launch, args.warmup, args.rep)
                     tbs = case.kv_bytes / (us * 1e-6) / 1e12 if us else None
                     results.append(
                         {

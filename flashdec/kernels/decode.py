@@ -40,7 +40,79 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(
+def _attend_tokens(
+    q,
+    k_base,
+    v_base,
+    table,
+    lo,
+    hi,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    stride_btn,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of the packed query tile over tokens [lo, hi); returns (acc, m, l)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < HEAD_DIM
+    even_d: tl.constexpr = BLOCK_D == HEAD_DIM
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
+        mask_n = offs_n < hi
+        # gather: logical page -> physical block id (int64: caches can exceed 2**31 elements)
+        block_ids = tl.load(table + (offs_n // PAGE_SIZE) * stride_btn, mask=mask_n, other=0)
+        block_ids = block_ids.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        if even_d:  # noqa: SIM108 (constexpr branch)
+            kv_mask = mask_n[:, None]
+        else:
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_ptrs = (
+            k_base
+            + block_ids[:, None] * stride_kb
+            + in_page[:, None] * stride_kt
+            + offs_d[None, :] * stride_kd
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v_ptrs = (
+            v_base
+            + block_ids[:, None] * stride_vb
+            + in_page[:, None] * stride_vt
+            + offs_d[None, :] * stride_vd
+        )
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -50,8 +122,10 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,  # sm_scale * log2(e)
+    batch,
     tokens_per_split,
-    num_splits,
+    num_splits,  # per-request cap (workspace size); the last split takes any excess
+    num_programs,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -82,105 +156,130 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,  # False: one split per request, output written directly
+    BLOCK_B: tl.constexpr,
+    SPLIT: tl.constexpr,  # False: one program per (request, KV head), output written directly
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so compute in fp32
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bh // NUM_KV_HEADS
-    kv_head = pid_bh % NUM_KV_HEADS
-
-    seq_len = tl.load(seq_lens_ptr + b)
-    lo = split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, seq_len)
-    if SPLIT:  # noqa: SIM108 (constexpr branch: no ternaries in kernels)
-        # the last split also covers tokens past the planned range (plan sized too small)
-        hi = tl.where(split == num_splits - 1, seq_len, hi)
-    else:
-        hi = seq_len
-
+    pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
     mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-    even_d: tl.constexpr = BLOCK_D == HEAD_DIM
-
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    table = block_tables_ptr + b * stride_btb
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
-        mask_n = offs_n < hi
-        # gather: logical page -> physical block id (int64: caches can exceed 2**31 elements)
-        block_ids = tl.load(table + (offs_n // PAGE_SIZE) * stride_btn, mask=mask_n, other=0)
-        block_ids = block_ids.to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        if even_d:  # noqa: SIM108
-            kv_mask = mask_n[:, None]
-        else:
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = (
-            k_base
-            + block_ids[:, None] * stride_kb
-            + in_page[:, None] * stride_kt
-            + offs_d[None, :] * stride_kd
-        )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v_ptrs = (
-            v_base
-            + block_ids[:, None] * stride_vb
-            + in_page[:, None] * stride_vt
-            + offs_d[None, :] * stride_vd
-        )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    mask_gd = mask_g[:, None] & (offs_d[None, :] < HEAD_DIM)
 
     if not SPLIT:
-        # single pass: normalise and write the output; seq_len 0 leaves acc = 0 -> a zero row
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    else:
-        # stage 1 of 2: this split's normalised output and log2-sum-exp; empty splits write nothing
-        has_tokens = lo < seq_len
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse = m_i + tl.log2(l_safe)
-        po_ptrs = (
-            part_out_ptr
-            + b * stride_pob
-            + heads[:, None] * stride_poh
-            + split * stride_pos
-            + offs_d[None, :] * stride_pod
+        b = pid // NUM_KV_HEADS
+        kv_head = pid % NUM_KV_HEADS
+        seq_len = tl.load(seq_lens_ptr + b)
+        heads = kv_head * GROUP + offs_g
+        q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=mask_gd, other=0.0)  # [BLOCK_G, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        acc, m_i, l_i = _attend_tokens(
+            q,
+            k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh,
+            block_tables_ptr + b * stride_btb,
+            0,
+            seq_len,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            stride_btn,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_G,
+            BLOCK_D,
+            BLOCK_N,
+            UPCAST,
+            DOT_PRECISION,
         )
-        row_mask = mask_g & has_tokens
-        tl.store(po_ptrs, o, mask=row_mask[:, None] & mask_d[None, :])
-        pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
-        tl.store(pl_ptrs, lse, mask=row_mask)
+        # seq_len 0 leaves acc = 0 and l = 0 -> a zero row
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
+    else:
+        # Work list: request b has n_b = clamp(ceil(len_b / tokens_per_split), 1, num_splits)
+        # splits; items (split, KV head) are numbered over the whole batch and dealt to the
+        # programs round-robin, so a long request spreads over many programs and no program
+        # exists only to find its split empty.
+        offs_b = tl.arange(0, BLOCK_B)
+        valid_b = offs_b < batch
+        lens = tl.load(seq_lens_ptr + offs_b, mask=valid_b, other=0)
+        n_splits = tl.minimum(tl.maximum(tl.cdiv(lens, tokens_per_split), 1), num_splits)
+        n_splits = tl.where(valid_b, n_splits, 0)
+        ends = tl.cumsum(n_splits, 0)  # inclusive prefix sum
+        total_items = tl.sum(n_splits, 0) * NUM_KV_HEADS
+        for item in range(pid, total_items, num_programs):
+            kv_head = item % NUM_KV_HEADS
+            s_global = item // NUM_KV_HEADS
+            b = tl.sum((ends <= s_global).to(tl.int32), 0)
+            sel = offs_b == b
+            my_splits = tl.sum(tl.where(sel, n_splits, 0), 0)
+            seq_len = tl.sum(tl.where(sel, lens, 0), 0)
+            split = s_global - (tl.sum(tl.where(sel, ends, 0), 0) - my_splits)
+            lo = split * tokens_per_split
+            hi = tl.minimum(lo + tokens_per_split, seq_len)
+            hi = tl.where(split == my_splits - 1, seq_len, hi)  # the last split takes the rest
+
+            heads = kv_head * GROUP + offs_g
+            q_ptrs = (
+                q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+            )
+            q = tl.load(q_ptrs, mask=mask_gd, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+            acc, m_i, l_i = _attend_tokens(
+                q,
+                k_ptr + kv_head * stride_kh,
+                v_ptr + kv_head * stride_vh,
+                block_tables_ptr + b * stride_btb,
+                lo,
+                hi,
+                qk_scale,
+                stride_kb,
+                stride_kt,
+                stride_kd,
+                stride_vb,
+                stride_vt,
+                stride_vd,
+                stride_btn,
+                PAGE_SIZE,
+                HEAD_DIM,
+                BLOCK_G,
+                BLOCK_D,
+                BLOCK_N,
+                UPCAST,
+                DOT_PRECISION,
+            )
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            o = acc / l_safe[:, None]
+            if my_splits == 1:
+                # a request with one split needs no merge: write its output directly
+                o_ptrs = (
+                    out_ptr
+                    + b * stride_ob
+                    + heads[:, None] * stride_oh
+                    + offs_d[None, :] * stride_od
+                )
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
+            else:
+                # stage 1 of 2: normalised partial output and log2-sum-exp of this split
+                po_ptrs = (
+                    part_out_ptr
+                    + b * stride_pob
+                    + heads[:, None] * stride_poh
+                    + split * stride_pos
+                    + offs_d[None, :] * stride_pod
+                )
+                tl.store(po_ptrs, o, mask=mask_gd)
+                pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
+                tl.store(pl_ptrs, m_i + tl.log2(l_safe), mask=mask_g)
 
 
 @triton.jit
@@ -212,6 +311,8 @@ def _merge_splits_kernel(
     h = pid % NUM_Q_HEADS
     seq_len = tl.load(seq_lens_ptr + b)
     num_valid = tl.minimum(tl.cdiv(seq_len, tokens_per_split), num_splits)
+    # requests with at most one split were written by stage 1 (zero rows included)
+    num_valid = tl.where(num_valid > 1, num_valid, 0)
 
     offs_s0 = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -238,9 +339,9 @@ def _merge_splits_kernel(
         acc += tl.sum(w[:, None] * o, 0)
         denom += w
     total = tl.sum(denom, 0)
-    res = acc / tl.where(total > 0.0, total, 1.0)  # no valid split (seq_len 0) -> zeros
+    res = acc / tl.where(total > 0.0, total, 1.0)
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_d & (num_valid > 1))
 
 
 def _check_plan_matches(plan: DecodePlan, dims, q: torch.Tensor, kv_layout: str) -> None:
@@ -301,10 +402,12 @@ def launch_decode(
         partial_out, partial_lse = out, out
         po_strides = (0, 0, 0, 0)
         pl_strides = (0, 0, 0)
+        grid = (batch * plan.num_kv_heads,)
     else:
         po_strides = partial_out.stride()
         pl_strides = partial_lse.stride()
-    _decode_split_kernel[(batch * plan.num_kv_heads, splits)](
+        grid = (plan.num_programs,)
+    _decode_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -314,8 +417,10 @@ def launch_decode(
         partial_out,
         partial_lse,
         sm_scale * LOG2E,
+        batch,
         plan.tokens_per_split,
         splits,
+        grid[0],
         *q.stride(),
         skb,
         skh,
@@ -336,6 +441,7 @@ def launch_decode(
         BLOCK_G=plan.block_g,
         BLOCK_D=plan.block_d,
         BLOCK_N=plan.block_n,
+        BLOCK_B=plan.block_b,
         SPLIT=splits > 1,
         UPCAST=upcast,
         DOT_PRECISION=precision,

@@ -24,9 +24,11 @@ from flashdec._checks import FLOAT_DTYPES, check_kv_layout, check_positive_int
 from flashdec.kernels._runtime import next_power_of_2, sm_count
 
 # Programs per SM the split heuristic aims for (several resident programs hide load latency).
-DEFAULT_PROGRAMS_PER_SM = 4
+DEFAULT_PROGRAMS_PER_SM = 8
+# Cap on split-path programs per SM; beyond it programs loop over several work items.
+MAX_PROGRAMS_PER_SM = 16
 # A split shorter than this costs more in set-up and merge traffic than it gains in parallelism.
-DEFAULT_MIN_TOKENS_PER_SPLIT = 256
+DEFAULT_MIN_TOKENS_PER_SPLIT = 128
 # Upper bound on splits per request (keeps the merge loop and the workspace small).
 MAX_SPLITS = 1024
 # Splits merged per loop step of the log-sum-exp merge kernel.
@@ -59,8 +61,10 @@ def default_kernel_config(head_dim: int, group_size: int, dtype: torch.dtype) ->
         block_n = 32
     if elem == 4:  # fp32 (tests): half the tokens for the same bytes
         block_n = max(16, block_n // 2)
-    num_warps = 8 if block_g >= 64 or block_d >= 256 else 4
-    num_stages = 3
+    # a tall packed tile (MQA: 32+ query rows) wants more warps for its dots
+    num_warps = 8 if block_g >= 32 or block_d >= 256 else 4
+    # two stages beat three on the H200: smaller shared-memory footprint, more resident programs
+    num_stages = 2
     return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -87,6 +91,8 @@ class DecodePlan:
     num_stages: int
     merge_block_s: int
     sm_count: int
+    num_programs: int  # split path: stage-1 programs (each takes work items round-robin)
+    block_b: int  # split path: requests scanned for the work list (power of two >= batch)
 
     @property
     def group_size(self) -> int:
@@ -97,9 +103,11 @@ class DecodePlan:
         return self.num_splits > 1
 
     @property
-    def grid(self) -> tuple[int, int]:
-        """Stage-1 grid: one program per (request, KV head) x split."""
-        return (self.batch * self.num_kv_heads, self.num_splits)
+    def grid(self) -> tuple[int]:
+        """Stage-1 grid: one program per (request, KV head), or the split path's programs."""
+        if self.num_splits == 1:
+            return (self.batch * self.num_kv_heads,)
+        return (self.num_programs,)
 
     @property
     def merge_grid(self) -> tuple[int]:
@@ -137,6 +145,7 @@ class DecodeWorkspace:
 
 
 def choose_tokens_per_split(
+    batch: int,
     total_tokens: int,
     max_seq_len: int,
     num_kv_heads: int,
@@ -155,6 +164,10 @@ def choose_tokens_per_split(
     target_programs = max(1, num_sms * programs_per_sm)
     per_split = math.ceil(max(1, total_tokens) * num_kv_heads / target_programs)
     per_split = max(per_split, min_tokens_per_split, math.ceil(max_seq_len / MAX_SPLITS))
+    if batch * num_kv_heads >= 2 * num_sms:
+        # enough (request, KV head) programs already: split only requests longer than the mean,
+        # which keeps skewed batches balanced and uniform ones single-pass
+        per_split = max(per_split, math.ceil(max(1, total_tokens) / max(1, batch)))
     per_split = math.ceil(per_split / block_n) * block_n
     if per_split >= max_seq_len:
         return 1, math.ceil(max_seq_len / block_n) * block_n
@@ -245,6 +258,7 @@ def plan_decode(
     else:
         total = batch * max_seq_len if total_tokens is None else total_tokens
         splits, per_split = choose_tokens_per_split(
+            batch,
             total,
             max_seq_len,
             num_kv_heads,
@@ -255,6 +269,12 @@ def plan_decode(
         )
     if splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
+    # Work items of the split path: (split, KV head) pairs; with known lengths each request
+    # has at most ceil(len / per_split) <= len / per_split + 1 splits.
+    items = batch * num_kv_heads * splits
+    if total_tokens is not None:
+        items = min(items, num_kv_heads * (batch + math.ceil(total_tokens / per_split)))
+    num_programs = max(1, min(items, num_sms * MAX_PROGRAMS_PER_SM))
 
     return DecodePlan(
         batch=batch,
@@ -276,4 +296,6 @@ def plan_decode(
         num_stages=config.num_stages,
         merge_block_s=MERGE_BLOCK_S,
         sm_count=num_sms,
+        num_programs=num_programs,
+        block_b=next_power_of_2(batch),
     )

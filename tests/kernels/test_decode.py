@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,6 +108,19 @@ def test_workspace_serves_smaller_batch_and_longer_sequences(device):
     got = decode(q, k, v, tables, lens, workspace=ws)  # default output: a view of ws.out
     assert got.data_ptr() == ws.out.data_ptr()
     _assert_close(got, out)
+
+
+def test_split_programs_loop_over_several_work_items(device):
+    """Fewer programs than (split, KV head) items: each program takes items round-robin."""
+    dtype = torch.float16
+    seq_lens = [100, 0, 33, 64, 1]
+    k, v, tables, lens, _, _ = make_paged_kv(seq_lens, 2, 32, 16, dtype, device)
+    q = _q(5, 4, 32, dtype, device)
+    plan = plan_decode(5, 4, 2, 32, 16, 100, dtype, device, block_n=16, tokens_per_split=32)
+    plan = dataclasses.replace(plan, num_programs=3)
+    out = _poisoned(q.shape, dtype, device)
+    decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace())
+    _assert_close(out, paged_decode_attention_ref(q, k, v, tables, lens))
 
 
 def test_heuristic_splits_long_small_batch(device):

@@ -18,8 +18,8 @@ def _plan(batch, max_len, hkv=8, hq=32, d=128, page=16, **kw) -> DecodePlan:
 def test_small_batch_long_context_fills_the_gpu():
     plan = _plan(1, 32768)
     assert plan.uses_split
-    programs = plan.grid[0] * plan.grid[1]
-    assert programs >= plan.sm_count  # at least one wave
+    assert plan.grid == (plan.num_programs,)
+    assert plan.num_programs >= plan.sm_count  # at least one program per SM
     assert plan.tokens_per_split % plan.block_n == 0
     assert plan.num_splits * plan.tokens_per_split >= 32768
 
@@ -38,6 +38,8 @@ def test_skewed_batch_is_cut_by_tokens_not_by_request():
     assert max(work) <= 2 * min(work)  # and no program carries much more than another
     uniform = _plan(64, sum(lens) // 64, total_tokens=sum(lens))
     assert uniform.tokens_per_split >= plan.tokens_per_split // 2
+    # programs are sized by the real work items, not by batch x the long request's splits
+    assert plan.num_programs <= 8 * (64 + math.ceil(sum(lens) / plan.tokens_per_split))
 
 
 def test_forced_splits_and_overrides():
@@ -68,9 +70,9 @@ def test_plan_is_frozen_and_workspace_shapes():
 
 
 def test_choose_tokens_per_split_bounds():
-    splits, per = choose_tokens_per_split(10**7, 10**7, 8, 64, 132)
+    splits, per = choose_tokens_per_split(1, 10**7, 10**7, 8, 64, 132)
     assert splits <= MAX_SPLITS and per % 64 == 0 and splits * per >= 10**7
-    assert choose_tokens_per_split(0, 0, 8, 64, 132)[0] == 1
+    assert choose_tokens_per_split(1, 0, 0, 8, 64, 132)[0] == 1
 
 
 @pytest.mark.parametrize(

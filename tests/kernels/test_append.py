@@ -1,0 +1,276 @@
+"""kv_append and fused_rope_kv_append against apply_rope and a plain indexed write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdec
+from flashdec import apply_rope
+from flashdec.kernels import (
+    fused_rope_kv_append,
+    kv_append,
+    launch_fused_rope_kv_append,
+    launch_kv_append,
+)
+from tests.helpers import TOLERANCES
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _setup(batch, hq, hkv, d, num_blocks, block_size, dtype, device, seed=0, layers=None):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    cache_shape = (num_blocks, hkv, block_size, d)
+    if layers is None:
+        k_cache, v_cache = rnd(*cache_shape), rnd(*cache_shape)
+    else:  # one layer of a 5-D cache: a strided view
+        k_cache, v_cache = rnd(layers, *cache_shape)[1], rnd(layers, *cache_shape)[1]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:batch]
+    block_ids = (slots // block_size).to(device=device, dtype=torch.int32)
+    offsets = (slots % block_size).to(device=device, dtype=torch.int64)
+    positions = torch.randint(0, 40000, (batch,), generator=gen).to(device)
+    return {
+        "q": rnd(batch, hq, d),
+        "k": rnd(batch, hkv, d),
+        "v": rnd(batch, hkv, d),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_ids": block_ids,
+        "offsets": offsets,
+        "positions": positions,
+    }
+
+
+def _written(cache, t):
+    return cache[t["block_ids"].long(), :, t["offsets"].long()]  # [B, Hkv, D]
+
+
+def _assert_rope_close(got, ref):
+    atol, rtol = TOLERANCES[got.dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _untouched_equal(before, after, t):
+    mask = torch.ones(after.shape[0], after.shape[2], dtype=torch.bool, device=after.device)
+    mask[t["block_ids"].long(), t["offsets"].long()] = False
+    assert torch.equal(before.permute(0, 2, 1, 3)[mask], after.permute(0, 2, 1, 3)[mask])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("strided", [False, True])
+def test_kv_append_is_a_bitwise_scatter(dtype, strided, device):
+    t = _setup(5, 4, 2, 24, 7, 8, dtype, device, layers=3 if strided else None)
+    k_before, v_before = t["k_cache"].clone(), t["v_cache"].clone()
+    kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    assert torch.equal(_written(t["k_cache"], t), t["k"])
+    assert torch.equal(_written(t["v_cache"], t), t["v"])
+    _untouched_equal(k_before, t["k_cache"], t)
+    _untouched_equal(v_before, t["v_cache"], t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "rotary_dim"),
+    [(4, 2, 32, None), (6, 1, 48, 16), (3, 3, 64, 64), (8, 2, 16, 8)],
+)
+def test_fused_rope_append_matches_reference(dtype, hq, hkv, d, rotary_dim, device):
+    t = _setup(4, hq, hkv, d, 6, 16, dtype, device, layers=2)
+    k_before = t["k_cache"].clone()
+    q_rot = fused_rope_kv_append(
+        t["q"],
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+        rotary_dim=rotary_dim,
+        base=10000.0,
+    )
+    _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], rotary_dim))
+    _assert_rope_close(_written(t["k_cache"], t), apply_rope(t["k"], t["positions"], rotary_dim))
+    assert torch.equal(_written(t["v_cache"], t), t["v"])  # v is stored bitwise
+    if rotary_dim is not None and rotary_dim < d:  # dims past rotary_dim are copied unchanged
+        assert torch.equal(q_rot[..., rotary_dim:], t["q"][..., rotary_dim:])
+        assert torch.equal(_written(t["k_cache"], t)[..., rotary_dim:], t["k"][..., rotary_dim:])
+    _untouched_equal(k_before, t["k_cache"], t)
+
+
+def test_fused_q_out_in_place_and_launchers_agree(device):
+    dtype = torch.float16
+    t = _setup(3, 4, 2, 32, 5, 8, dtype, device)
+    ref_q = apply_rope(t["q"], t["positions"], None, 500.0)
+    q_out = torch.full_like(t["q"], float("nan"))
+    got = fused_rope_kv_append(
+        t["q"],
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+        base=500.0,
+        q_out=q_out,
+    )
+    assert got is q_out
+    _assert_rope_close(got, ref_q)
+    k_written = _written(t["k_cache"], t).clone()
+    # in place (q_out=q) through the trusted launcher gives the same bits
+    q = t["q"].clone()
+    launch_fused_rope_kv_append(
+        q,
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+        None,
+        500.0,
+        q,
+    )
+    assert torch.equal(q, got)
+    assert torch.equal(_written(t["k_cache"], t), k_written)
+    launch_kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    assert torch.equal(_written(t["k_cache"], t), t["k"])
+    assert flashdec.kv_append is kv_append
+    assert flashdec.fused_rope_kv_append is fused_rope_kv_append
+
+
+def test_empty_batch_is_a_no_op(device):
+    t = _setup(0, 2, 1, 16, 3, 8, torch.float32, device)
+    before = t["k_cache"].clone()
+    kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    q = fused_rope_kv_append(
+        t["q"],
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+    )
+    assert q.shape == (0, 2, 16) and torch.equal(before, t["k_cache"])
+
+
+def _bad_calls(t):
+    """(description, kwargs overrides, error) for calls that must be rejected."""
+    n = t["k_cache"].shape[0]
+    ids, offs, pos = t["block_ids"], t["offsets"], t["positions"]
+    bad_ids = ids.clone()
+    bad_ids[-1] = n
+    neg_ids = ids.clone()
+    neg_ids[0] = -1
+    bad_offs = offs.clone()
+    bad_offs[1] = t["k_cache"].shape[2]
+    dup_ids, dup_offs = ids.clone(), offs.clone()
+    dup_ids[1], dup_offs[1] = ids[0], offs[0]
+    bad_pos = pos.clone()
+    bad_pos[2] = -3
+    return [
+        ("block id == num_blocks", {"block_ids": bad_ids}, ValueError),
+        ("negative block id", {"block_ids": neg_ids}, ValueError),
+        ("offset == block_size", {"offsets": bad_offs}, ValueError),
+        ("duplicate slot", {"block_ids": dup_ids, "offsets": dup_offs}, ValueError),
+        ("float ids", {"block_ids": ids.float()}, TypeError),
+        ("short offsets", {"offsets": offs[:-1]}, ValueError),
+        ("k dtype", {"k": t["k"].double()}, TypeError),
+        ("k heads", {"k": t["k"][:, :1]}, ValueError),
+        ("v shape", {"v": t["v"][:-1]}, ValueError),
+        ("cache rank", {"k_cache": t["k_cache"][0]}, ValueError),
+        ("not a tensor", {"k": "k"}, TypeError),
+        ("negative position", {"positions": bad_pos}, ValueError),
+    ]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rejected_calls_write_nothing(fused, device):
+    t = _setup(4, 4, 2, 16, 5, 8, torch.float16, device)
+    k_before, v_before = t["k_cache"].clone(), t["v_cache"].clone()
+    q_before = t["q"].clone()
+    for what, override, error in _bad_calls(t):
+        args = {**t, **override}
+        if not fused and what == "negative position":
+            continue
+        with pytest.raises(error):
+            if fused:
+                fused_rope_kv_append(
+                    args["q"],
+                    args["k"],
+                    args["v"],
+                    args["k_cache"],
+                    args["v_cache"],
+                    args["block_ids"],
+                    args["offsets"],
+                    args["positions"],
+                )
+            else:
+                kv_append(
+                    args["k_cache"],
+                    args["v_cache"],
+                    args["k"],
+                    args["v"],
+                    args["block_ids"],
+                    args["offsets"],
+                )
+        assert torch.equal(t["k_cache"], k_before), what
+        assert torch.equal(t["v_cache"], v_before), what
+        assert torch.equal(t["q"], q_before), what
+
+
+def test_fused_rejects_bad_rope_arguments(device):
+    t = _setup(2, 4, 2, 16, 3, 8, torch.float32, device)
+    k_before = t["k_cache"].clone()
+    common = (
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+    )
+    with pytest.raises(ValueError, match="rotary_dim"):
+        fused_rope_kv_append(t["q"], *common, rotary_dim=7)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        fused_rope_kv_append(t["q"], *common, rotary_dim=32)
+    with pytest.raises(ValueError, match="base"):
+        fused_rope_kv_append(t["q"], *common, base=1.0)
+    with pytest.raises(ValueError, match="q"):
+        fused_rope_kv_append(t["q"][:, :, :8], *common)
+    with pytest.raises(TypeError, match="q"):
+        fused_rope_kv_append(t["q"].half(), *common)
+    with pytest.raises(ValueError, match="q_out"):
+        fused_rope_kv_append(t["q"], *common, q_out=t["q"][:1])
+    assert torch.equal(t["k_cache"], k_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_llama_shapes_large_batch(dtype):
+    t = _setup(256, 32, 8, 128, 2048, 16, dtype, "cuda")
+    t["positions"] = torch.randint(0, 131072, (256,), device="cuda")
+    q_rot = fused_rope_kv_append(
+        t["q"],
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+        base=500000.0,
+    )
+    _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], None, 500000.0))
+    k_ref = apply_rope(t["k"], t["positions"], None, 500000.0)
+    _assert_rope_close(_written(t["k_cache"], t), k_ref)
+    assert torch.equal(_written(t["v_cache"], t), t["v"])
