@@ -68,6 +68,24 @@ def build(batch, hq, hkv, d, page, dtype, seed=0):
     }
 
 
+def graph_us(fn, warmup, rep) -> float | None:
+    """Time one call replayed from a CUDA graph (no Python launch overhead); None on failure."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench_us(graph.replay, warmup, rep)
+    except Exception as exc:
+        print(f"graph capture failed: {type(exc).__name__}: {exc}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
@@ -158,10 +176,11 @@ def main(argv=None) -> int:
         row["max_k_diff"] = (kc[slots[0], :, slots[1]].float() - k_t.float()).abs().max().item()
         row["v_bitwise"] = bool(torch.equal(vc[slots[0], :, slots[1]], t["v"]))
         row["fused_us"] = bench_us(fused, args.warmup, args.rep)
+        row["fused_graph_us"] = graph_us(fused, args.warmup, args.rep)
         row["fused_checked_us"] = bench_us(fused_checked, args.warmup, args.rep)
         row["triton_unfused_us"] = bench_us(triton_unfused, args.warmup, args.rep)
         row["torch_us"] = bench_us(torch_path, args.warmup, args.rep)
-        row["flashinfer_us"] = None
+        row["flashinfer_us"] = row["flashinfer_graph_us"] = None
         if flashinfer is not None:
             try:
                 batch_idx = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -184,17 +203,21 @@ def main(argv=None) -> int:
                 fi()
                 torch.cuda.synchronize()
                 row["flashinfer_us"] = bench_us(fi, args.warmup, args.rep)
+                row["flashinfer_graph_us"] = graph_us(fi, args.warmup, args.rep)
             except Exception as exc:
                 row["flashinfer_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         row["fused_vs_flashinfer"] = (
             row["fused_us"] / row["flashinfer_us"] if row["flashinfer_us"] else None
         )
+        fg, fig = row["fused_graph_us"], row["flashinfer_graph_us"]
+        row["graph_fused_vs_flashinfer"] = fg / fig if fg and fig else None
         rows.append(row)
         print(
             f"B={batch:<4} fused {row['fused_us']:.1f} us (checked {row['fused_checked_us']:.1f})"
             f"  triton-unfused {row['triton_unfused_us']:.1f}  torch {row['torch_us']:.1f}  "
             f"FlashInfer {fmt(row['flashinfer_us'])}  q diff {row['max_q_diff']:.3g} "
-            f"k diff {row['max_k_diff']:.3g} v bitwise {row['v_bitwise']}",
+            f"k diff {row['max_k_diff']:.3g} v bitwise {row['v_bitwise']}  | graph: fused "
+            f"{fmt(row['fused_graph_us'])} FlashInfer {fmt(row['flashinfer_graph_us'])}",
             flush=True,
         )
 
@@ -206,6 +229,9 @@ def main(argv=None) -> int:
         "torch path us",
         "FlashInfer us",
         "fused/FlashInfer",
+        "graph: fused us",
+        "graph: FlashInfer us",
+        "graph: fused/FlashInfer",
         "max |q diff|",
         "max |k diff|",
         "v bitwise",
@@ -219,6 +245,9 @@ def main(argv=None) -> int:
             fmt(r["torch_us"]),
             fmt(r["flashinfer_us"]),
             fmt(r["fused_vs_flashinfer"], 2),
+            fmt(r["fused_graph_us"]),
+            fmt(r["flashinfer_graph_us"]),
+            fmt(r["graph_fused_vs_flashinfer"], 2),
             f"{r['max_q_diff']:.3g}",
             f"{r['max_k_diff']:.3g}",
             str(r["v_bitwise"]),
@@ -233,7 +262,9 @@ def main(argv=None) -> int:
             f"- FlashInfer: {'present' if not fi_error else 'MISSING (' + fi_error + ')'}",
             "- fused = ONE Triton launch per layer (rotate q and k, scatter k and v); "
             "'checked API' adds fused_rope_kv_append's validation (a host sync)",
-            f"- median of triton.testing.do_bench (warmup {args.warmup} ms, rep {args.rep} ms)",
+            f"- median of triton.testing.do_bench (warmup {args.warmup} ms, rep {args.rep} ms, "
+            "L2 flushed per call); 'graph' columns replay one call from a CUDA graph (no Python "
+            "launch overhead)",
             "- q/k diff: fused vs torch path (reference RoPE), bf16 rounding level expected",
             "",
             markdown_table(columns, table),

@@ -320,32 +320,33 @@ def _merge_splits_kernel(
     lse_base = part_lse_ptr + b * stride_plb + h * stride_plh
     po_base = part_out_ptr + b * stride_pob + h * stride_poh
 
-    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_valid, BLOCK_S):
-        offs_s = s0 + offs_s0
-        lse = tl.load(lse_base + offs_s * stride_pls, mask=offs_s < num_valid, other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_all = tl.max(m, 0)
-
+    # one pass with a running maximum: chunks of BLOCK_S splits, rescaled as the max grows
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    denom = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_S], dtype=tl.float32)
     for s0 in range(0, num_valid, BLOCK_S):
         offs_s = s0 + offs_s0
         mask_s = offs_s < num_valid
         lse = tl.load(lse_base + offs_s * stride_pls, mask=mask_s, other=float("-inf"))
-        w = tl.where(mask_s, tl.exp2(lse - m_all), 0.0)  # [BLOCK_S]
         po_ptrs = po_base + offs_s[:, None] * stride_pos + offs_d[None, :] * stride_pod
         o = tl.load(po_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        denom += w
-    total = tl.sum(denom, 0)
-    res = acc / tl.where(total > 0.0, total, 1.0)
+        m_new = tl.maximum(m_run, tl.max(lse, 0))  # finite: every chunk has a valid split
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.where(mask_s, tl.exp2(lse - m_new), 0.0)  # [BLOCK_S]
+        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+        denom = denom * rescale + tl.sum(w, 0)
+        m_run = m_new
+    res = acc / tl.where(denom > 0.0, denom, 1.0)
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_d & (num_valid > 1))
 
 
 def _check_plan_matches(plan: DecodePlan, dims, q: torch.Tensor, kv_layout: str) -> None:
     """Structural agreement between a workspace's plan and this call (no host sync)."""
+    got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.block_size, q.dtype, kv_layout)
+    want = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.block_size, plan.dtype)
+    if got == (*want, plan.kv_layout) and dims.batch <= plan.batch and q.device == plan.device:
+        return  # the common case, checked in one comparison
     expected = {
         "num_q_heads": plan.num_q_heads,
         "num_kv_heads": plan.num_kv_heads,

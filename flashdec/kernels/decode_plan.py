@@ -32,7 +32,7 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 128
 # Upper bound on splits per request (keeps the merge loop and the workspace small).
 MAX_SPLITS = 1024
 # Splits merged per loop step of the log-sum-exp merge kernel.
-MERGE_BLOCK_S = 16
+MERGE_BLOCK_S = 32
 
 
 @dataclass(frozen=True)
@@ -222,6 +222,8 @@ def plan_decode(
         raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
     check_kv_layout(kv_layout)
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # compare equal to q.device
     if max_blocks_per_seq is None:
         max_blocks_per_seq = max(1, math.ceil(max_seq_len / block_size))
     check_positive_int("max_blocks_per_seq", max_blocks_per_seq)

@@ -123,6 +123,19 @@ def test_split_programs_loop_over_several_work_items(device):
     _assert_close(out, paged_decode_attention_ref(q, k, v, tables, lens))
 
 
+def test_merge_of_many_splits(device):
+    """More splits than one merge chunk (32): the running-max merge rescales across chunks."""
+    dtype = torch.float32
+    seq_lens = [600, 5, 0]
+    k, v, tables, lens, _, _ = make_paged_kv(seq_lens, 1, 16, 8, dtype, device)
+    q = _q(3, 2, 16, dtype, device) * 3.0  # peaky softmax: the split maxima differ a lot
+    plan = plan_decode(3, 2, 1, 16, 8, 600, dtype, device, block_n=16, tokens_per_split=16)
+    assert plan.num_splits == 38
+    out = _poisoned(q.shape, dtype, device)
+    decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace())
+    _assert_close(out, paged_decode_attention_ref(q, k, v, tables, lens))
+
+
 def test_heuristic_splits_long_small_batch(device):
     dtype = torch.bfloat16
     k, v, tables, lens, _, _ = make_paged_kv([300, 5], 1, 16, 32, dtype, device)
