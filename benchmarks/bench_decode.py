@@ -454,6 +454,10 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
         "in decode.json as flashdec_launch_us.",
     ]
     payload = {
+        "args": {
+            k: vars(args)[k]
+            for k in ("dtypes", "heads", "heads_other_dtypes", "pages", "warmup", "rep")
+        },
         "environment": env,
         "ceilings": ceilings,
         "flashinfer_error": fi_error,
@@ -476,10 +480,12 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
             out_dir / f"{args.name}.png",
             labels,
             {
-                "FlashDec": pct("flashdec_us"),
-                "FlashInfer tensor-core": pct("fi_tc_us"),
-                "FlashInfer CUDA-core": pct("fi_cc_us"),
-                "gather+SDPA": pct("sdpa_us"),
+                "FlashDec (CUDA graph)": pct("flashdec_graph_us"),
+                "FlashInfer tensor-core (CUDA graph)": pct("fi_tc_graph_us"),
+                "FlashDec (eager)": pct("flashdec_us"),
+                "FlashInfer tensor-core (eager)": pct("fi_tc_us"),
+                "FlashInfer CUDA-core (eager)": pct("fi_cc_us"),
+                "gather+SDPA (eager)": pct("sdpa_us"),
             },
             "% of copy bandwidth",
             f"decode {PRIMARY}: % of copy ceiling ({cc:.2f} TB/s)",
@@ -573,6 +579,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default=None)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--from-json", default=None, help="re-render .md/.png from a saved decode.json")
     p.add_argument("--sweep-shapes", nargs="+", default=["B=1", "B=8", "B=32", "B=512", "skewed"])
     p.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
@@ -580,6 +587,25 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-pps", nargs="+", type=int, default=[4])
     args = p.parse_args(argv)
     args.name = args.name or ("decode_sweep" if args.sweep else "decode")
+    if args.from_json:  # no GPU needed: rebuild the report of an earlier run
+        import json
+
+        saved = json.loads(Path(args.from_json).read_text())
+        run_args = saved.get("args") or {}
+        for key, value in run_args.items():
+            setattr(args, key, value)
+        args.out_dir = (
+            str(Path(args.from_json).parent) if args.out_dir == str(RESULTS_DIR) else args.out_dir
+        )
+        write_decode_results(
+            args,
+            saved["environment"],
+            saved["ceilings"],
+            saved["rows"],
+            saved.get("flashinfer_error"),
+            partial=saved.get("partial", False),
+        )
+        return 0
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
