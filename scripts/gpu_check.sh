@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for the kernels: GPU tests, then benchmarks; prints a short summary last.
+# GPU check: every `gpu`-marked test, then the benchmarks; prints a short summary last.
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests sweep decode append" bash scripts/gpu_check.sh
-#   extra arguments per phase: SWEEP_ARGS, PPS_ARGS, DECODE_ARGS, APPEND_ARGS
+#   extra arguments per phase: SWEEP_ARGS, PPS_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -31,7 +31,7 @@ for phase in $PHASES; do
   echo "=== phase $phase ===" | tee -a "$LOG"
   case $phase in
     tests)
-      python3 -m pytest -m gpu tests/kernels -x -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     quicktests)
       python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
@@ -47,6 +47,10 @@ for phase in $PHASES; do
     decode)
       python3 benchmarks/bench_decode.py --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
+    engine)
+      python3 benchmarks/run_multi_layer_engine.py --out-dir "$OUT" ${ENGINE_ARGS:-} 2>&1 \
+        | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
     append)
       python3 benchmarks/bench_append.py --out-dir "$OUT" ${APPEND_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
@@ -60,4 +64,5 @@ echo "=== summary ==="
 grep -h "=== phase .*rc=" "$LOG"
 [ -f "$OUT/decode.md" ] && sed -n '/^## Summary/,/^## All shapes/p' "$OUT/decode.md"
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
+[ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
 exit $status
