@@ -84,6 +84,30 @@ def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return 1000.0 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def cuda_graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float | None:
+    """Device time of one call replayed from a CUDA graph (no Python launch overhead);
+    None when capture fails (the reason is printed)."""
+    try:
+        return bench_us(cuda_graph_of(fn).replay, warmup_ms, rep_ms)
+    except Exception as exc:
+        print(f"graph capture failed: {type(exc).__name__}: {exc}", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
 def copy_ceiling_tbs(nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()

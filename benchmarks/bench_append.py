@@ -25,6 +25,7 @@ from benchmarks._common import (
     environment,
     environment_markdown,
     fmt,
+    graph_us,
     markdown_table,
     write_results,
 )
@@ -66,24 +67,6 @@ def build(batch, hq, hkv, d, page, dtype, seed=0):
         "indptr": indptr,
         "last_page_len": last_page_len,
     }
-
-
-def graph_us(fn, warmup, rep) -> float | None:
-    """Time one call replayed from a CUDA graph (no Python launch overhead); None on failure."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return bench_us(graph.replay, warmup, rep)
-    except Exception as exc:
-        print(f"graph capture failed: {type(exc).__name__}: {exc}", flush=True)
-        torch.cuda.synchronize()
-        return None
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ from benchmarks._common import (
     bar_plot,
     bench_us,
     copy_ceiling_tbs,
+    cuda_graph_of,
     environment,
     environment_markdown,
     fmt,
@@ -169,19 +170,6 @@ def load_flashinfer():
 def parse_heads(spec: str) -> tuple[int, int, int]:
     hq, hkv, d = (int(x) for x in spec.split("/"))
     return hq, hkv, d
-
-
-def cuda_graph_of(fn):
-    """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def time_graph_or_error(fn, warmup, rep):

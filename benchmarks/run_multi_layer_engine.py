@@ -37,6 +37,7 @@ from benchmarks._common import (
     environment,
     environment_markdown,
     fmt,
+    graph_us,
     markdown_table,
     write_results,
 )
@@ -159,7 +160,9 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
             append_layer(layer)
             decode_layer(layer)
 
-    kernels = kernels_us(all_layers, device)
+    kernels_eager = kernels_us(all_layers, device)
+    # device time alone: the same launches replayed from a CUDA graph (no Python in between)
+    kernels = graph_us(all_layers) if device.type == "cuda" else kernels_eager
     append_one = kernels_us(lambda: append_layer(0), device)
     decode_one = kernels_us(lambda: decode_layer(0), device)
     cache.abort_token(view)
@@ -172,6 +175,7 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
         "step_us": step_us,
         "step_p90_us": sorted(walls)[int(0.9 * (len(walls) - 1))] * 1e6,
         "kernels_us": kernels,
+        "kernels_eager_us": kernels_eager,
         "overhead_us": step_us - kernels,
         "overhead_pct": 100.0 * (step_us - kernels) / step_us,
         "append_layer_us": append_one,
@@ -228,7 +232,8 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     env = environment()
     columns = [
-        "B", "context", "step µs", "p90 µs", "kernels µs", "overhead µs", "overhead %",
+        "B", "context", "step µs", "p90 µs", "kernels µs", "kernels eager µs", "overhead µs",
+        "overhead %",
         "append/layer µs", "decode/layer µs", "host begin µs", "host per layer µs",
         "host commit µs", "KV GiB", "splits",
     ]  # fmt: skip
@@ -236,7 +241,8 @@ def report(rows: list[dict], args) -> None:
         columns,
         [
             [r["batch"], r["context"], r["step_us"], r["step_p90_us"], r["kernels_us"],
-             r["overhead_us"], r["overhead_pct"], r["append_layer_us"], r["decode_layer_us"],
+             r["kernels_eager_us"], r["overhead_us"], r["overhead_pct"], r["append_layer_us"],
+             r["decode_layer_us"],
              r["host_begin_us"], r["host_per_layer_us"], r["host_commit_us"],
              fmt(r["kv_gib"], 2), r["num_splits"]]
             for r in rows
@@ -256,8 +262,10 @@ def report(rows: list[dict], args) -> None:
   {args.steps} timed steps after {args.warmup_steps} warm-up steps
 
 **Step** = `begin_step` + {args.layers} × `step_layer` (fused RoPE+append, split-KV decode) +
-`commit_step`, synchronised (median wall time). **Kernels** = the same {2 * args.layers}
-launches with no engine (do_bench median). **Overhead** = step − kernels: Python validation,
+`commit_step`, synchronised (median wall time). **Kernels** = the device time of the same
+{2 * args.layers} launches with no engine, replayed from a CUDA graph (do_bench median);
+**kernels eager** = those launches issued from Python without the engine (what the kernels cost
+when launched one by one). **Overhead** = step − kernels: Python validation,
 the cache's bookkeeping, the transaction's host→device metadata copy and its abort backup, and
 launch gaps. The host columns are the CPU time to issue each part (not synchronised): when the
 host part exceeds the kernels the step is host-bound (small batches); CUDA-graph capture of the

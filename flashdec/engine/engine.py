@@ -65,6 +65,7 @@ class _OpenStep:
     request_ids: tuple
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] incl. the reserved slot
     seq_lens_after: torch.Tensor  # [B] pre-step lengths + 1: decode sees the new token
+    positions: tuple[int, ...]  # pre-step lengths, known on the host
     max_seq_len_after: int
     total_tokens_after: int
     next_layer: int = 0
@@ -317,6 +318,7 @@ class DecodeEngine:
             request_ids=rids,
             block_tables=block_tables,
             seq_lens_after=seq_lens_after,
+            positions=tuple(lens),
             max_seq_len_after=max(lens) + 1,
             total_tokens_after=sum(lens) + len(lens),
         )
@@ -360,11 +362,11 @@ class DecodeEngine:
             )
         view = self.cache.commit_token(tx)
         self._open = None
-        return StepResult(
+        return StepResult(  # from host-side lengths: committing never waits for the GPU
             transaction_id=view.transaction_id,
             request_ids=step.request_ids,
-            positions=tuple(int(p) for p in view.positions.tolist()),
-            seq_lens=tuple(self.cache.seq_len(rid) for rid in step.request_ids),
+            positions=step.positions,
+            seq_lens=tuple(p + 1 for p in step.positions),
             num_layers=self.cache.num_layers,
         )
 
@@ -508,19 +510,25 @@ class DecodeEngine:
                 step.max_seq_len_after,
                 self.sm_scale,
             )
-        from flashdec.kernels import decode
+        from flashdec.kernels import launch_decode
 
         if step.decode_state is None:
             step.decode_state = self._triton_state(q_rot.shape, step)
-        return decode(
+        workspace = step.decode_state.workspace
+        # trusted launch: q was checked above, the layer views, tables and lengths are the
+        # cache's own, and the plan was built for exactly this batch shape
+        return launch_decode(
             q_rot,
             k_layer,
             v_layer,
             step.block_tables,
             step.seq_lens_after,
-            sm_scale=self.sm_scale,
-            out=torch.empty_like(q_rot),  # each layer's output outlives the shared workspace
-            workspace=step.decode_state.workspace,
+            self.sm_scale,
+            workspace.plan,
+            torch.empty_like(q_rot),  # each layer's output outlives the shared workspace
+            workspace.partial_out,
+            workspace.partial_lse,
+            q_rot.shape[0],
         )
 
     def _triton_state(self, q_shape, step: _OpenStep) -> TritonDecodeState:
