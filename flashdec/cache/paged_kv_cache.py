@@ -196,6 +196,10 @@ class PagedKVCache:
         tx = self._tx.open
         return None if tx is None else tx.transaction_id
 
+    def _slot_rows_view(self, storage: torch.Tensor) -> torch.Tensor:
+        """``[L, blocks * Hkv * block_size, D]`` view of a (contiguous) K or V storage tensor."""
+        return storage.view(self._num_layers, -1, self._head_dim)
+
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[max_blocks, Hkv, block_size, D]`` of one layer's K and V."""
         layer = self._check_layer_index(layer_idx)
@@ -392,6 +396,7 @@ class PagedKVCache:
                 block_ids,
                 [rec.table for rec in slots.records],
                 self._block_size,
+                self._num_kv_heads,
                 self._device,
             )
         except BaseException:
@@ -511,8 +516,10 @@ class PagedKVCache:
         try:
             tx = OpenTransaction(self._tx.next_id(), self._version + 1, tuple(rids), taken, meta)
             if self._restore_on_abort:  # [B, L, Hkv, D] old bytes of the reserved slots
-                tx.backup_k = self.k_cache[:, meta.block_ids, :, meta.offsets]
-                tx.backup_v = self.v_cache[:, meta.block_ids, :, meta.offsets]
+                # one index_select per tensor over [L, blocks*Hkv*bs, D] rows: cheaper to
+                # issue than a two-tensor advanced index
+                tx.backup_k = self._slot_rows_view(self.k_cache).index_select(1, meta.slot_rows)
+                tx.backup_v = self._slot_rows_view(self.v_cache).index_select(1, meta.slot_rows)
             view = tx.view(TransactionState.OPEN, tx.cache_version)
         except BaseException:
             self._release_taken(taken)
@@ -612,8 +619,9 @@ class PagedKVCache:
         view = open_tx.view(TransactionState.ABORTED, version)
         meta = open_tx.metadata
         if open_tx.backup_k is not None and open_tx.next_layer > 0:
-            self.k_cache[:, meta.block_ids, :, meta.offsets] = open_tx.backup_k
-            self.v_cache[:, meta.block_ids, :, meta.offsets] = open_tx.backup_v
+            rows = meta.slot_rows.long()  # index_copy_ wants int64; abort is the rare path
+            self._slot_rows_view(self.k_cache).index_copy_(1, rows, open_tx.backup_k)
+            self._slot_rows_view(self.v_cache).index_copy_(1, rows, open_tx.backup_v)
         self._release_taken(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version

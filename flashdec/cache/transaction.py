@@ -72,6 +72,7 @@ class TransactionMetadata:
         "positions",
         "seq_lens",
         "seq_lens_after",
+        "slot_rows",
     )
 
     def __init__(self, buffer: torch.Tensor, batch: int, width: int) -> None:
@@ -82,7 +83,10 @@ class TransactionMetadata:
         self.offsets = rows[2]
         self.seq_lens = rows[3]
         self.seq_lens_after = rows[4]
-        self.block_tables = buffer[5 * batch :].view(batch, width)
+        table_end = 5 * batch + batch * width
+        self.block_tables = buffer[5 * batch : table_end].view(batch, width)
+        # [B * Hkv] rows of the new token's slots in a layer viewed as [blocks*Hkv*bs, D]
+        self.slot_rows = buffer[table_end:]
 
     @classmethod
     def upload(
@@ -91,6 +95,7 @@ class TransactionMetadata:
         block_ids: list[int],
         tables: Sequence[np.ndarray],
         block_size: int,
+        num_kv_heads: int,
         device: torch.device,
     ) -> TransactionMetadata:
         """Pack on the host and copy to ``device`` in one transfer (pinned + async on CUDA).
@@ -100,7 +105,8 @@ class TransactionMetadata:
         """
         batch, width = len(tables), tables[0].shape[0]
         pinned = device.type == "cuda"
-        host = torch.empty(5 * batch + batch * width, dtype=torch.int32, pin_memory=pinned)
+        table_end = 5 * batch + batch * width
+        host = torch.empty(table_end + batch * num_kv_heads, dtype=torch.int32, pin_memory=pinned)
         arr = host.numpy()
         pos = np.asarray(positions, dtype=np.int32)
         ids = np.asarray(block_ids, dtype=np.int32)
@@ -109,9 +115,14 @@ class TransactionMetadata:
         arr[2 * batch : 3 * batch] = pos % block_size
         arr[3 * batch : 4 * batch] = pos
         arr[4 * batch : 5 * batch] = pos + 1
-        table_rows = arr[5 * batch :].reshape(batch, width)
+        table_rows = arr[5 * batch : table_end].reshape(batch, width)
         np.stack(tables, out=table_rows)  # rows copied straight into the upload buffer
         table_rows[np.arange(batch), pos // block_size] = ids
+        heads = np.arange(num_kv_heads, dtype=np.int32)
+        slot_rows = (ids[:, None] * num_kv_heads + heads[None, :]) * block_size + (
+            pos % block_size
+        )[:, None]
+        arr[table_end:] = slot_rows.reshape(-1)
         buffer = host.to(device, non_blocking=True) if pinned else host
         return cls(buffer, batch, width)
 

@@ -308,8 +308,10 @@ class DecodeEngine:
             raise TypeError(
                 f"request_ids must be a list or tuple, got {type(request_ids).__name__}"
             )
-        for rid in rids:
-            self._require_state(rid, EngineRequestState.ACTIVE, "step")
+        states, active = self._states, EngineRequestState.ACTIVE
+        for rid in rids:  # fast path first; the slow check explains what is wrong
+            if type(rid) not in (str, int) or states.get(rid) is not active:
+                self._require_state(rid, active, "step")
         view = self.cache.begin_token(list(rids))
         block_tables, seq_lens_after = self.cache.transaction_decode_inputs(view)
         lens = [self.cache.seq_len(rid) for rid in rids]  # host-side: no device sync
