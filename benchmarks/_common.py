@@ -184,7 +184,8 @@ def bar_plot(
         return None
     n = max(1, len(series))
     width = 0.8 / n
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(labels) * n), 5))
+    # wide enough to read a few dozen groups, never wider than a screen
+    fig, ax = plt.subplots(figsize=(min(22, max(8, 0.16 * len(labels) * n)), 6))
     for i, (name, values) in enumerate(series.items()):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(labels))]
         ys = [v if v is not None else 0.0 for v in values]
