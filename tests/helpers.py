@@ -30,6 +30,7 @@ def make_paged_kv(
     Table entries past each request's used blocks are filled with -1 (never read).
     """
     gen = generator or torch.Generator().manual_seed(0)
+    dev = torch.device(device)
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     max_blocks = max([1, *blocks_per_seq])
@@ -40,26 +41,17 @@ def make_paged_kv(
         tables[b, :nb] = perm[cursor : cursor + nb].to(torch.int32)
         cursor += nb
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    max_len = max([1, *seq_lens])
-    k_dense = torch.zeros(len(seq_lens), max_len, num_kv_heads, head_dim, dtype=dtype)
-    v_dense = torch.zeros_like(k_dense)
-    for b, n in enumerate(seq_lens):
-        for t in range(n):
-            blk, off = int(tables[b, t // block_size]), t % block_size
-            k_dense[b, t] = k_cache[blk, :, off]
-            v_dense[b, t] = v_cache[blk, :, off]
+    k_cache = torch.randn(shape, generator=gen).to(device=dev, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device=dev, dtype=dtype)
+    tables = tables.to(dev)
+    # dense copies by one gather (token t of request b: block tables[b, t // bs], slot t % bs);
+    # positions past a request's length hold junk and are masked by seq_lens in the references
+    tok = torch.arange(max([1, *seq_lens]), device=dev)
+    ids = tables.long().clamp(min=0)[:, tok // block_size]  # [B, max_len]
+    k_dense = k_cache[ids, :, tok % block_size]  # [B, max_len, Hkv, D]
+    v_dense = v_cache[ids, :, tok % block_size]
     if kv_layout == "dim_major":
         k_cache = k_cache.transpose(2, 3).contiguous()
         v_cache = v_cache.transpose(2, 3).contiguous()
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    dev = torch.device(device)
-    return (
-        k_cache.to(dev),
-        v_cache.to(dev),
-        tables.to(dev),
-        lens.to(dev),
-        k_dense.to(dev),
-        v_dense.to(dev),
-    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    return k_cache, v_cache, tables, lens, k_dense, v_dense

@@ -11,7 +11,6 @@ import flashdec
 from flashdec import dense_decode_attention_ref, paged_decode_attention_ref
 from flashdec.kernels import DecodeWorkspace, _runtime, decode, paged_decode_attention, plan_decode
 from tests.helpers import TOLERANCES, make_paged_kv
-from tests.kernels._builders import random_paged_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads): MHA, GQA 2, odd GQA 3, MQA 8, MQA 32 (a 32-row tile)
@@ -267,7 +266,7 @@ LARGE = [
 @pytest.mark.parametrize(("hq", "hkv", "d", "page", "dtype"), LARGE, ids=str)
 def test_gpu_large_shapes(hq, hkv, d, page, dtype):
     seq_lens = [4000, 33000, 1, 9017]
-    k, v, tables, lens, kd, vd = random_paged_cache(seq_lens, hkv, d, page, dtype, "cuda")
+    k, v, tables, lens, kd, vd = make_paged_kv(seq_lens, hkv, d, page, dtype, "cuda")
     q = _q(4, hq, d, dtype, "cuda")
     ref = dense_decode_attention_ref(q, kd, vd, lens)
     out = _poisoned(q.shape, dtype, "cuda")
@@ -284,7 +283,7 @@ def test_gpu_large_shapes(hq, hkv, d, page, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_dim_major_and_fp32(dtype):
     seq_lens = [3000, 17, 0, 1025]
-    k, v, tables, lens, kd, vd = random_paged_cache(seq_lens, 2, 128, 16, dtype, "cuda")
+    k, v, tables, lens, kd, vd = make_paged_kv(seq_lens, 2, 128, 16, dtype, "cuda")
     q = _q(4, 8, 128, dtype, "cuda")
     ref = dense_decode_attention_ref(q, kd, vd, lens)
     out = decode(
@@ -302,7 +301,7 @@ def test_gpu_dim_major_and_fp32(dtype):
 def test_gpu_cuda_graph_capture_and_replay():
     dtype = torch.bfloat16
     seq_lens = [5000, 100, 2048]
-    k, v, tables, lens, kd, vd = random_paged_cache(seq_lens, 8, 128, 16, dtype, "cuda")
+    k, v, tables, lens, kd, vd = make_paged_kv(seq_lens, 8, 128, 16, dtype, "cuda")
     q = _q(3, 32, 128, dtype, "cuda")
     plan = plan_decode(3, 32, 8, 128, 16, 6000, dtype, "cuda", max_blocks_per_seq=tables.shape[1])
     assert plan.uses_split
