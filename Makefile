@@ -19,9 +19,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff format --check .
 
 format: $(STAMP)
