@@ -89,3 +89,9 @@ def test_config_validation(overrides, error):
         SyntheticWorkloadConfig(**overrides)
     with pytest.raises(ValueError):
         IntegratedWorkloadConfig(failure_rate=1.5)
+
+
+def test_warmup_run_measures_the_same_workload_again():
+    cold = run_synthetic_workload(num_requests=5, seed=4)
+    warm = run_synthetic_workload(num_requests=5, seed=4, warmup_run=True)
+    assert _without_timings(cold) == _without_timings(dataclasses.replace(warm, config=cold.config))
