@@ -425,12 +425,12 @@ class DecodeEngine:
         self.cache.register_prefix(prefix_id, k_blocks, v_blocks)
 
     def evict_prefix(self, prefix_id) -> None:
-        """Evict an inactive prefix; only once every scheduler-managed request is terminal."""
+        """Evict an inactive prefix; only once every request of this engine is terminal."""
         self._require_no_open_step("evict_prefix")
-        if self._scheduled.has_live_requests(self._states):
+        live = (EngineRequestState.WAITING, EngineRequestState.ACTIVE)
+        if any(state in live for state in self._states.values()):
             raise RuntimeError(
-                "evict_prefix needs every scheduler-managed request to be finished, cancelled "
-                "or rejected first"
+                "evict_prefix needs every request to be finished, cancelled or rejected first"
             )
         self.cache.evict_prefix(prefix_id)
 

@@ -265,3 +265,15 @@ def test_constructor_validation():
         type(engine)(engine.cache, rotary_dim=3)
     with pytest.raises(TypeError, match="PagedKVCache"):
         type(engine)(object())
+
+
+def test_prefix_eviction_waits_until_every_request_is_terminal():
+    engine = make_engine(prefix_blocks=2)
+    blocks = torch.randn(NUM_LAYERS, 1, HKV, BS, D)
+    engine.register_prefix("p", blocks, blocks)
+    engine.add_request("a")
+    with pytest.raises(RuntimeError, match="finished, cancelled or rejected"):
+        engine.evict_prefix("p")
+    engine.cancel_request("a")
+    engine.evict_prefix("p")
+    assert engine.cache.prefix_ids() == []
