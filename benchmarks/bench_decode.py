@@ -7,7 +7,7 @@ path (``plan_decode`` once, then ``decode(..., workspace=ws)`` per call), the co
 FlashInfer's ``plan()`` / ``run()``.
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py                 # full matrix
-    PYTHONPATH=. python3 benchmarks/bench_decode.py --sweep         # tile/split tuning table
+    PYTHONPATH=. python3 benchmarks/tune_decode.py                  # tile/split tuning sweep
 """
 
 from __future__ import annotations
@@ -481,72 +481,6 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
         )
 
 
-def run_sweep(args, env) -> None:
-    """Time tile/split configurations on a few shapes; prints and saves the table."""
-    configs = []
-    for bn in args.sweep_block_n:
-        for warps in args.sweep_warps:
-            for stages in args.sweep_stages:
-                configs.append({"block_n": bn, "num_warps": warps, "num_stages": stages})
-    results = []
-    t0 = time.time()
-    for head in args.heads:
-        hq, hkv, d = parse_heads(head)
-        for label, lens in cases():
-            if label.split(" ")[0] not in args.sweep_shapes and label not in args.sweep_shapes:
-                continue
-            case = Case(lens, hq, hkv, d, args.pages[0], DTYPES[args.dtypes[0]])
-            for pps in args.sweep_pps:
-                for cfg in configs:
-                    if time.time() - t0 > args.budget_s:
-                        break
-                    try:
-                        plan, _, launch = case.flashdec_fns(programs_per_sm=pps, **cfg)
-                    except Exception as exc:
-                        print("plan failed", cfg, exc)
-                        continue
-                    # CUDA-graph replay: the kernels' own time, without Python launch overhead
-                    us, err = time_graph_or_error(launch, args.warmup, args.rep)
-                    tbs = case.kv_bytes / (us * 1e-6) / 1e12 if us else None
-                    results.append(
-                        {
-                            "heads": head,
-                            "shape": label,
-                            "pps": pps,
-                            **cfg,
-                            "splits": plan.num_splits,
-                            "us": us,
-                            "tbs": tbs,
-                            "error": err,
-                        }
-                    )
-                    print(
-                        f"sweep {head} {label:<24} pps={pps} {cfg} splits={plan.num_splits} "
-                        f"-> {fmt(us)} us {fmt(tbs, 2)} TB/s {err or ''}",
-                        flush=True,
-                    )
-            del case
-            torch.cuda.empty_cache()
-    # best config per head config: lowest geometric mean time over its shapes
-    lines = ["# Decode tile/split sweep", "", environment_markdown(env), ""]
-    for head in args.heads:
-        scores = {}
-        for r in results:
-            if r["heads"] != head:
-                continue
-            key = (r["pps"], r["block_n"], r["num_warps"], r["num_stages"])
-            scores.setdefault(key, []).append(r["us"] if r["us"] else float("inf"))
-        ranked = sorted(scores.items(), key=lambda kv: geomean(kv[1]) or float("inf"))
-        lines.append(f"## {head}: best (pps, block_n, warps, stages) by geomean time")
-        for key, times in ranked[:6]:
-            lines.append(f"- {key}: " + ", ".join(fmt(t) for t in times))
-        lines.append("")
-    write_results(
-        args.name, "\n".join(lines), {"environment": env, "sweep": results}, Path(args.out_dir)
-    )
-    print("\n".join(lines))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -566,15 +500,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=1e9, help="stop adding cases after this")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default=None)
-    p.add_argument("--sweep", action="store_true")
     p.add_argument("--from-json", default=None, help="re-render .md/.png from a saved decode.json")
-    p.add_argument("--sweep-shapes", nargs="+", default=["B=1", "B=8", "B=32", "B=512", "skewed"])
-    p.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128])
-    p.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
-    p.add_argument("--sweep-stages", nargs="+", type=int, default=[2, 3, 4])
-    p.add_argument("--sweep-pps", nargs="+", type=int, default=[4])
     args = p.parse_args(argv)
-    args.name = args.name or ("decode_sweep" if args.sweep else "decode")
+    args.name = args.name or "decode"
     if args.from_json:  # no GPU needed: rebuild the report of an earlier run
         import json
 
@@ -598,9 +526,6 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU", file=sys.stderr)
         return 2
     env = environment()
-    if args.sweep:
-        run_sweep(args, env)
-        return 0
     flashinfer, fi_error = (
         (None, "disabled (--no-flashinfer)") if args.no_flashinfer else load_flashinfer()
     )

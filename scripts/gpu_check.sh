@@ -2,8 +2,8 @@
 # GPU check: every `gpu`-marked test, then the benchmarks; prints a short summary last.
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
-#   GPU_CHECK_PHASES="tests sweep decode append" bash scripts/gpu_check.sh
-#   extra arguments per phase: SWEEP_ARGS, PPS_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS
+#   GPU_CHECK_PHASES="tests tune decode append" bash scripts/gpu_check.sh
+#   extra arguments per phase: TUNE_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -37,12 +37,8 @@ for phase in $PHASES; do
       python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
         | tail -5 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
-    sweep)
-      python3 benchmarks/bench_decode.py --sweep --out-dir "$OUT" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG"
-      rc=${PIPESTATUS[0]} ;;
-    pps)
-      python3 benchmarks/bench_decode.py --sweep --name decode_pps --out-dir "$OUT" \
-        ${PPS_ARGS:-} 2>&1 | tee -a "$LOG"
+    tune)
+      python3 benchmarks/tune_decode.py --out-dir "$OUT" ${TUNE_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     decode)
       python3 benchmarks/bench_decode.py --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"

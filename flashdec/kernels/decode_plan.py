@@ -23,8 +23,12 @@ import torch
 from flashdec._checks import FLOAT_DTYPES, check_kv_layout, check_positive_int
 from flashdec.kernels._runtime import next_power_of_2, sm_count
 
-# Programs per SM the split heuristic aims for (several resident programs hide load latency).
-DEFAULT_PROGRAMS_PER_SM = 8
+# Split path: (split, KV head) work items the heuristic aims for per SM. Two wide-tile programs
+# per SM keep enough loads in flight; more splits only add partial-output traffic and merge work.
+DEFAULT_PROGRAMS_PER_SM = 2
+# Without splitting, this many (request, KV head) programs per SM already keep the GPU busy:
+# then only requests longer than the batch's mean length are split (skewed batches).
+NO_SPLIT_PROGRAMS_PER_SM = 1.5
 # Cap on split-path programs per SM; beyond it programs loop over several work items.
 MAX_PROGRAMS_PER_SM = 16
 # A split shorter than this costs more in set-up and merge traffic than it gains in parallelism.
@@ -33,39 +37,41 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 1024
 # Splits merged per loop step of the log-sum-exp merge kernel.
 MERGE_BLOCK_S = 32
+# K+V bytes one loop iteration gathers. A wide tile keeps more bytes in flight per program, which
+# is what counts when only a few programs share an SM; a narrow one halves the shared memory of
+# the three pipeline stages, so twice as many programs fit on an SM (H200 measurements:
+# benchmarks/results/decode_tuning.md).
+WIDE_TILE_BYTES = 32 * 1024
+NARROW_TILE_BYTES = 16 * 1024
+# Single-pass programs per SM up to which the wide tile is chosen (its residency is about 3).
+WIDE_TILE_MAX_PROGRAMS_PER_SM = 3
+DEFAULT_NUM_STAGES = 3
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape and launch options of the split kernel."""
+    """Tile shape and launch options of the decode kernel."""
 
     block_n: int  # tokens per loop iteration (gathered from one or several pages)
     num_warps: int
     num_stages: int
 
 
-def default_kernel_config(head_dim: int, group_size: int, dtype: torch.dtype) -> KernelConfig:
-    """The tuned defaults per (head_dim, query heads per KV head, dtype).
+def default_kernel_config(
+    head_dim: int, group_size: int, dtype: torch.dtype, *, wide: bool = True
+) -> KernelConfig:
+    """The tuned defaults per (head_dim, query heads per KV head, dtype, tile width).
 
-    Chosen from H200 measurements (benchmarks/results/decode.md): about 16-32 KiB of K per loop
-    iteration, three pipeline stages, more warps when the packed query tile is tall.
+    ``block_n`` is sized so that one iteration gathers :data:`WIDE_TILE_BYTES` (or
+    :data:`NARROW_TILE_BYTES`) of K and V; three pipeline stages; four warps (eight for
+    head_dim 256, whose tiles are twice as wide).
     """
     block_d = max(16, next_power_of_2(head_dim))
-    block_g = max(16, next_power_of_2(group_size))
     elem = torch.empty((), dtype=dtype).element_size()
-    if block_d <= 64:
-        block_n = 128
-    elif block_d <= 128:
-        block_n = 64
-    else:
-        block_n = 32
-    if elem == 4:  # fp32 (tests): half the tokens for the same bytes
-        block_n = max(16, block_n // 2)
-    # a tall packed tile (MQA: 32+ query rows) wants more warps for its dots
-    num_warps = 8 if block_g >= 32 or block_d >= 256 else 4
-    # two stages beat three on the H200: smaller shared-memory footprint, more resident programs
-    num_stages = 2
-    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    tile_bytes = WIDE_TILE_BYTES if wide else NARROW_TILE_BYTES
+    block_n = min(128, max(16, tile_bytes // (2 * block_d * elem)))
+    num_warps = 8 if block_d >= 256 else 4
+    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=DEFAULT_NUM_STAGES)
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,40 @@ class DecodeWorkspace:
         )
 
 
+def target_tokens_per_split(
+    batch: int,
+    total_tokens: int,
+    max_seq_len: int,
+    num_kv_heads: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
+    min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+) -> int:
+    """Tokens per split before rounding: a request longer than this is split.
+
+    Work is measured in token-heads over the whole batch, so every split carries about the same
+    number of tokens whatever the mix of lengths.
+    """
+    total_tokens = max(1, total_tokens)
+    if batch * num_kv_heads >= NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        per_split = math.ceil(total_tokens / batch)  # split only the longer-than-mean requests
+    else:
+        per_split = math.ceil(total_tokens * num_kv_heads / (num_sms * programs_per_sm))
+    return max(per_split, min_tokens_per_split, math.ceil(max(1, max_seq_len) / MAX_SPLITS))
+
+
+def balance_splits(max_seq_len: int, target: int, block_n: int) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)``: the longest request cut into equal block_n multiples
+    (a 2-way split of 4096 tokens is 2 x 2048, not 3972 + 124)."""
+    max_seq_len = max(1, max_seq_len)
+    splits = math.ceil(max_seq_len / max(1, target))
+    if splits <= 1:
+        return 1, math.ceil(max_seq_len / block_n) * block_n
+    per_split = math.ceil(math.ceil(max_seq_len / splits) / block_n) * block_n
+    return math.ceil(max_seq_len / per_split), per_split
+
+
 def choose_tokens_per_split(
     batch: int,
     total_tokens: int,
@@ -155,23 +195,17 @@ def choose_tokens_per_split(
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
 ) -> tuple[int, int]:
-    """``(num_splits, tokens_per_split)`` for a batch holding ``total_tokens`` tokens.
-
-    Work is measured over the whole batch so every split carries about the same number of
-    tokens whatever the mix of lengths.
-    """
-    max_seq_len = max(1, max_seq_len)
-    target_programs = max(1, num_sms * programs_per_sm)
-    per_split = math.ceil(max(1, total_tokens) * num_kv_heads / target_programs)
-    per_split = max(per_split, min_tokens_per_split, math.ceil(max_seq_len / MAX_SPLITS))
-    if batch * num_kv_heads >= 2 * num_sms:
-        # enough (request, KV head) programs already: split only requests longer than the mean,
-        # which keeps skewed batches balanced and uniform ones single-pass
-        per_split = max(per_split, math.ceil(max(1, total_tokens) / max(1, batch)))
-    per_split = math.ceil(per_split / block_n) * block_n
-    if per_split >= max_seq_len:
-        return 1, math.ceil(max_seq_len / block_n) * block_n
-    return math.ceil(max_seq_len / per_split), per_split
+    """``(num_splits, tokens_per_split)`` for a batch holding ``total_tokens`` tokens."""
+    target = target_tokens_per_split(
+        batch,
+        total_tokens,
+        max_seq_len,
+        num_kv_heads,
+        num_sms,
+        programs_per_sm=programs_per_sm,
+        min_tokens_per_split=min_tokens_per_split,
+    )
+    return balance_splits(max_seq_len, target, block_n)
 
 
 def plan_decode(
@@ -229,7 +263,30 @@ def plan_decode(
     check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
     group = num_q_heads // num_kv_heads
 
-    config = default_kernel_config(head_dim, group, dtype)
+    num_sms = sm_count(device)
+    if num_splits is not None:
+        check_positive_int("num_splits", num_splits)
+    if tokens_per_split is not None:
+        check_positive_int("tokens_per_split", tokens_per_split)
+    # The split decision comes first: the tile width follows from how many programs share an SM.
+    target = None
+    if num_splits is None and tokens_per_split is None:
+        target = target_tokens_per_split(
+            batch,
+            batch * max_seq_len if total_tokens is None else total_tokens,
+            max_seq_len,
+            num_kv_heads,
+            num_sms,
+            programs_per_sm=programs_per_sm,
+            min_tokens_per_split=min_tokens_per_split,
+        )
+        will_split = target < max_seq_len
+    elif num_splits is not None:
+        will_split = num_splits > 1
+    else:
+        will_split = tokens_per_split < max_seq_len
+    wide = will_split or batch * num_kv_heads <= WIDE_TILE_MAX_PROGRAMS_PER_SM * num_sms
+    config = default_kernel_config(head_dim, group, dtype, wide=wide)
     if block_n is not None:
         check_positive_int("block_n", block_n, minimum=16)
         if block_n & (block_n - 1):
@@ -243,32 +300,18 @@ def plan_decode(
         config = dataclasses.replace(config, num_stages=num_stages)
     bn = config.block_n
 
-    num_sms = sm_count(device)
     if tokens_per_split is not None:
-        check_positive_int("tokens_per_split", tokens_per_split)
         if tokens_per_split % bn:
             raise ValueError(f"tokens_per_split must be a multiple of block_n={bn}")
         splits = max(1, math.ceil(max_seq_len / tokens_per_split))
         if num_splits is not None:
-            check_positive_int("num_splits", num_splits)
             splits = num_splits
         per_split = tokens_per_split
     elif num_splits is not None:
-        check_positive_int("num_splits", num_splits)
         splits = num_splits
         per_split = max(bn, math.ceil(math.ceil(max(1, max_seq_len) / splits) / bn) * bn)
     else:
-        total = batch * max_seq_len if total_tokens is None else total_tokens
-        splits, per_split = choose_tokens_per_split(
-            batch,
-            total,
-            max_seq_len,
-            num_kv_heads,
-            bn,
-            num_sms,
-            programs_per_sm=programs_per_sm,
-            min_tokens_per_split=min_tokens_per_split,
-        )
+        splits, per_split = balance_splits(max_seq_len, target, bn)
     if splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
     # Work items of the split path: (split, KV head) pairs; with known lengths each request

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from flashdec.kernels import DecodePlan, DecodeWorkspace, plan_decode
-from flashdec.kernels.decode_plan import MAX_SPLITS, choose_tokens_per_split
+from flashdec.kernels.decode_plan import (
+    MAX_SPLITS,
+    balance_splits,
+    choose_tokens_per_split,
+    default_kernel_config,
+)
 
 
 def _plan(batch, max_len, hkv=8, hq=32, d=128, page=16, **kw) -> DecodePlan:
@@ -67,6 +72,30 @@ def test_plan_is_frozen_and_workspace_shapes():
     assert ws.partial_lse.shape == (3, 32, plan.num_splits)
     assert ws.out.shape == (3, 32, 128) and ws.out.dtype == torch.bfloat16
     assert plan.allocate_workspace().plan is plan
+
+
+def test_splits_are_balanced():
+    # 4096 tokens in two splits are 2 x 2048, not 3972 + 124
+    assert balance_splits(4096, 3972, 32) == (2, 2048)
+    assert balance_splits(32768, 993, 64) == (32, 1024)
+    assert balance_splits(100, 1000, 64) == (1, 128)
+    for max_len, target, bn in [(5000, 700, 64), (777, 100, 32), (16384, 7944, 64)]:
+        splits, per = balance_splits(max_len, target, bn)
+        assert per % bn == 0 and splits * per >= max_len
+        assert 0 < max_len - (splits - 1) * per <= per  # no empty split
+        assert per < -(-max_len // splits) + bn  # equal up to one tile of rounding
+
+
+def test_tile_width_follows_programs_per_sm():
+    # few programs per SM (split path, or a small batch): the wide 32 KiB tile
+    assert _plan(1, 32768).block_n == 64
+    assert _plan(32, 4096).block_n == 64 and not _plan(32, 4096).uses_split
+    # many resident programs: the narrow tile, so that twice as many fit on an SM
+    assert _plan(64, 2048).block_n == 32
+    # the tile is sized in bytes: head_dim 64 gathers twice as many tokens
+    assert default_kernel_config(64, 4, torch.bfloat16).block_n == 128
+    assert default_kernel_config(128, 4, torch.float32).block_n == 32
+    assert default_kernel_config(256, 4, torch.bfloat16).num_warps == 8
 
 
 def test_choose_tokens_per_split_bounds():
