@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from flashdec._checks import FLOAT_DTYPES, check_int_tensor, check_shape, check_tensor
-from flashdec.kernels._runtime import INTERPRET, check_kernel_device, next_power_of_2
+from flashdec.kernels._runtime import INTERPRET, check_kernel_device, launch, next_power_of_2
 from flashdec.reference.rope import check_rotary_dim
 
 
@@ -214,21 +214,27 @@ def launch_kv_append(
     batch, num_kv_heads, head_dim = k.shape
     if batch == 0:
         return
-    _kv_append_kernel[(batch,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        block_ids,
-        offsets,
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_dim),
+    launch(
+        _kv_append_kernel,
+        (batch,),
+        (
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_ids,
+            offsets,
+            *k.stride(),
+            *v.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+        ),
+        {
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEAD_DIM": head_dim,
+            "BLOCK_H": next_power_of_2(num_kv_heads),
+            "BLOCK_D": next_power_of_2(head_dim),
+        },
         num_warps=4,
     )
 
@@ -254,31 +260,37 @@ def launch_fused_rope_kv_append(
         q_out = torch.empty_like(q)
     if batch == 0:
         return q_out
-    _fused_rope_kv_append_kernel[(batch,)](
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        block_ids,
-        offsets,
-        positions,
-        _inv_freq(q.device, rotary_dim, base),
-        q_out,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *q_out.stride(),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        ROTARY_DIM=rotary_dim,
-        BLOCK_HQ=next_power_of_2(num_q_heads),
-        BLOCK_HK=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_dim),
-        USE_LIBDEVICE=not INTERPRET,
+    launch(
+        _fused_rope_kv_append_kernel,
+        (batch,),
+        (
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_ids,
+            offsets,
+            positions,
+            _inv_freq(q.device, rotary_dim, base),
+            q_out,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *q_out.stride(),
+        ),
+        {
+            "NUM_Q_HEADS": num_q_heads,
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEAD_DIM": head_dim,
+            "ROTARY_DIM": rotary_dim,
+            "BLOCK_HQ": next_power_of_2(num_q_heads),
+            "BLOCK_HK": next_power_of_2(num_kv_heads),
+            "BLOCK_D": next_power_of_2(head_dim),
+            "USE_LIBDEVICE": not INTERPRET,
+        },
         num_warps=4,
     )
     return q_out

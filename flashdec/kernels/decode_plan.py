@@ -39,13 +39,15 @@ MAX_SPLITS = 1024
 MERGE_BLOCK_S = 32
 # K+V bytes one loop iteration gathers. A wide tile keeps more bytes in flight per program, which
 # is what counts when only a few programs share an SM; a narrow one halves the shared memory of
-# the three pipeline stages, so twice as many programs fit on an SM (H200 measurements:
-# benchmarks/results/decode_tuning.md).
+# the three pipeline stages, so twice as many programs fit on an SM. What matters most is that
+# the programs of a launch fit in whole waves (H200: benchmarks/results/decode_tuning.md):
+# - up to 3 programs per SM: wide tile, 3 stages (about 3 resident per SM: one wave);
+# - up to 6 per SM: narrow tile, 3 stages (about 6 resident: still one wave);
+# - more: several waves anyway; wide tile, 2 stages (about 4 resident).
 WIDE_TILE_BYTES = 32 * 1024
 NARROW_TILE_BYTES = 16 * 1024
-# Single-pass programs per SM up to which the wide tile is chosen (its residency is about 3).
 WIDE_TILE_MAX_PROGRAMS_PER_SM = 3
-DEFAULT_NUM_STAGES = 3
+NARROW_TILE_MAX_PROGRAMS_PER_SM = 6
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,26 @@ class KernelConfig:
 
 
 def default_kernel_config(
-    head_dim: int, group_size: int, dtype: torch.dtype, *, wide: bool = True
+    head_dim: int, group_size: int, dtype: torch.dtype, *, programs_per_sm: float = 0.0
 ) -> KernelConfig:
-    """The tuned defaults per (head_dim, query heads per KV head, dtype, tile width).
+    """The tuned defaults for a launch of about ``programs_per_sm`` programs per SM.
 
     ``block_n`` is sized so that one iteration gathers :data:`WIDE_TILE_BYTES` (or
-    :data:`NARROW_TILE_BYTES`) of K and V; three pipeline stages; four warps (eight for
-    head_dim 256, whose tiles are twice as wide).
+    :data:`NARROW_TILE_BYTES`) of K and V; four warps (eight for head_dim 256, whose tiles are
+    twice as wide). ``group_size`` does not change the choice (measured for 1 to 32).
     """
+    del group_size
     block_d = max(16, next_power_of_2(head_dim))
     elem = torch.empty((), dtype=dtype).element_size()
-    tile_bytes = WIDE_TILE_BYTES if wide else NARROW_TILE_BYTES
+    if programs_per_sm <= WIDE_TILE_MAX_PROGRAMS_PER_SM:
+        tile_bytes, num_stages = WIDE_TILE_BYTES, 3
+    elif programs_per_sm <= NARROW_TILE_MAX_PROGRAMS_PER_SM:
+        tile_bytes, num_stages = NARROW_TILE_BYTES, 3
+    else:
+        tile_bytes, num_stages = WIDE_TILE_BYTES, 2
     block_n = min(128, max(16, tile_bytes // (2 * block_d * elem)))
     num_warps = 8 if block_d >= 256 else 4
-    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=DEFAULT_NUM_STAGES)
+    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 @dataclass(frozen=True)
@@ -173,11 +181,17 @@ def target_tokens_per_split(
     return max(per_split, min_tokens_per_split, math.ceil(max(1, max_seq_len) / MAX_SPLITS))
 
 
+def split_count(max_seq_len: int, target: int) -> int:
+    """Splits of the longest request: rounded down, so the work items never exceed the target
+    (2.2 programs per SM would leave most SMs idle while a few run their third program)."""
+    return max(1, max(1, max_seq_len) // max(1, target))
+
+
 def balance_splits(max_seq_len: int, target: int, block_n: int) -> tuple[int, int]:
     """``(num_splits, tokens_per_split)``: the longest request cut into equal block_n multiples
     (a 2-way split of 4096 tokens is 2 x 2048, not 3972 + 124)."""
     max_seq_len = max(1, max_seq_len)
-    splits = math.ceil(max_seq_len / max(1, target))
+    splits = split_count(max_seq_len, target)
     if splits <= 1:
         return 1, math.ceil(max_seq_len / block_n) * block_n
     per_split = math.ceil(math.ceil(max_seq_len / splits) / block_n) * block_n
@@ -280,13 +294,15 @@ def plan_decode(
             programs_per_sm=programs_per_sm,
             min_tokens_per_split=min_tokens_per_split,
         )
-        will_split = target < max_seq_len
+        will_split = split_count(max_seq_len, target) > 1
     elif num_splits is not None:
         will_split = num_splits > 1
     else:
         will_split = tokens_per_split < max_seq_len
-    wide = will_split or batch * num_kv_heads <= WIDE_TILE_MAX_PROGRAMS_PER_SM * num_sms
-    config = default_kernel_config(head_dim, group, dtype, wide=wide)
+    # the split path aims at DEFAULT_PROGRAMS_PER_SM work items per SM; a single pass runs one
+    # program per (request, KV head)
+    load = 0.0 if will_split else batch * num_kv_heads / num_sms
+    config = default_kernel_config(head_dim, group, dtype, programs_per_sm=load)
     if block_n is not None:
         check_positive_int("block_n", block_n, minimum=16)
         if block_n & (block_n - 1):

@@ -316,3 +316,24 @@ def test_gpu_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(ws.out, dense_decode_attention_ref(q, kd, vd, lens))
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_take_the_cached_launch_and_stay_correct():
+    from flashdec.kernels import _runtime
+
+    dtype = torch.float16
+    seq_lens = [3000, 1, 777]
+    k, v, tables, lens, kd, vd = make_paged_kv(seq_lens, 4, 128, 16, dtype, "cuda")
+    q = _q(3, 16, 128, dtype, "cuda")
+    for splits in (1, 5):
+        plan = plan_decode(3, 16, 4, 128, 16, 3000, dtype, "cuda", num_splits=splits)
+        ws = plan.allocate_workspace()
+        decode(q, k, v, tables, lens, workspace=ws)  # compiles, fills the launch cache
+        cached = len(_runtime._COMPILED)
+        for _ in range(3):  # new data in the same buffers: the cached launch must see it
+            q.normal_()
+            ws.out.fill_(float("nan"))
+            decode(q, k, v, tables, lens, workspace=ws)
+            _assert_close(ws.out, dense_decode_attention_ref(q, kd, vd, lens))
+        assert len(_runtime._COMPILED) == cached  # no new compile-key entries

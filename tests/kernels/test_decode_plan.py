@@ -75,9 +75,10 @@ def test_plan_is_frozen_and_workspace_shapes():
 
 
 def test_splits_are_balanced():
-    # 4096 tokens in two splits are 2 x 2048, not 3972 + 124
-    assert balance_splits(4096, 3972, 32) == (2, 2048)
+    # 4096 tokens in two splits are 2 x 2048, not 2000 + 2000 + 96
+    assert balance_splits(4096, 2000, 32) == (2, 2048)
     assert balance_splits(32768, 993, 64) == (32, 1024)
+    assert balance_splits(8192, 1986, 64) == (4, 2048)  # rounded down: never above the target
     assert balance_splits(100, 1000, 64) == (1, 128)
     for max_len, target, bn in [(5000, 700, 64), (777, 100, 32), (16384, 7944, 64)]:
         splits, per = balance_splits(max_len, target, bn)
@@ -87,15 +88,24 @@ def test_splits_are_balanced():
 
 
 def test_tile_width_follows_programs_per_sm():
-    # few programs per SM (split path, or a small batch): the wide 32 KiB tile
-    assert _plan(1, 32768).block_n == 64
+    # few programs per SM (split path, or a small batch): the wide 32 KiB tile, 3 stages
+    assert (_plan(1, 32768).block_n, _plan(1, 32768).num_stages) == (64, 3)
     assert _plan(32, 4096).block_n == 64 and not _plan(32, 4096).uses_split
-    # many resident programs: the narrow tile, so that twice as many fit on an SM
-    assert _plan(64, 2048).block_n == 32
+    # up to 6 programs per SM: the narrow tile, so that all of them are resident at once
+    assert (_plan(64, 2048).block_n, _plan(64, 2048).num_stages) == (32, 3)
+    # several waves anyway: wide tile, two stages
+    assert (_plan(128, 1024).block_n, _plan(128, 1024).num_stages) == (64, 2)
     # the tile is sized in bytes: head_dim 64 gathers twice as many tokens
     assert default_kernel_config(64, 4, torch.bfloat16).block_n == 128
     assert default_kernel_config(128, 4, torch.float32).block_n == 32
     assert default_kernel_config(256, 4, torch.bfloat16).num_warps == 8
+
+
+def test_split_work_items_stay_within_two_per_sm():
+    # 8 x 8 KV heads x 4 splits = 256 items <= 2 x 132 (5 splits would leave SMs unevenly loaded)
+    assert _plan(8, 8192).num_splits == 4
+    assert _plan(16, 16384).num_splits == 2
+    assert _plan(1, 32768, hkv=32, hq=32).num_splits == 8
 
 
 def test_choose_tokens_per_split_bounds():
