@@ -197,8 +197,10 @@ def run_matrix(args, flashinfer, fi_error, env, ceilings) -> list[dict]:
     t0 = time.time()
     plan_list = []
     for dname in args.dtypes:
-        heads = args.heads if dname == args.dtypes[0] else (args.heads_other_dtypes or args.heads)
-        plan_list += [(dname, h, p) for h in heads for p in args.pages]
+        first = dname == args.dtypes[0]
+        heads = args.heads if first else (args.heads_other_dtypes or args.heads)
+        pages = args.pages if first else (args.pages_other_dtypes or args.pages)
+        plan_list += [(dname, h, p) for h in heads for p in pages]
     for dname, head, page in plan_list:
         hq, hkv, d = parse_heads(head)
         for label, lens in cases():
@@ -492,6 +494,13 @@ def main(argv=None) -> int:
         help="head configs for dtypes after the first (default: --heads)",
     )
     p.add_argument("--pages", nargs="+", type=int, default=[16, 32])
+    p.add_argument(
+        "--pages-other-dtypes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="page sizes for dtypes after the first (default: --pages)",
+    )
     p.add_argument("--shapes", nargs="*", default=None, help="labels such as B=1 or skewed")
     p.add_argument("--warmup", type=float, default=25)
     p.add_argument("--rep", type=float, default=100)

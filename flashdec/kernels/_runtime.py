@@ -96,4 +96,4 @@ def launch(
         _COMPILED[key] = (compiled, constants)
         return
     compiled, constants = compiled
-    compiled[grid](*args, *constants)
+    compiled[(*grid, 1, 1)[:3]](*args, *constants)  # the compiled runner reads 3 grid dims
