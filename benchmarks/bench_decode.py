@@ -443,11 +443,15 @@ def write_decode_results(args, env, ceilings, rows, fi_error, partial=False) -> 
         "FlashDec 'launch' times (the trusted launcher without the Python checks of decode()) are "
         "in decode.json as flashdec_launch_us.",
     ]
+    md_path = out_dir / f"{args.name}.md"
+    if getattr(args, "from_json", None) and md_path.exists():
+        # a re-render keeps the notes written by hand under the tables
+        old = md_path.read_text()
+        if "\n## Notes" in old:
+            md += ["", old[old.index("\n## Notes") :].strip()]
+    keys = ("dtypes", "heads", "heads_other_dtypes", "pages", "pages_other_dtypes", "warmup", "rep")
     payload = {
-        "args": {
-            k: vars(args)[k]
-            for k in ("dtypes", "heads", "heads_other_dtypes", "pages", "warmup", "rep")
-        },
+        "args": {k: vars(args).get(k) for k in keys},
         "environment": env,
         "ceilings": ceilings,
         "flashinfer_error": fi_error,

@@ -7,9 +7,13 @@ fixed-address buffers one plan needs, so a ``decode`` call with it allocates not
 synchronises with the host (CUDA-graph capturable).
 
 Split-KV heuristic: the work is counted in token-heads (tokens x KV heads) over the whole batch
-and cut into pieces of a fixed number of tokens, sized so that about ``programs_per_sm`` programs
-land on every SM. A long request therefore gets many splits and a short one few, which keeps a
-skewed batch (one long request among many short ones) as balanced as a uniform one.
+and cut into equal pieces, sized so that about ``programs_per_sm`` work items land on every SM
+(rounded down: a third program on a few SMs would double their time). A long request therefore
+gets many splits and a short one few, which keeps a skewed batch (one long request among many
+short ones) nearly as fast as a uniform one. When the batch alone gives every SM enough
+(request, KV head) programs, only requests longer than the mean are split. The tile width and
+pipeline depth then follow from how many programs share an SM (:func:`default_kernel_config`).
+Measurements behind every constant: ``benchmarks/results/decode_tuning.md``.
 """
 
 from __future__ import annotations
