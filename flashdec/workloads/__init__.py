@@ -1,10 +1,13 @@
 """Workloads that exercise the whole runtime and report step latency, fairness and memory."""
 
-from flashdec.workloads.engine_workload import (
+from flashdec.workloads.config import (
     IntegratedWorkloadConfig,
+    SchedulerWorkloadConfig,
+    SyntheticWorkloadConfig,
+)
+from flashdec.workloads.engine_workload import (
     IntegratedWorkloadResult,
     StepRecord,
-    SyntheticWorkloadConfig,
     WorkloadResult,
     run_integrated_workload,
     run_synthetic_workload,
@@ -24,6 +27,7 @@ __all__ = [
     "IntegratedWorkloadResult",
     "LatencyStats",
     "PolicyRunResult",
+    "SchedulerWorkloadConfig",
     "SchedulerWorkloadResult",
     "StepRecord",
     "SyntheticWorkloadConfig",

@@ -7,22 +7,24 @@ import enum
 import json
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flashdec.workloads.engine_workload import (
+from flashdec.workloads.config import (
     IntegratedWorkloadConfig,
-    IntegratedWorkloadResult,
+    SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
+)
+from flashdec.workloads.engine_workload import (
+    IntegratedWorkloadResult,
     WorkloadResult,
     run_integrated_workload,
     run_synthetic_workload,
 )
 from flashdec.workloads.scheduler_workload import (
-    TRACE_NAMES,
     SchedulerWorkloadResult,
     run_scheduler_workload,
 )
@@ -145,16 +147,6 @@ def progress_bar(label: str):
             bar.update(task, completed=done, total=total)
 
         yield update
-
-
-@dataclass(frozen=True)
-class SchedulerWorkloadConfig:
-    """CLI knobs of ``run_scheduler_workload`` (all policies are compared on one trace)."""
-
-    trace: str = field(default="boundary", metadata={"help": f"one of {', '.join(TRACE_NAMES)}"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    prefix_sharing: bool = field(default=True, metadata={"help": "share prefixes"})
-    check_invariants: bool = field(default=True, metadata={"help": "validate after each step"})
 
 
 @dataclass(frozen=True)
