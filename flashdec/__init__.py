@@ -31,8 +31,8 @@ _EXPORTS: dict[str, str] = {
     "PrefixState": "flashdec.cache",
     "TokenTransaction": "flashdec.cache",
     "TokenTransactionView": "flashdec.cache",
-    "rope_paged_kv_append": "flashdec.cache",
-    "RopeAppendResult": "flashdec.cache",
+    "rope_paged_kv_append": "flashdec.engine",
+    "RopeAppendResult": "flashdec.engine",
     # scheduler
     "RequestSpec": "flashdec.scheduler",
     "SchedulerConfig": "flashdec.scheduler",

@@ -47,6 +47,44 @@ def check_int_tensor(name: str, value: object, *, ndim: int, device=None) -> tor
     return check_tensor(name, value, ndim=ndim, dtypes=(torch.int32, torch.int64), device=device)
 
 
+def check_request_id(name: str, value: object):
+    """A request or prefix id is a ``str`` or an ``int`` (``bool`` is not an id)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{name} must be a str or int, got {type(value).__name__}")
+    return value
+
+
+def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
+    """A string from a closed set (backends, layouts, policies)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def check_rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
+    """``None`` rotates the whole head; else an even int in ``[2, head_dim]``."""
+    if rotary_dim is None:
+        return head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"rotary_dim must be an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}"
+        )
+    return rotary_dim
+
+
+def check_rope_base(value: object, name: str = "base") -> float:
+    """The RoPE frequency base: a real number, finite and > 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 1.0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite float > 1, got {value!r}")
+    return float(value)
+
+
 def check_kv_layout(kv_layout: object) -> str:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")

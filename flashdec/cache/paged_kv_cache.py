@@ -1,82 +1,118 @@
 """``PagedKVCache``: the single source of truth for request lengths, block ownership, shared
 prefixes and the open token transaction.
 
-It composes a policy-free ``BlockAllocator``, a ``PrefixRegistry`` and a ``TransactionLog`` and
-owns the K/V storage ``[num_layers, max_blocks, num_kv_heads, block_size, head_dim]``
-(token-major). Every public method validates all of its arguments, then the cache's state, and
-only then mutates; a rejected call changes nothing (no block taken, no length moved, no version
-bump).
+It composes a policy-free ``BlockAllocator``, a ``PrefixRegistry``, a ``TransactionLog`` and the
+device mirror of the block tables (``DeviceTables``), and owns the K/V storage
+``[num_layers, max_blocks, num_kv_heads, block_size, head_dim]`` (token-major). Every public method
+validates all of its arguments, then the cache's state, and only then mutates; a rejected call
+changes nothing (no block taken, no length moved, no version bump).
+
+The cache writes K/V itself only with PyTorch (``write_token_layer``, ``append``). Faster writers
+(the Triton kernels) are the engine's: they run through ``write_token_layer_with``, where the
+cache keeps the bookkeeping (layer order, the reservation) and the caller supplies the launch.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_positive_int, check_shape, check_tensor
-from flashdec.cache.allocator import BlockAllocator
-from flashdec.cache.backends import (
-    APPEND_BACKENDS,
-    ROPE_BACKENDS,
-    check_backend,
-    load_launcher,
-    torch_scatter,
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    check_positive_int,
+    check_request_id,
+    check_shape,
+    check_tensor,
 )
+from flashdec.cache.allocator import BlockAllocator
+from flashdec.cache.device_tables import DeviceTables
 from flashdec.cache.prefix_registry import PrefixRegistry
 from flashdec.cache.state import PrefixId, PrefixState, RequestId, RequestRecord, RequestState
 from flashdec.cache.transaction import (
     HISTORY_LIMIT,
     OpenTransaction,
+    SlotBuffers,
     TokenTransactionView,
     TransactionLog,
-    TransactionMetadata,
+    TransactionSlots,
     TransactionState,
 )
-from flashdec.reference.rope import apply_rope, check_rotary_dim
+
+T = TypeVar("T")
+# a writer stores one layer's K/V of a reservation: writer(k_layer, v_layer, slots)
+LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
     return ("request", request_id)
 
 
-def _check_id(name: str, value: object) -> RequestId:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise TypeError(f"{name} must be a str or an int, got {type(value).__name__}")
-    return value
+def _device_of(device: object) -> torch.device:
+    """A usable torch device, else TypeError (wrong type) / ValueError (not available)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"invalid device {device!r}: {err}") from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r} is not available: this PyTorch has no usable CUDA "
+                "device (use device='cpu')"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(device)!r} is not available: {torch.cuda.device_count()} CUDA "
+                "device(s) present"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    return device
 
 
-def _check_base(base: object) -> float:
-    if isinstance(base, bool) or not isinstance(base, (int, float)):
-        raise TypeError(f"base must be a float, got {type(base).__name__}")
-    if not 1.0 < base < float("inf"):
-        raise ValueError(f"base must be a finite float > 1, got {base!r}")
-    return float(base)
+def torch_scatter(
+    k_layer: torch.Tensor, v_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
+) -> None:
+    """``k_layer[block_ids[t], :, offsets[t]] = k[t]`` (same for v): one index_put each."""
+    count = slots.num_tokens
+    block_ids, offsets = slots.block_ids[:count], slots.offsets[:count]
+    k_layer[block_ids, :, offsets] = k  # [T, Hkv, D]
+    v_layer[block_ids, :, offsets] = v
 
 
-class _Slots:
-    """Where the next token of each listed request goes (planned, not yet taken)."""
+class _Reservation:
+    """What a transaction takes, planned on the host before anything changes."""
 
-    __slots__ = ("needs_block", "positions", "records")
+    __slots__ = ("block_ids", "counts", "positions", "records", "reserved", "table_rows", "updates")
 
-    def __init__(self, records: list[RequestRecord], positions: list[int], needs: list[bool]):
+    def __init__(self, records: list[RequestRecord], counts: list[int]) -> None:
         self.records = records
-        self.positions = positions
-        self.needs_block = needs
+        self.counts = counts
+        self.positions: np.ndarray | None = None  # [T] int32
+        self.block_ids: np.ndarray | None = None  # [T] int32
+        self.reserved: dict[RequestId, list[int]] = {}
+        # device-table writes (row, logical block, block id) and, per request, the view's
+        # (committed table row, committed blocks, reserved blocks)
+        self.updates: list[tuple[int, int, int]] = []
+        self.table_rows: list[tuple[np.ndarray, int, list[int]]] = []
 
 
 class PagedKVCache:
     """A paged K/V cache for ``num_layers`` layers sharing one block-id space.
 
     Args:
-        num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry.
+        num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry
+            (``head_dim`` even: RoPE rotates pairs of dims).
         dtype: fp16, bf16 or fp32.
-        device: where the storage (and every metadata tensor handed out) lives.
-        prefix_cache_capacity_blocks: budget for shared prefixes; 0 turns the feature off.
-        max_blocks_per_seq: block-table width (None: ``max_blocks``).
+        device: ``"cpu"`` or a CUDA device that exists (ValueError otherwise).
+        prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``); 0 turns
+            the feature off.
+        max_blocks_per_seq: block-table width (None: ``max_blocks``; never more).
         restore_on_abort: abort puts back the bytes a transaction overwrote, so an aborted token
             leaves the storage bit-identical (costs one gather of the reserved slots per token).
     """
@@ -98,24 +134,31 @@ class PagedKVCache:
         self._num_layers = check_positive_int("num_layers", num_layers)
         self._num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
         self._head_dim = check_positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
         self._block_size = check_positive_int("block_size", block_size)
         self._max_blocks = check_positive_int("max_blocks", max_blocks)
-        if dtype not in FLOAT_DTYPES:
+        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-        try:
-            device = torch.device(device)
-        except RuntimeError as err:
-            raise ValueError(f"invalid device {device!r}: {err}") from err
         capacity = check_positive_int(
             "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
         )
+        if capacity > max_blocks:
+            raise ValueError(
+                f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
+                f"({max_blocks})"
+            )
         if max_blocks_per_seq is None:
             max_blocks_per_seq = self._max_blocks
         self._max_blocks_per_seq = check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
+        if max_blocks_per_seq > max_blocks:
+            raise ValueError(
+                f"max_blocks_per_seq ({max_blocks_per_seq}) must not exceed max_blocks "
+                f"({max_blocks}): a request can never hold more blocks than the pool"
+            )
         if not isinstance(restore_on_abort, bool):
             raise TypeError("restore_on_abort must be a bool")
+        device = _device_of(device)
         self._restore_on_abort = restore_on_abort
         self._dtype = dtype
 
@@ -124,13 +167,16 @@ class PagedKVCache:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._device = self.k_cache.device
+        self._layers = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
 
         self._allocator = BlockAllocator(max_blocks)
         self._prefixes = PrefixRegistry(self._allocator, capacity, block_size)
         self._tx = TransactionLog(HISTORY_LIMIT)
         self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
         self._version = 0
-        self._launchers: dict[str, Any] = {}
+        self._tables = DeviceTables(self._max_blocks_per_seq, self._device)
+        self._slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
+        self._pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
 
     def __repr__(self) -> str:
         return (
@@ -183,6 +229,12 @@ class PagedKVCache:
         return self._device
 
     @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one block over all layers."""
+        elems = 2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
+        return elems * self.k_cache.element_size()
+
+    @property
     def version(self) -> int:
         """Bumps on every successful change of lengths, ownership, lifecycle or transactions."""
         return self._version
@@ -202,8 +254,7 @@ class PagedKVCache:
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[max_blocks, Hkv, block_size, D]`` of one layer's K and V."""
-        layer = self._check_layer_index(layer_idx)
-        return self.k_cache[layer], self.v_cache[layer]
+        return self._layers[self._check_layer_index(layer_idx)]
 
     # ---- argument helpers ----------------------------------------------------------------
     def _check_layer_index(self, layer_idx: object) -> int:
@@ -214,9 +265,9 @@ class PagedKVCache:
         return layer_idx
 
     def _record(self, request_id: object) -> RequestRecord:
-        rid = _check_id("request_id", request_id)
-        record = self._requests.get(rid)
+        record = self._requests.get(request_id) if type(request_id) in (str, int) else None
         if record is None:
+            rid = check_request_id("request_id", request_id)
             raise ValueError(f"unknown request id {rid!r}")
         return record
 
@@ -233,56 +284,42 @@ class PagedKVCache:
             raise TypeError(
                 f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
             )
-        rids = [_check_id("request id", rid) for rid in request_ids]
+        rids = list(request_ids)
+        known = self._requests
+        for rid in rids:
+            if type(rid) not in (str, int) or rid not in known:  # fast path first
+                check_request_id("request id", rid)
+                if rid not in known:
+                    raise ValueError(f"unknown request id {rid!r}")
         if nonempty and not rids:
             raise ValueError("request_ids must not be empty")
         if unique and len(set(rids)) != len(rids):
             twice = sorted({repr(r) for r, n in Counter(rids).items() if n > 1})
             raise ValueError(f"request_ids lists {', '.join(twice)} more than once")
-        for rid in rids:
-            if rid not in self._requests:
-                raise ValueError(f"unknown request id {rid!r}")
         return rids
 
     def _active_records(self, rids: list[RequestId], action: str) -> list[RequestRecord]:
         records = [self._requests[rid] for rid in rids]
+        active = RequestState.ACTIVE
         for record in records:
-            self._require_active(record, action)
+            if record.state is not active:
+                self._require_active(record, action)
         return records
 
-    def _check_token_kv(self, name: str, value: object, batch: int) -> torch.Tensor:
+    def _check_token_kv(self, name: str, value: object, num_tokens: int) -> torch.Tensor:
         tensor = check_tensor(name, value, ndim=3, dtypes=(self._dtype,), device=self._device)
-        check_shape(name, tensor, (batch, self._num_kv_heads, self._head_dim))
+        check_shape(name, tensor, (num_tokens, self._num_kv_heads, self._head_dim))
         return tensor
-
-    def _check_q(self, value: object, batch: int) -> torch.Tensor:
-        q = check_tensor("q", value, ndim=3, dtypes=(self._dtype,), device=self._device)
-        if q.shape[0] != batch or q.shape[2] != self._head_dim:
-            raise ValueError(
-                f"q must have shape [{batch}, num_q_heads, {self._head_dim}], got {tuple(q.shape)}"
-            )
-        if q.shape[1] == 0 or q.shape[1] % self._num_kv_heads:
-            raise ValueError(
-                f"q's num_q_heads ({q.shape[1]}) must be a positive multiple of num_kv_heads "
-                f"({self._num_kv_heads})"
-            )
-        return q
-
-    def _launcher(self, backend: str) -> Any:
-        launcher = self._launchers.get(backend)
-        if launcher is None:
-            launcher = self._launchers[backend] = load_launcher(backend)
-        return launcher
 
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, request_id: RequestId) -> None:
         """Register a new, empty, active request (ids are never reused)."""
-        rid = _check_id("request_id", request_id)
+        rid = check_request_id("request_id", request_id)
         if rid in self._requests:
             state = self._requests[rid].state.value
             raise ValueError(f"request id {rid!r} already exists ({state}); ids are not reused")
         self._tx.ensure_none_open("add a request")
-        self._requests[rid] = RequestRecord(rid, self._max_blocks_per_seq)
+        self._requests[rid] = RequestRecord(rid, self._max_blocks_per_seq, self._tables.acquire())
         self._version += 1
 
     def finish_request(self, request_id: RequestId) -> None:
@@ -303,6 +340,8 @@ class PagedKVCache:
             self._prefixes.detach(record.prefix_id)
         record.clear()
         record.state = state
+        self._tables.release(record.row)
+        record.row = -1
         self._version += 1
 
     def request_state(self, request_id: RequestId) -> RequestState:
@@ -342,10 +381,9 @@ class PagedKVCache:
     def block_tables(self, request_ids: Sequence[RequestId]) -> torch.Tensor:
         """int32 ``[len(request_ids), max_blocks_per_seq]`` on the cache's device, 0-padded."""
         records = self._metadata_records(request_ids)
-        if not records:
-            table = np.zeros((0, self._max_blocks_per_seq), dtype=np.int32)
-        else:
-            table = np.stack([rec.table for rec in records])
+        table = np.zeros((len(records), self._max_blocks_per_seq), dtype=np.int32)
+        for row, rec in zip(table, records, strict=True):
+            row[: rec.num_blocks] = rec.table[: rec.num_blocks]
         return torch.from_numpy(table).to(self._device)
 
     def seq_lens_tensor(self, request_ids: Sequence[RequestId]) -> torch.Tensor:
@@ -354,99 +392,182 @@ class PagedKVCache:
         lens = [rec.seq_len for rec in records]
         return torch.tensor(lens, dtype=torch.int32).to(self._device)
 
-    # ---- slot planning shared by append and begin_token ------------------------------------
-    def _plan_slots(self, records: list[RequestRecord]) -> _Slots:
-        """Check that every listed request can take one more token; changes nothing."""
-        positions, needs = [], []
-        for rec in records:
-            pos = rec.seq_len
-            logical = pos // self._block_size
-            if logical >= self._max_blocks_per_seq:
+    # ---- reservations shared by append and the transactions --------------------------------
+    def _plan(self, records: list[RequestRecord], counts: list[int]) -> _Reservation:
+        """Check that every listed request can take its tokens; changes nothing."""
+        bs, width = self._block_size, self._max_blocks_per_seq
+        wanted = 0
+        for rec, n in zip(records, counts, strict=True):
+            end_blocks = -(-(rec.seq_len + n) // bs)
+            if end_blocks > width:
                 raise RuntimeError(
-                    f"request {rec.request_id!r} is full: {pos} tokens fill max_blocks_per_seq="
-                    f"{self._max_blocks_per_seq} blocks of {self._block_size}"
+                    f"request {rec.request_id!r} is full: {rec.seq_len} + {n} tokens need "
+                    f"{end_blocks} blocks of {bs}, more than max_blocks_per_seq={width}"
                 )
-            positions.append(pos)
-            needs.append(logical == rec.num_blocks)  # last block full (or no block yet)
-        wanted = sum(needs)
+            wanted += end_blocks - rec.num_blocks
         if wanted > self._allocator.num_free:
             raise RuntimeError(
                 f"out of KV blocks: this token needs {wanted} new block(s) but only "
                 f"{self._allocator.num_free} are free; nothing was changed"
             )
-        return _Slots(records, positions, needs)
+        return _Reservation(records, counts)
 
-    def _take_slots(self, slots: _Slots) -> tuple[dict[RequestId, int], TransactionMetadata]:
-        """Allocate the planned blocks and upload the slot metadata (one host->device copy)."""
-        taken: dict[RequestId, int] = {}
+    def _take(self, plan: _Reservation) -> None:
+        """Allocate the planned blocks and fill in the reservation (all or nothing)."""
+        bs = self._block_size
+        positions: list[int] = []
+        block_ids: list[int] = []
         try:
-            for rec, needs in zip(slots.records, slots.needs_block, strict=True):
-                if needs:
-                    (taken[rec.request_id],) = self._allocator.allocate(
-                        1, request_owner(rec.request_id)
+            for rec, n in zip(plan.records, plan.counts, strict=True):
+                start = rec.seq_len
+                committed = rec.num_blocks
+                new = -(-(start + n) // bs) - committed
+                taken = self._allocator.allocate(new, request_owner(rec.request_id)) if new else []
+                if taken:
+                    plan.reserved[rec.request_id] = taken
+                    plan.updates += [(rec.row, committed + i, b) for i, b in enumerate(taken)]
+                plan.table_rows.append((rec.table, committed, taken))
+                table = rec.table
+                for pos in range(start, start + n):
+                    logical = pos // bs
+                    positions.append(pos)
+                    block_ids.append(
+                        int(table[logical]) if logical < committed else taken[logical - committed]
                     )
-            block_ids = [
-                taken[rec.request_id] if needs else int(rec.table[pos // self._block_size])
-                for rec, pos, needs in zip(
-                    slots.records, slots.positions, slots.needs_block, strict=True
-                )
-            ]
-            meta = TransactionMetadata.upload(
-                slots.positions,
-                block_ids,
-                [rec.table for rec in slots.records],
-                self._block_size,
-                self._num_kv_heads,
-                self._device,
-            )
         except BaseException:
-            self._release_taken(taken)
+            self._release(plan.reserved)
             raise
-        return taken, meta
+        plan.positions = np.asarray(positions, dtype=np.int32)
+        plan.block_ids = np.asarray(block_ids, dtype=np.int32)
 
-    def _release_taken(self, taken: dict[RequestId, int]) -> None:
-        for rid, block_id in taken.items():
-            self._allocator.release([block_id], request_owner(rid))
+    def _take_one_each(self, plan: _Reservation) -> None:
+        """``_take`` for one token per request (the decode step's hot path)."""
+        bs = self._block_size
+        num = len(plan.records)
+        positions = np.empty(num, dtype=np.int32)
+        block_ids = np.empty(num, dtype=np.int32)
+        allocate = self._allocator.allocate
+        try:
+            for i, rec in enumerate(plan.records):
+                pos = rec.seq_len
+                logical = pos // bs
+                positions[i] = pos
+                if logical < rec.num_blocks:
+                    block_ids[i] = rec.table[logical]
+                    plan.table_rows.append((rec.table, rec.num_blocks, ()))
+                else:
+                    (block,) = allocate(1, request_owner(rec.request_id))
+                    plan.reserved[rec.request_id] = [block]
+                    plan.updates.append((rec.row, logical, block))
+                    block_ids[i] = block
+                    plan.table_rows.append((rec.table, rec.num_blocks, (block,)))
+        except BaseException:
+            self._release(plan.reserved)
+            raise
+        plan.positions = positions
+        plan.block_ids = block_ids
 
-    def _publish(self, records: list[RequestRecord], taken: dict[RequestId, int]) -> None:
-        for rec in records:
-            block_id = taken.get(rec.request_id)
-            if block_id is not None:
+    def _release(self, reserved: dict[RequestId, list[int]]) -> None:
+        for rid, block_ids in reserved.items():
+            self._allocator.release(block_ids, request_owner(rid))
+
+    def _publish(self, records: list[RequestRecord], counts: list[int], reserved) -> None:
+        for rec, n in zip(records, counts, strict=True):
+            for block_id in reserved.get(rec.request_id, ()):
                 rec.push_block(block_id)
-            rec.seq_len += 1
+            rec.seq_len += n
+
+    def _flush_updates(self, plan: _Reservation) -> list[tuple[int, int, int]]:
+        updates = self._pending_updates + plan.updates if self._pending_updates else plan.updates
+        self._pending_updates = []
+        return updates
+
+    def _fresh_slots(self, plan: _Reservation, with_tables: bool) -> TransactionSlots:
+        """Device metadata in new tensors (prompt imports, legacy append)."""
+        positions, block_ids = plan.positions, plan.block_ids
+        bs, hkv = self._block_size, self._num_kv_heads
+        offsets = positions % bs
+        starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int32)
+        after = starts + np.asarray(plan.counts, dtype=np.int32)
+        heads = np.arange(hkv, dtype=np.int64)
+        slot_rows = (block_ids.astype(np.int64)[:, None] * hkv + heads) * bs + offsets[:, None]
+        updates = np.asarray(self._flush_updates(plan), dtype=np.int32).reshape(-1, 3)
+        rows = np.asarray([rec.row for rec in plan.records], dtype=np.int32)
+        t, b, u = positions.shape[0], starts.shape[0], updates.shape[0]
+        host = np.concatenate(
+            [positions, block_ids, offsets, starts, after, rows, updates.T.reshape(-1),
+             slot_rows.reshape(-1).astype(np.int32)]
+        )  # fmt: skip
+        dev = torch.from_numpy(host).to(self._device)
+        cuts = np.cumsum([t, t, t, b, b, b, u, u, u])
+        parts = torch.tensor_split(dev, cuts.tolist())
+        self._tables.write(parts[6], parts[7], parts[8])
+        tables = None
+        if with_tables:
+            tables = torch.empty(b, self._max_blocks_per_seq, dtype=torch.int32, device=dev.device)
+            self._tables.gather(parts[5], out=tables)
+        return TransactionSlots(
+            batch=b,
+            num_rows=b,
+            num_tokens=t,
+            generation=-1,
+            positions=parts[0],
+            block_ids=parts[1],
+            offsets=parts[2],
+            seq_lens=parts[3],
+            seq_lens_after=parts[4],
+            slot_rows=parts[9],
+            block_tables=tables,
+        )
+
+    def _fixed_slots(self, plan: _Reservation, num_rows: int) -> TransactionSlots:
+        """Device metadata of a one-token transaction in the fixed-address buffers."""
+        buffers = self._slot_buffers
+        if buffers is None or num_rows > buffers.capacity:
+            capacity = 1 << max(3, (num_rows - 1).bit_length())
+            generation = 0 if buffers is None else buffers.generation + 1
+            buffers = self._slot_buffers = SlotBuffers(
+                capacity, self._num_kv_heads, self._max_blocks_per_seq, self._device, generation
+            )
+        updates = self._flush_updates(plan)
+        if len(updates) > buffers.capacity:  # a long prefix attached since the last step
+            extra = torch.tensor(updates, dtype=torch.int32).T.to(self._device)
+            self._tables.write(extra[0], extra[1], extra[2])
+            updates = []
+        upd = np.asarray(updates, dtype=np.int32).reshape(-1, 3).T
+        rows = np.fromiter(
+            (rec.row for rec in plan.records), dtype=np.int32, count=len(plan.records)
+        )
+        buffers.upload(plan.positions, plan.block_ids, rows, (upd[0], upd[1], upd[2]),
+                       self._block_size, num_rows)  # fmt: skip
+        count = upd.shape[1]
+        self._tables.write(
+            buffers.region(buffers.UPDATE_ROWS, count),
+            buffers.region(buffers.UPDATE_COLS, count),
+            buffers.region(buffers.UPDATE_VALUES, count),
+        )
+        slots = buffers.slots(len(plan.records), num_rows)
+        self._tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
+        return slots
 
     # ---- legacy single-layer append --------------------------------------------------------
-    def append(
-        self,
-        request_ids: Sequence[RequestId],
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        append_backend: str = "torch",
-    ) -> None:
+    def append(self, request_ids: Sequence[RequestId], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one token per request (``k, v [B, Hkv, D]``) at its seq_len; num_layers == 1."""
-        check_backend("append_backend", append_backend, APPEND_BACKENDS)
-        self._legacy_append(request_ids, None, k, v, None, 10000.0, append_backend)
-
-    def _legacy_append(
-        self,
-        request_ids: object,
-        q: object,
-        k: object,
-        v: object,
-        rotary_dim: int | None,
-        base: float,
-        backend: str,
-    ) -> tuple[torch.Tensor | None, TransactionMetadata]:
-        """The one append path (plain or RoPE) behind ``append`` and ``rope_paged_kv_append``."""
         rids = self._check_ids(request_ids, unique=True, nonempty=True)
         k = self._check_token_kv("k", k, len(rids))
         v = self._check_token_kv("v", v, len(rids))
-        rope = q is not None
-        if rope:
-            q = self._check_q(q, len(rids))
-            rotary_dim = check_rotary_dim(rotary_dim, self._head_dim)
-            base = _check_base(base)
+        self.append_with(rids, lambda k_layer, v_layer, slots: torch_scatter(
+            k_layer, v_layer, k, v, slots))  # fmt: skip
+
+    def append_with(self, request_ids: Sequence[RequestId], writer: LayerWriter[T]) -> T:
+        """The legacy single-layer append with a caller-supplied writer (one token each).
+
+        Reserves one slot per request (all or nothing), calls ``writer(k_layer, v_layer, slots)``
+        and publishes the tokens; if the writer raises, the reservation is released and nothing
+        changes. Returns what the writer returned. ``slots`` are fresh tensors (with block tables
+        covering the new tokens) that the caller may keep.
+        """
+        rids = self._check_ids(request_ids, unique=True, nonempty=True)
         if self._num_layers != 1:
             raise RuntimeError(
                 f"append works only on a single-layer cache (num_layers={self._num_layers}); "
@@ -454,151 +575,189 @@ class PagedKVCache:
             )
         records = self._active_records(rids, "append to")
         self._tx.ensure_none_open("append")
-        slots = self._plan_slots(records)
-        if backend != "torch":
-            self._launcher(backend)  # import failures surface before anything is taken
-        taken, meta = self._take_slots(slots)
+        counts = [1] * len(records)
+        plan = self._plan(records, counts)
+        self._take_one_each(plan)
         try:
-            q_rot = None
-            if rope:
-                q_rot = self._write_rope(0, meta, q, k, v, rotary_dim, base, backend)
-            else:
-                self._write_plain(0, meta, k, v, backend)
+            slots = self._fresh_slots(plan, with_tables=True)
+            result = writer(*self._layers[0], slots)
         except BaseException:
-            self._release_taken(taken)
+            self._release(plan.reserved)
             raise
-        self._publish(records, taken)
+        self._publish(records, counts, plan.reserved)
         self._version += 1
-        return q_rot, meta
-
-    def _write_plain(
-        self, layer: int, meta: TransactionMetadata, k: torch.Tensor, v: torch.Tensor, backend: str
-    ) -> None:
-        """Scatter one layer's k, v into the reserved slots (no host sync on either backend)."""
-        k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
-        if backend == "torch":
-            torch_scatter(k_layer, v_layer, k, v, meta.block_ids, meta.offsets)
-        else:
-            self._launcher(backend)(k_layer, v_layer, k, v, meta.block_ids, meta.offsets)
-
-    def _write_rope(
-        self,
-        layer: int,
-        meta: TransactionMetadata,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rotary_dim: int,
-        base: float,
-        backend: str,
-    ) -> torch.Tensor:
-        """Rotate q and k at the reserved positions, store rotated k and v; returns rotated q."""
-        if backend == "fused":
-            k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
-            launch = self._launcher("fused")
-            return launch(
-                q, k, v, k_layer, v_layer, meta.block_ids, meta.offsets, meta.positions,
-                rotary_dim, base, None,
-            )  # fmt: skip
-        q_rot = apply_rope(q, meta.positions, rotary_dim, base)
-        k_rot = apply_rope(k, meta.positions, rotary_dim, base)
-        self._write_plain(layer, meta, k_rot, v, backend)
-        return q_rot
+        return result
 
     # ---- multi-layer token transactions ----------------------------------------------------
-    def begin_token(self, request_ids: Sequence[RequestId]) -> TokenTransactionView:
-        """Reserve one slot per request (taking a block where the last one is full)."""
+    def begin_token(
+        self, request_ids: Sequence[RequestId], *, pad_to: int | None = None
+    ) -> TokenTransactionView:
+        """Reserve one slot per request (taking a block where the last one is full).
+
+        The transaction's device metadata sits in fixed-address buffers, so the layers of a step
+        captured in a CUDA graph can be replayed for a later step of the same batch. ``pad_to``
+        (>= the batch) adds padding rows that writers skip and decode sees as empty: a graph
+        captured for ``pad_to`` rows serves this smaller batch.
+        """
         rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        num_rows = len(rids)
+        if pad_to is not None:
+            num_rows = check_positive_int("pad_to", pad_to)
+            if num_rows < len(rids):
+                raise ValueError(f"pad_to ({pad_to}) must be >= the batch size ({len(rids)})")
         records = self._active_records(rids, "begin a token for")
         self._tx.ensure_none_open("begin a token transaction")
-        slots = self._plan_slots(records)
-        taken, meta = self._take_slots(slots)
+        plan = self._plan(records, [1] * len(records))
+        self._take_one_each(plan)
         try:
-            tx = OpenTransaction(self._tx.next_id(), self._version + 1, tuple(rids), taken, meta)
-            if self._restore_on_abort:  # [B, L, Hkv, D] old bytes of the reserved slots
-                # one index_select per tensor over [L, blocks*Hkv*bs, D] rows: cheaper to
-                # issue than a two-tensor advanced index
-                tx.backup_k = self._slot_rows_view(self.k_cache).index_select(1, meta.slot_rows)
-                tx.backup_v = self._slot_rows_view(self.v_cache).index_select(1, meta.slot_rows)
-            view = tx.view(TransactionState.OPEN, tx.cache_version)
+            slots = self._fixed_slots(plan, num_rows)
+            return self._open(rids, plan, slots)
         except BaseException:
-            self._release_taken(taken)
+            self._release(plan.reserved)
             raise
+
+    def begin_tokens(
+        self, request_ids: Sequence[RequestId], num_tokens: Sequence[int]
+    ) -> TokenTransactionView:
+        """Reserve ``num_tokens[i]`` consecutive slots for request ``i`` (a prompt import).
+
+        Same transaction rules as :meth:`begin_token`; each layer's write then takes
+        ``k, v [sum(num_tokens), Hkv, D]``, request by request in order.
+        """
+        rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        if isinstance(num_tokens, (str, bytes)) or not isinstance(num_tokens, Sequence):
+            raise TypeError(f"num_tokens must be a list or tuple, got {type(num_tokens).__name__}")
+        if len(num_tokens) != len(rids):
+            raise ValueError(
+                f"num_tokens has {len(num_tokens)} entries for {len(rids)} request ids"
+            )
+        counts = [check_positive_int(f"num_tokens[{i}]", n) for i, n in enumerate(num_tokens)]
+        records = self._active_records(rids, "begin tokens for")
+        self._tx.ensure_none_open("begin a token transaction")
+        plan = self._plan(records, counts)
+        self._take(plan)
+        try:
+            slots = self._fresh_slots(plan, with_tables=False)
+            return self._open(rids, plan, slots)
+        except BaseException:
+            self._release(plan.reserved)
+            raise
+
+    def _open(
+        self, rids: list[RequestId], plan: _Reservation, slots: TransactionSlots
+    ) -> TokenTransactionView:
+        starts = np.fromiter((rec.seq_len for rec in plan.records), np.int32, len(plan.records))
+        host = {
+            "positions": plan.positions,
+            "block_ids": plan.block_ids,
+            "offsets": plan.positions % self._block_size,
+            "seq_lens": starts,
+            "seq_lens_after": starts + np.asarray(plan.counts, dtype=np.int32),
+        }
+        tx = OpenTransaction(
+            self._tx.next_id(), self._version + 1, tuple(rids), plan.counts, plan.reserved,
+            slots, host, plan.table_rows,
+        )  # fmt: skip
+        if self._restore_on_abort:  # [L, T * Hkv, D] old bytes of the reserved slots
+            tx.backup_k = self._slot_rows_view(self.k_cache).index_select(1, slots.slot_rows)
+            tx.backup_v = self._slot_rows_view(self.v_cache).index_select(1, slots.slot_rows)
+        view = tx.view(TransactionState.OPEN, tx.cache_version, self._max_blocks_per_seq,
+                       self._device)  # fmt: skip
         self._tx.start(tx)
         self._version += 1
         return view
 
     def _check_next_layer(self, tx: OpenTransaction, layer_idx: object) -> int:
-        layer = self._check_layer_index(layer_idx)
-        if layer != tx.next_layer:
+        if type(layer_idx) is not int or layer_idx != tx.next_layer:
+            layer = self._check_layer_index(layer_idx)
             done = f"layers 0..{tx.next_layer - 1} are written" if tx.next_layer else "none written"
             raise RuntimeError(
                 f"token transaction {tx.transaction_id}: layer {layer} written out of order "
                 f"({done}); expected layer {tx.next_layer}"
             )
-        return layer
+        if layer_idx >= self._num_layers:
+            self._check_layer_index(layer_idx)
+        return layer_idx
 
     def write_token_layer(
-        self,
-        tx: TokenTransactionView | int,
-        layer_idx: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        append_backend: str = "torch",
+        self, tx: TokenTransactionView | int, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store ``k, v [B, Hkv, D]`` (bitwise, as given) in this layer's reserved slots."""
-        backend = check_backend("append_backend", append_backend, APPEND_BACKENDS)
+        """Store ``k, v [num_tokens, Hkv, D]`` (bitwise, as given) in the layer's reserved slots."""
         open_tx = self._tx.resolve(tx)
-        layer = self._check_next_layer(open_tx, layer_idx)
-        batch = len(open_tx.request_ids)
-        k = self._check_token_kv("k", k, batch)
-        v = self._check_token_kv("v", v, batch)
-        self._write_plain(layer, open_tx.metadata, k, v, backend)
-        open_tx.next_layer += 1
+        self._check_next_layer(open_tx, layer_idx)
+        count = open_tx.slots.num_tokens
+        k = self._check_token_kv("k", k, count)
+        v = self._check_token_kv("v", v, count)
+        self.write_token_layer_with(open_tx.transaction_id, layer_idx,
+                                    lambda k_layer, v_layer, slots: torch_scatter(
+                                        k_layer, v_layer, k, v, slots))  # fmt: skip
 
-    def write_token_layer_rope(
-        self,
-        tx: TokenTransactionView | int,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rotary_dim: int | None = None,
-        base: float = 10000.0,
-        *,
-        append_backend: str = "fused",
-    ) -> torch.Tensor:
-        """RoPE ``q`` and ``k`` at the reserved positions, store rotated k and v; returns q_rot."""
-        backend = check_backend("append_backend", append_backend, ROPE_BACKENDS)
+    def write_token_layer_with(
+        self, tx: TokenTransactionView | int, layer_idx: int, writer: LayerWriter[T]
+    ) -> T:
+        """Write the next layer of an open transaction with ``writer(k_layer, v_layer, slots)``.
+
+        The cache checks the transaction and the layer order and counts the layer as written
+        only when the writer returns; the writer must store exactly the reserved slots
+        (``slots.block_ids`` / ``slots.offsets``, skipping padding rows with block id -1). If it
+        raises, the transaction stays open with this layer unwritten (abort it: the backup
+        restores any bytes it overwrote). Returns what the writer returned.
+        """
         open_tx = self._tx.resolve(tx)
         layer = self._check_next_layer(open_tx, layer_idx)
-        batch = len(open_tx.request_ids)
-        q = self._check_q(q, batch)
-        k = self._check_token_kv("k", k, batch)
-        v = self._check_token_kv("v", v, batch)
-        rotary_dim = check_rotary_dim(rotary_dim, self._head_dim)
-        base = _check_base(base)
-        q_rot = self._write_rope(layer, open_tx.metadata, q, k, v, rotary_dim, base, backend)
-        open_tx.next_layer += 1
-        return q_rot
+        k_layer, v_layer = self._layers[layer]
+        result = writer(k_layer, v_layer, open_tx.slots)
+        open_tx.next_layer = layer + 1
+        return result
+
+    def write_all_layers_with(self, tx: TokenTransactionView | int, writer: Callable[[], T]) -> T:
+        """Write every layer of an open transaction with one call (a CUDA-graph replay).
+
+        Needs a transaction with no layer written yet; ``writer()`` must store every layer's
+        reserved slots (e.g. replay a graph captured over a step's layers).
+        """
+        open_tx = self._tx.resolve(tx)
+        if open_tx.next_layer != 0:
+            raise RuntimeError(
+                f"token transaction {open_tx.transaction_id} already has {open_tx.next_layer} "
+                "layer(s) written; write_all_layers_with needs a fresh transaction"
+            )
+        result = writer()
+        open_tx.next_layer = self._num_layers
+        return result
 
     def transaction_view(self, tx: TokenTransactionView | int) -> TokenTransactionView:
         """A fresh detached view of an *open* transaction."""
         open_tx = self._tx.resolve(tx)
-        return open_tx.view(TransactionState.OPEN, open_tx.cache_version)
+        return open_tx.view(
+            TransactionState.OPEN, open_tx.cache_version, self._max_blocks_per_seq, self._device
+        )
+
+    def layers_written(self, tx: TokenTransactionView | int) -> int:
+        """How many layers of an open transaction are written (they go in order from 0)."""
+        return self._tx.resolve(tx).next_layer
+
+    def transaction_slots(self, tx: TokenTransactionView | int) -> TransactionSlots:
+        """The open transaction's device metadata (the cache's own tensors: read, never write)."""
+        return self._tx.resolve(tx).slots
 
     def transaction_decode_inputs(
         self, tx: TokenTransactionView | int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_tables, seq_lens + 1)`` of an open transaction, for decoding over the new
-        token. These are the cache's own device tensors (no copy): read them, never write.
-        The write path does not use them, so they cannot redirect a write."""
-        meta = self._tx.resolve(tx).metadata
-        return meta.block_tables, meta.seq_lens_after
+        """``(block_tables, seq_lens + 1)`` of an open one-token transaction, for decoding over
+        the new token. These are the cache's own device tensors (no copy): read them, never
+        write. The write path does not use them, so they cannot redirect a write."""
+        slots = self._tx.resolve(tx).slots
+        if slots.block_tables is None:
+            raise RuntimeError(
+                "decode inputs exist only for one-token transactions (begin_token), not for a "
+                "prompt import (begin_tokens)"
+            )
+        batch = slots.batch
+        return slots.block_tables[:batch], slots.seq_lens_after[:batch]
 
     def commit_token(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """Publish the token: seq_len += 1 for every request of the transaction, once."""
+        """Publish the tokens: each request's seq_len grows by its reserved count, once."""
         open_tx = self._tx.resolve(tx)
         if open_tx.next_layer != self._num_layers:
             raise RuntimeError(
@@ -606,23 +765,25 @@ class PagedKVCache:
                 f"{open_tx.next_layer} of {self._num_layers} layers written"
             )
         version = self._version + 1
-        view = open_tx.view(TransactionState.COMMITTED, version)  # built before publishing
-        self._publish([self._requests[rid] for rid in open_tx.request_ids], open_tx.reserved)
+        view = open_tx.view(TransactionState.COMMITTED, version, self._max_blocks_per_seq,
+                            self._device)  # fmt: skip
+        records = [self._requests[rid] for rid in open_tx.request_ids]
+        self._publish(records, open_tx.counts, open_tx.reserved)
         self._tx.close(TransactionState.COMMITTED, version)
         self._version = version
         return view
 
     def abort_token(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """Drop the token: release the blocks begin_token took; lengths stay as they were."""
+        """Drop the tokens: release the blocks begin took; lengths stay as they were."""
         open_tx = self._tx.resolve(tx)
         version = self._version + 1
-        view = open_tx.view(TransactionState.ABORTED, version)
-        meta = open_tx.metadata
+        view = open_tx.view(TransactionState.ABORTED, version, self._max_blocks_per_seq,
+                            self._device)  # fmt: skip
         if open_tx.backup_k is not None and open_tx.next_layer > 0:
-            rows = meta.slot_rows.long()  # index_copy_ wants int64; abort is the rare path
+            rows = open_tx.slots.slot_rows.long()  # index_copy_ wants int64; abort is rare
             self._slot_rows_view(self.k_cache).index_copy_(1, rows, open_tx.backup_k)
             self._slot_rows_view(self.v_cache).index_copy_(1, rows, open_tx.backup_v)
-        self._release_taken(open_tx.reserved)
+        self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version
         return view
@@ -632,7 +793,7 @@ class PagedKVCache:
         self, prefix_id: PrefixId, k_blocks: torch.Tensor, v_blocks: torch.Tensor
     ) -> PrefixState:
         """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks."""
-        pid = _check_id("prefix_id", prefix_id)
+        pid = check_request_id("prefix_id", prefix_id)
         k_blocks = check_tensor(
             "k_blocks", k_blocks, ndim=5, dtypes=(self._dtype,), device=self._device
         )
@@ -667,7 +828,7 @@ class PagedKVCache:
     def attach_prefix(self, request_id: RequestId, prefix_id: PrefixId) -> None:
         """Start an empty active request with a resident prefix (its blocks shared)."""
         record = self._record(request_id)
-        pid = _check_id("prefix_id", prefix_id)
+        pid = check_request_id("prefix_id", prefix_id)
         block_ids = self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
         self._require_active(record, "attach a prefix to")
@@ -678,6 +839,7 @@ class PagedKVCache:
             )
         n = len(block_ids)
         record.table[:n] = block_ids
+        self._pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
         record.num_blocks = record.num_prefix_blocks = n
         record.prefix_id = pid
         record.seq_len = n * self._block_size
@@ -686,14 +848,14 @@ class PagedKVCache:
 
     def evict_prefix(self, prefix_id: PrefixId) -> None:
         """Free an inactive prefix's blocks (RuntimeError while requests use it)."""
-        pid = _check_id("prefix_id", prefix_id)
+        pid = check_request_id("prefix_id", prefix_id)
         self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("evict a prefix")
         self._prefixes.evict(pid)
         self._version += 1
 
     def prefix_state(self, prefix_id: PrefixId) -> PrefixState:
-        return self._prefixes.state(_check_id("prefix_id", prefix_id))
+        return self._prefixes.state(check_request_id("prefix_id", prefix_id))
 
     def prefix_ids(self) -> list[PrefixId]:
         """Resident prefixes in registration order."""
@@ -712,7 +874,9 @@ class PagedKVCache:
             "num_used_blocks": num_used,
             "num_private_blocks": num_used - num_prefix_blocks,
             "num_prefix_blocks": num_prefix_blocks,
-            "num_reserved_blocks": 0 if open_tx is None else len(open_tx.reserved),
+            "num_reserved_blocks": 0
+            if open_tx is None
+            else sum(len(b) for b in open_tx.reserved.values()),
             "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
             "num_requests": len(self._requests),
             "num_active_requests": states[RequestState.ACTIVE],
@@ -761,9 +925,7 @@ class PagedKVCache:
                 if tuple(rec.table[: rec.num_prefix_blocks].tolist()) != ids:
                     raise RuntimeError(f"request {rid!r}: table does not start with its prefix")
                 attached[rec.prefix_id] += 1
-            private = rec.private_block_ids
-            if rid in reserved:
-                private.append(reserved[rid])
+            private = rec.private_block_ids + list(reserved.get(rid, ()))
             if sorted(private) != held:
                 raise RuntimeError(
                     f"request {rid!r}: private blocks {sorted(private)} != allocator's {held}"
@@ -777,6 +939,9 @@ class PagedKVCache:
             if sorted(self._prefixes.block_ids(owner[1])) != ids:
                 raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
         self._prefixes.check_integrity(attached)
+        rows = [rec.row for rec in self._requests.values() if rec.state is RequestState.ACTIVE]
+        if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
+            raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
         if num_private + self._prefixes.num_blocks + self._allocator.num_free != self._max_blocks:
             raise RuntimeError("free + private + prefix blocks != max_blocks")
         if open_tx is not None:

@@ -47,12 +47,13 @@ class RequestRecord:
         "num_prefix_blocks",
         "prefix_id",
         "request_id",
+        "row",
         "seq_len",
         "state",
         "table",
     )
 
-    def __init__(self, request_id: RequestId, max_blocks_per_seq: int) -> None:
+    def __init__(self, request_id: RequestId, max_blocks_per_seq: int, row: int) -> None:
         self.request_id = request_id
         self.state = RequestState.ACTIVE
         self.seq_len = 0  # committed tokens (prefix tokens included)
@@ -60,6 +61,7 @@ class RequestRecord:
         self.num_blocks = 0  # used entries of table: prefix blocks first, then private ones
         self.num_prefix_blocks = 0
         self.prefix_id: PrefixId | None = None
+        self.row = row  # its row of the cache's device block tables (-1 once terminal)
 
     @property
     def block_ids(self) -> list[int]:
@@ -74,8 +76,11 @@ class RequestRecord:
         self.num_blocks += 1
 
     def clear(self) -> None:
-        """Forget every block (after release); the committed length is kept for reporting."""
-        self.table[:] = 0
+        """Forget every block (after release); the committed length is kept for reporting.
+
+        The table gets a fresh array: transaction views built earlier keep reading the old one.
+        """
+        self.table = np.zeros_like(self.table)
         self.num_blocks = 0
         self.num_prefix_blocks = 0
         self.prefix_id = None

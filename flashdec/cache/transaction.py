@@ -1,13 +1,17 @@
-"""Multi-layer token transactions: the one open reservation and the tombstones of closed ones.
+"""Token transactions: the one open reservation, its device metadata, and closed tombstones.
 
-``begin_token`` reserves one slot per request; its positions, physical block ids, offsets, block
-tables and lengths are packed into one host buffer and copied to the device once. The cache
-keeps those device tensors here, looked up by transaction id, so the per-layer write path needs
-no host work beyond structural checks. Callers get a *detached* ``TokenTransactionView`` (its own
-copies), so editing the view cannot redirect a write.
+A transaction reserves ``num_tokens[i]`` consecutive slots for request ``i`` (one per request for a
+decode step, a whole prompt for a prefill). Its device metadata (:class:`TransactionSlots`) is
+what the per-layer write paths and the decode kernel read; it lives in fixed-address buffers
+(:class:`SlotBuffers`) for one-token transactions, so a step that was captured in a CUDA graph can
+be replayed for the next step of the same batch after only the host-side ``begin_token``.
 
-After commit or abort only a tombstone (id, cache version, request ids, final state) is kept,
-in a bounded deque, to tell "already committed" from "unknown" for recent handles.
+Callers get a *detached* :class:`TokenTransactionView`: it keeps its own host copies and makes
+device tensors only when a field is read, so editing a view can never redirect a write, and
+beginning a transaction costs no device copy for the view.
+
+After commit or abort only a tombstone (id, cache version, request ids, final state) is kept, in a
+bounded deque, to tell "already committed" from "unknown" for recent handles.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from flashdec.cache.state import RequestId
 
 HISTORY_LIMIT = 256
+PAD_BLOCK_ID = -1  # block id of a padding row: writers skip it, decode sees seq_len 0
 
 
 class TransactionState(StrEnum):
@@ -31,23 +36,113 @@ class TransactionState(StrEnum):
     ABORTED = "aborted"
 
 
-@dataclass(frozen=True, eq=False)
 class TokenTransactionView:
-    """A detached snapshot of a token transaction; editing its tensors changes nothing.
+    """A detached, read-only description of a token transaction.
 
-    ``block_tables`` include the slot reserved for the new token. ``seq_lens`` are the lengths
-    before the token (open/aborted) or after it (the view ``commit_token`` returns).
+    ``positions``, ``block_ids`` and ``offsets`` have one entry per reserved token
+    (``[num_tokens]``, request by request); ``block_tables`` ``[B, max_blocks_per_seq]`` include
+    the reserved slots (entries past a request's blocks are 0); ``seq_lens`` ``[B]`` are the
+    lengths before the transaction (open/aborted) or after it (the view ``commit_token`` returns).
+    Tensors live on the cache's device and are made on first access from the view's own host
+    copies.
     """
 
-    transaction_id: int
-    cache_version: int
-    request_ids: tuple[RequestId, ...]
-    positions: torch.Tensor  # [B] int32, where the new token goes (= pre-append seq_len)
-    block_ids: torch.Tensor  # [B] int32, physical block of the new token
-    offsets: torch.Tensor  # [B] int32, slot inside that block
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
-    seq_lens: torch.Tensor  # [B] int32
-    state: TransactionState
+    __slots__ = (
+        "_device",
+        "_host",
+        "_table_rows",
+        "_table_width",
+        "_tensors",
+        "cache_version",
+        "request_ids",
+        "state",
+        "transaction_id",
+    )
+
+    def __init__(
+        self,
+        transaction_id: int,
+        cache_version: int,
+        request_ids: tuple[RequestId, ...],
+        state: TransactionState,
+        host: dict[str, np.ndarray],
+        table_rows: Sequence[tuple[np.ndarray, int, Sequence[int]]],
+        table_width: int,
+        device: torch.device,
+    ) -> None:
+        init = object.__setattr__
+        init(self, "transaction_id", transaction_id)
+        init(self, "cache_version", cache_version)
+        init(self, "request_ids", request_ids)
+        init(self, "state", state)
+        init(self, "_host", host)
+        # (committed row of the request's table, its committed block count, reserved blocks):
+        # committed entries never change while the row object lives (terminal requests get a
+        # fresh row), so the table can be built lazily
+        init(self, "_table_rows", tuple(table_rows))
+        init(self, "_table_width", table_width)
+        init(self, "_device", device)
+        init(self, "_tensors", {})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TokenTransactionView is read-only (cannot set {name!r})")
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            if name == "block_tables":
+                host = np.zeros((len(self._table_rows), self._table_width), dtype=np.int32)
+                for i, (row, committed, reserved) in enumerate(self._table_rows):
+                    host[i, :committed] = row[:committed]
+                    host[i, committed : committed + len(reserved)] = reserved
+            else:
+                host = self._host[name]
+            # always a copy: a caller editing it must not reach the host arrays other views share
+            tensor = self._tensors[name] = torch.from_numpy(host).to(self._device, copy=True)
+        return tensor
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[num_tokens]`` int32: where each reserved token goes (its position in the request)."""
+        return self._tensor("positions")
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        """``[num_tokens]`` int32: physical block of each reserved token."""
+        return self._tensor("block_ids")
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[num_tokens]`` int32: slot of each reserved token inside its block."""
+        return self._tensor("offsets")
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[B]`` int32: lengths before (open/aborted) or after (committed) the transaction."""
+        return self._tensor("seq_lens")
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """``[B, max_blocks_per_seq]`` int32, including the reserved slots, 0-padded."""
+        return self._tensor("block_tables")
+
+    @property
+    def host_positions(self) -> np.ndarray:
+        """``positions`` as a read-only host array (no device copy)."""
+        positions = self._host["positions"].view()
+        positions.flags.writeable = False
+        return positions
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._host["positions"].shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenTransactionView(transaction_id={self.transaction_id}, "
+            f"state={self.state.value!r}, request_ids={self.request_ids!r}, "
+            f"num_tokens={self.num_tokens}, cache_version={self.cache_version})"
+        )
 
 
 TokenTransaction = TokenTransactionView  # the handle callers hold is the view
@@ -61,13 +156,24 @@ class Tombstone:
     state: TransactionState
 
 
-class TransactionMetadata:
-    """Device tensors of one reservation, all slices of a single int32 buffer."""
+class TransactionSlots:
+    """Device metadata of one reservation, read by the write paths and by decode.
+
+    One row per reserved token (``positions``, ``block_ids``, ``offsets``; ``slot_rows`` has
+    ``num_kv_heads`` rows per token: the token's rows in a layer viewed as
+    ``[blocks * Hkv * block_size, D]``) and one row per request (``seq_lens``,
+    ``seq_lens_after``, ``block_tables``). ``num_rows`` >= batch counts padding rows (block id
+    ``PAD_BLOCK_ID``, length 0) that a CUDA graph captured for a bigger batch reads. These are the
+    cache's own tensors: read them, never write them.
+    """
 
     __slots__ = (
+        "batch",
         "block_ids",
         "block_tables",
-        "buffer",
+        "generation",
+        "num_rows",
+        "num_tokens",
         "offsets",
         "positions",
         "seq_lens",
@@ -75,61 +181,115 @@ class TransactionMetadata:
         "slot_rows",
     )
 
-    def __init__(self, buffer: torch.Tensor, batch: int, width: int) -> None:
-        self.buffer = buffer
-        rows = buffer[: 5 * batch].view(5, batch)
-        self.positions = rows[0]
-        self.block_ids = rows[1]
-        self.offsets = rows[2]
-        self.seq_lens = rows[3]
-        self.seq_lens_after = rows[4]
-        table_end = 5 * batch + batch * width
-        self.block_tables = buffer[5 * batch : table_end].view(batch, width)
-        # [B * Hkv] rows of the new token's slots in a layer viewed as [blocks*Hkv*bs, D]
-        self.slot_rows = buffer[table_end:]
+    def __init__(self, **fields: object) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
 
-    @classmethod
-    def upload(
-        cls,
-        positions: list[int],
-        block_ids: list[int],
-        tables: Sequence[np.ndarray],
-        block_size: int,
-        num_kv_heads: int,
-        device: torch.device,
-    ) -> TransactionMetadata:
-        """Pack on the host and copy to ``device`` in one transfer (pinned + async on CUDA).
 
-        ``tables`` are the requests' committed table rows; each new token's block id is written
-        at its logical index, so the uploaded tables already cover the reserved slot.
-        """
-        batch, width = len(tables), tables[0].shape[0]
+class SlotBuffers:
+    """Fixed-address device buffers for one-token transactions of up to ``capacity`` rows.
+
+    Every transaction fills one host staging buffer (pinned on CUDA; two alternate so that
+    packing the next step never waits for the previous upload) and copies it to the device in one
+    transfer; the block tables are then gathered on the device from the cache's persistent
+    :class:`~flashdec.cache.device_tables.DeviceTables`. Views of these buffers keep their
+    addresses across transactions; the cache replaces the whole object (new ``generation``) only
+    when a bigger batch needs more rows.
+    """
+
+    # int32 regions of ``capacity`` entries each, then the slot rows (capacity * num_kv_heads)
+    POSITIONS, BLOCK_IDS, OFFSETS, SEQ_LENS, SEQ_LENS_AFTER, TABLE_ROWS = range(6)
+    UPDATE_ROWS, UPDATE_COLS, UPDATE_VALUES = 6, 7, 8
+    NUM_REGIONS = 9
+
+    def __init__(
+        self, capacity: int, num_kv_heads: int, width: int, device: torch.device, generation: int
+    ) -> None:
+        self.capacity = capacity
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        self.generation = generation
+        size = self.NUM_REGIONS * capacity + capacity * num_kv_heads
         pinned = device.type == "cuda"
-        table_end = 5 * batch + batch * width
-        host = torch.empty(table_end + batch * num_kv_heads, dtype=torch.int32, pin_memory=pinned)
-        arr = host.numpy()
-        pos = np.asarray(positions, dtype=np.int32)
-        ids = np.asarray(block_ids, dtype=np.int32)
-        arr[0:batch] = pos
-        arr[batch : 2 * batch] = ids
-        arr[2 * batch : 3 * batch] = pos % block_size
-        arr[3 * batch : 4 * batch] = pos
-        arr[4 * batch : 5 * batch] = pos + 1
-        table_rows = arr[5 * batch : table_end].reshape(batch, width)
-        np.stack(tables, out=table_rows)  # rows copied straight into the upload buffer
-        table_rows[np.arange(batch), pos // block_size] = ids
-        heads = np.arange(num_kv_heads, dtype=np.int32)
-        slot_rows = (ids[:, None] * num_kv_heads + heads[None, :]) * block_size + (
-            pos % block_size
-        )[:, None]
-        arr[table_end:] = slot_rows.reshape(-1)
-        buffer = host.to(device, non_blocking=True) if pinned else host
-        return cls(buffer, batch, width)
+        self._staging = [
+            torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+            for _ in range(2 if pinned else 1)
+        ]
+        self._events: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._turn = 0
+        self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
 
-    def detached(self) -> TransactionMetadata:
-        """A copy for a view (one device copy, no host sync)."""
-        batch = self.positions.shape[0]
-        return TransactionMetadata(self.buffer.clone(), batch, self.block_tables.shape[1])
+    def _at(self, region: int, count: int) -> slice:
+        start = region * self.capacity
+        return slice(start, start + count)
+
+    def upload(
+        self,
+        positions: np.ndarray,
+        block_ids: np.ndarray,
+        table_rows: np.ndarray,
+        updates: tuple[np.ndarray, np.ndarray, np.ndarray],
+        block_size: int,
+        num_rows: int,
+    ) -> None:
+        """Pack one transaction into the next staging buffer and copy it to the device.
+
+        Rows ``[len(positions), num_rows)`` become padding (block id ``PAD_BLOCK_ID``, length 0).
+        """
+        slot = self._turn
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # the upload from this buffer two transactions ago is done
+        host = self._staging[slot].numpy()
+        batch = positions.shape[0]
+        offsets = positions % block_size
+        for region, values, pad in (
+            (self.POSITIONS, positions, 0),
+            (self.BLOCK_IDS, block_ids, PAD_BLOCK_ID),
+            (self.OFFSETS, offsets, 0),
+            (self.SEQ_LENS, positions, 0),
+            (self.SEQ_LENS_AFTER, positions + 1, 0),
+            (self.TABLE_ROWS, table_rows, 0),
+        ):
+            rows = host[self._at(region, num_rows)]
+            rows[:batch] = values
+            rows[batch:] = pad
+        count = updates[0].shape[0]
+        for region, values in zip(
+            (self.UPDATE_ROWS, self.UPDATE_COLS, self.UPDATE_VALUES), updates, strict=True
+        ):
+            host[self._at(region, count)] = values
+        heads = np.arange(self.num_kv_heads, dtype=np.int64)
+        slot_rows = (block_ids.astype(np.int64)[:, None] * self.num_kv_heads + heads) * block_size
+        slot_rows += offsets[:, None]
+        start = self.NUM_REGIONS * self.capacity
+        host[start : start + batch * self.num_kv_heads] = slot_rows.reshape(-1)
+        self.device_buffer.copy_(self._staging[slot], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._events[slot] or torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        self._turn = (slot + 1) % len(self._staging)
+
+    def region(self, region: int, count: int) -> torch.Tensor:
+        return self.device_buffer[self._at(region, count)]
+
+    def slots(self, batch: int, num_rows: int) -> TransactionSlots:
+        start = self.NUM_REGIONS * self.capacity
+        return TransactionSlots(
+            batch=batch,
+            num_rows=num_rows,
+            num_tokens=batch,
+            generation=self.generation,
+            positions=self.region(self.POSITIONS, num_rows),
+            block_ids=self.region(self.BLOCK_IDS, num_rows),
+            offsets=self.region(self.OFFSETS, num_rows),
+            seq_lens=self.region(self.SEQ_LENS, num_rows),
+            seq_lens_after=self.region(self.SEQ_LENS_AFTER, num_rows),
+            slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
+            block_tables=self.tables[:num_rows],
+        )
 
 
 class OpenTransaction:
@@ -139,10 +299,13 @@ class OpenTransaction:
         "backup_k",
         "backup_v",
         "cache_version",
-        "metadata",
+        "counts",
+        "host",
         "next_layer",
         "request_ids",
         "reserved",
+        "slots",
+        "table_rows",
         "transaction_id",
     )
 
@@ -151,31 +314,43 @@ class OpenTransaction:
         transaction_id: int,
         cache_version: int,
         request_ids: tuple[RequestId, ...],
-        reserved: dict[RequestId, int],
-        metadata: TransactionMetadata,
+        counts: list[int],
+        reserved: dict[RequestId, list[int]],
+        slots: TransactionSlots,
+        host: dict[str, np.ndarray],
+        table_rows: list[tuple[np.ndarray, int, list[int]]],
     ) -> None:
         self.transaction_id = transaction_id
         self.cache_version = cache_version
         self.request_ids = request_ids
-        self.reserved = reserved  # request id -> block begin_token took for it (new blocks only)
-        self.metadata = metadata
+        self.counts = counts  # tokens reserved per request
+        self.reserved = reserved  # request id -> blocks begin took for it (new blocks only)
+        self.slots = slots
+        self.host = host  # host copies of positions, block_ids, offsets, seq_lens, seq_lens_after
+        self.table_rows = table_rows
         self.next_layer = 0  # layers [0, next_layer) are written
         self.backup_k: torch.Tensor | None = None  # old bytes of the reserved slots, for abort
         self.backup_v: torch.Tensor | None = None
 
-    def view(self, state: TransactionState, cache_version: int) -> TokenTransactionView:
-        meta = self.metadata.detached()
-        seq_lens = meta.seq_lens_after if state is TransactionState.COMMITTED else meta.seq_lens
+    def view(
+        self, state: TransactionState, cache_version: int, width: int, device: torch.device
+    ) -> TokenTransactionView:
+        host = self.host
+        lens = host["seq_lens_after"] if state is TransactionState.COMMITTED else host["seq_lens"]
         return TokenTransactionView(
             transaction_id=self.transaction_id,
             cache_version=cache_version,
             request_ids=self.request_ids,
-            positions=meta.positions,
-            block_ids=meta.block_ids,
-            offsets=meta.offsets,
-            block_tables=meta.block_tables,
-            seq_lens=seq_lens,
             state=state,
+            host={
+                "positions": host["positions"],
+                "block_ids": host["block_ids"],
+                "offsets": host["offsets"],
+                "seq_lens": lens,
+            },
+            table_rows=self.table_rows,
+            table_width=width,
+            device=device,
         )
 
 
@@ -209,6 +384,7 @@ class TransactionLog:
 
     def resolve(self, handle: object) -> OpenTransaction:
         """The open transaction ``handle`` (a view or its integer id) names, else an error."""
+        open_tx = self.open
         if isinstance(handle, TokenTransactionView):
             tx_id = handle.transaction_id
         elif isinstance(handle, int) and not isinstance(handle, bool):
@@ -218,8 +394,8 @@ class TransactionLog:
                 "expected a TokenTransactionView or an int transaction id, "
                 f"got {type(handle).__name__}"
             )
-        if self.open is not None and self.open.transaction_id == tx_id:
-            return self.open
+        if open_tx is not None and open_tx.transaction_id == tx_id:
+            return open_tx
         for tomb in self.history:
             if tomb.transaction_id == tx_id:
                 raise RuntimeError(

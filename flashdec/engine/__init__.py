@@ -1,5 +1,15 @@
-"""DecodeEngine: scheduler decisions, cache transactions and kernels for one decode step."""
+"""DecodeEngine: one request lifecycle over the cache, layer operations, the serving loop."""
 
-from flashdec.engine.engine import DecodeEngine, EngineRequestState, StepResult
+from flashdec.engine.engine import CapturedStep, DecodeEngine, EngineRequestState, StepResult
+from flashdec.engine.layer_ops import RopeAppendResult, rope_paged_kv_append
+from flashdec.engine.snapshot import snapshot_from_cache
 
-__all__ = ["DecodeEngine", "EngineRequestState", "StepResult"]
+__all__ = [
+    "CapturedStep",
+    "DecodeEngine",
+    "EngineRequestState",
+    "RopeAppendResult",
+    "StepResult",
+    "rope_paged_kv_append",
+    "snapshot_from_cache",
+]

@@ -1,36 +1,50 @@
-"""DecodeEngine: orchestrates the scheduler's decisions, the cache's transactions and the kernels.
+"""DecodeEngine: one request lifecycle over the cache, and the layer operations of a step.
 
 The engine owns no block and no length: :class:`~flashdec.cache.PagedKVCache` stays the single
-source of truth. The engine adds the request states that exist before and beside the cache
-(waiting, rejected), the open multi-layer step, and the per-step decode plan.
+source of truth for every request it holds (active, finished, cancelled). The engine adds only
+what exists before a request reaches the cache — waiting (with its spec when a scheduler manages
+it), rejected, or cancelled while waiting — so the two can never disagree about a state.
+
+A step is ``begin_step`` (all validation, the reservation, one metadata upload) → ``step_layer``
+per layer (a thin launch of RoPE + append and decode over fixed-address buffers) →
+``commit_step``. Once ``begin_step`` has run, the layers of a step can be captured in a CUDA
+graph (``capture_step``) and replayed for later steps of the same batch (``replay_step``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_tensor, resolve_sm_scale, same_device
-from flashdec.cache import PagedKVCache
-from flashdec.engine.backends import (
+from flashdec._checks import check_choice, check_request_id, check_tensor, resolve_sm_scale
+from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
+from flashdec.engine.layer_ops import (
     APPEND_BACKENDS,
     DECODE_BACKENDS,
-    TritonDecodeState,
-    check_backend,
+    DecodeState,
+    Rope,
+    check_step_inputs,
     torch_paged_decode,
+    write_plain_layer,
+    write_rope_layer,
 )
-from flashdec.reference.rope import check_rotary_dim
+from flashdec.engine.snapshot import snapshot_from_cache
+from flashdec.kernels import triton_runs_on
 from flashdec.scheduler import (
     BlockAwareScheduler,
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
     counters_of,
-    snapshot_from_cache,
 )
+
+log = logging.getLogger("flashdec")
+T = TypeVar("T")
 
 
 class EngineRequestState(enum.StrEnum):
@@ -46,31 +60,68 @@ class EngineRequestState(enum.StrEnum):
         return self.value
 
 
+_FROM_CACHE = {
+    RequestState.ACTIVE: EngineRequestState.ACTIVE,
+    RequestState.FINISHED: EngineRequestState.FINISHED,
+    RequestState.CANCELLED: EngineRequestState.CANCELLED,
+}
+
+
 @dataclass(frozen=True)
 class StepResult:
-    """What a committed step published: one token for every listed request, all layers."""
+    """What a committed step published: tokens for every listed request, all layers."""
 
     transaction_id: int
     request_ids: tuple
-    positions: tuple[int, ...]  # where the token was written (= pre-step seq_len)
+    positions: tuple[int, ...]  # where each request's first new token went (= pre-step seq_len)
     seq_lens: tuple[int, ...]  # committed lengths after the step
     num_layers: int
 
 
-@dataclass
 class _OpenStep:
-    """Engine-side state of the one open step (the cache keeps the transaction itself)."""
+    """Engine-side state of the one open transaction (the cache keeps the reservation)."""
 
-    transaction_id: int
-    request_ids: tuple
-    block_tables: torch.Tensor  # [B, max_blocks_per_seq] incl. the reserved slot
-    seq_lens_after: torch.Tensor  # [B] pre-step lengths + 1: decode sees the new token
-    positions: tuple[int, ...]  # pre-step lengths, known on the host
-    max_seq_len_after: int
-    total_tokens_after: int
-    next_layer: int = 0
-    num_q_heads: int | None = None
-    decode_state: TritonDecodeState | None = None
+    __slots__ = (
+        "decode",
+        "kind",
+        "kv_shape",
+        "max_len_after",
+        "num_rows",
+        "positions",
+        "q_shape",
+        "request_ids",
+        "seq_lens_after",
+        "slots",
+        "transaction_id",
+    )
+
+    def __init__(self, kind: str, view: TokenTransactionView, slots, positions, lens_after):
+        self.kind = kind  # "decode" (one token each) or "prefill" (a prompt import)
+        self.transaction_id = view.transaction_id
+        self.request_ids = view.request_ids
+        self.slots = slots
+        self.num_rows = slots.num_rows
+        self.positions = positions
+        self.seq_lens_after = lens_after
+        self.max_len_after = max(lens_after)
+        self.decode: DecodeState | None = None
+        self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
+        self.kv_shape = (slots.num_rows if kind == "decode" else slots.num_tokens, 0, 0)
+
+
+class CapturedStep:
+    """A CUDA graph over the layers of one step, replayable for later steps of the same batch.
+
+    ``output`` is what the captured body returned (tensors the graph rewrites on every replay).
+    """
+
+    def __init__(self, engine, graph, output, num_rows: int, generation: int, keep: tuple):
+        self.engine = engine
+        self.graph = graph
+        self.output = output
+        self.num_rows = num_rows
+        self.generation = generation
+        self._keep = keep  # buffers the graph reads (its decode workspace)
 
 
 class DecodeEngine:
@@ -79,10 +130,14 @@ class DecodeEngine:
     Args:
         cache: the cache this engine drives (its only source of block and length truth).
         append_backend: ``"torch"``, ``"triton"`` or ``"fused"`` (one fused RoPE + append kernel).
-        decode_backend: ``"torch"`` (gather + dense math) or ``"triton"`` (:func:`flashdec.decode`).
+        decode_backend: ``"torch"`` (gather + dense math) or ``"triton"`` (split-KV kernel).
+            On a CPU cache without Triton's interpreter (``TRITON_INTERPRET=1`` set before
+            Triton is imported), Triton backends fall back to ``"torch"`` with a warning.
         rotary_dim: dims rotated by RoPE; ``None`` rotates the whole head.
         rope_base: RoPE frequency base.
         sm_scale: softmax scale; ``None`` = ``head_dim ** -0.5``.
+        rope_inv_freq: a model's own float32 inverse frequencies ``[rotary_dim // 2]`` (e.g. with
+            llama3 scaling), used instead of ``rope_base``.
     """
 
     def __init__(
@@ -93,56 +148,109 @@ class DecodeEngine:
         rotary_dim: int | None = None,
         rope_base: float = 10000.0,
         sm_scale: float | None = None,
+        *,
+        rope_inv_freq: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        self.cache = cache
-        self.append_backend = check_backend("append_backend", append_backend, APPEND_BACKENDS)
-        self.decode_backend = check_backend("decode_backend", decode_backend, DECODE_BACKENDS)
-        self.rotary_dim = check_rotary_dim(rotary_dim, cache.head_dim)
-        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or rope_base <= 1:
-            raise ValueError(f"rope_base must be a float > 1, got {rope_base!r}")
-        self.rope_base = float(rope_base)
+        append_backend = check_choice("append_backend", append_backend, APPEND_BACKENDS)
+        decode_backend = check_choice("decode_backend", decode_backend, DECODE_BACKENDS)
+        self.rope = Rope.build(cache.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
         self.sm_scale = resolve_sm_scale(sm_scale, cache.head_dim)
-        self._states: dict[object, EngineRequestState] = {}
-        self._open: _OpenStep | None = None
-        self._decode_state: TritonDecodeState | None = None  # reused while the layout holds
-        self._scheduled = _ScheduledRequests()
-
-    # ------------------------------------------------------------------ lifecycle (unscheduled)
-    def add_request(self, request_id: object) -> None:
-        """Register a waiting request (not yet in the cache)."""
-        self._require_no_open_step("add_request")
-        self._check_new_id(request_id)
-        if self._scheduled.specs:
-            raise RuntimeError(
-                "add_request is the unscheduled lifecycle; this engine already runs "
-                "scheduler-managed requests (use submit_request)"
+        if not triton_runs_on(cache.device) and "torch" not in (append_backend, decode_backend):
+            log.warning(
+                "Triton kernels cannot run on %s tensors in this process (set TRITON_INTERPRET=1 "
+                "before Triton is imported to interpret them): using the torch backends",
+                cache.device,
             )
-        self._states[request_id] = EngineRequestState.WAITING
+        if not triton_runs_on(cache.device):
+            append_backend = decode_backend = "torch"
+        self.cache = cache
+        self.append_backend = append_backend
+        self.decode_backend = decode_backend
+        self._open: _OpenStep | None = None
+        self._decode_state: DecodeState | None = None  # reused while the layout holds
+        self._capturing = False
+        # the lifecycle before and beside the cache
+        self._waiting: dict[Any, RequestSpec | None] = {}  # insertion order
+        self._closed: dict[Any, EngineRequestState] = {}  # rejected / cancelled while waiting
+        self._specs: dict[Any, RequestSpec] = {}  # every scheduler-managed request
+        self._orders: set[int] = set()
+        self._mode: str | None = None  # "unscheduled" or "scheduled", fixed by the first request
+        # fairness counters, advanced only by the serving loop (zero for manual scheduling)
+        self._wait_steps: dict[Any, int] = {}
+        self._skip_counts: dict[Any, int] = {}
+        self._service_wait: dict[Any, int] = {}
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope.rotary_dim
+
+    @property
+    def rope_base(self) -> float:
+        return self.rope.base
+
+    # ------------------------------------------------------------------ request lifecycle
+    def request_state(self, request_id: object) -> EngineRequestState:
+        if request_id in self._waiting:
+            return EngineRequestState.WAITING
+        closed = self._closed.get(request_id) if type(request_id) in (str, int) else None
+        if closed is not None:
+            return closed
+        check_request_id("request id", request_id)
+        return _FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
+
+    def request_ids(self, state: EngineRequestState | None = None) -> list:
+        """Every request this engine knows, optionally only those in ``state``."""
+        ids = [*self._waiting, *self._closed, *self.cache.request_ids()]
+        return [rid for rid in ids if state is None or self.request_state(rid) is state]
+
+    def _check_new_id(self, request_id: object, mode: str) -> None:
+        check_request_id("request id", request_id)
+        if request_id in self._waiting or request_id in self._closed:
+            raise ValueError(f"request id {request_id!r} already exists (ids are not reused)")
+        try:
+            self.cache.request_state(request_id)
+        except ValueError:
+            pass
+        else:
+            raise ValueError(f"request id {request_id!r} already exists in the cache")
+        if self._mode not in (None, mode):
+            raise RuntimeError(
+                f"this engine runs {self._mode} requests; add_request/admit (unscheduled) and "
+                "submit_request (scheduler-managed) cannot be mixed: a lifetime scheduler must "
+                "know the lifetime of every active request"
+            )
+
+    def add_request(self, request_id: object) -> None:
+        """Register a waiting request (not yet in the cache) that ``admit`` makes active."""
+        self._require_no_open_step("add_request")
+        self._check_new_id(request_id, "unscheduled")
+        self._mode = "unscheduled"
+        self._waiting[request_id] = None
 
     def admit(self, request_id: object) -> None:
-        """Make a waiting request active in the cache (empty, seq_len 0)."""
+        """Make a waiting (unscheduled) request active in the cache (empty, seq_len 0)."""
         self._require_no_open_step("admit")
-        if self.request_state(request_id) is not EngineRequestState.WAITING:
+        state = self.request_state(request_id)
+        if state is not EngineRequestState.WAITING:
             raise RuntimeError(
-                f"request {request_id!r} is {self._states[request_id].value}; only a waiting "
-                "request can be admitted"
+                f"request {request_id!r} is {state.value}; only a waiting request can be admitted"
             )
-        if request_id in self._scheduled.specs:
+        if self._waiting[request_id] is not None:
             raise RuntimeError(
                 f"request {request_id!r} is scheduler-managed; it is admitted by "
                 "apply_scheduler_decision"
             )
         self.cache.add_request(request_id)
-        self._states[request_id] = EngineRequestState.ACTIVE
+        del self._waiting[request_id]
 
     def finish_request(self, request_id: object) -> None:
         """Finish an active request: the cache releases its private blocks."""
         self._require_no_open_step("finish_request")
         self._require_state(request_id, EngineRequestState.ACTIVE, "finish")
         self.cache.finish_request(request_id)
-        self._states[request_id] = EngineRequestState.FINISHED
+        self._service_wait.pop(request_id, None)
 
     def cancel_request(self, request_id: object) -> None:
         """Cancel a waiting or active request."""
@@ -150,25 +258,25 @@ class DecodeEngine:
         state = self.request_state(request_id)
         if state is EngineRequestState.ACTIVE:
             self.cache.cancel_request(request_id)
-        elif state is not EngineRequestState.WAITING:
+            self._service_wait.pop(request_id, None)
+        elif state is EngineRequestState.WAITING:
+            self._leave_queue(request_id, EngineRequestState.CANCELLED)
+        else:
             raise RuntimeError(
                 f"request {request_id!r} is {state.value}; only waiting or active requests "
                 "can be cancelled"
             )
-        self._states[request_id] = EngineRequestState.CANCELLED
-        self._scheduled.forget_waiting(request_id)
 
-    def request_state(self, request_id: object) -> EngineRequestState:
-        _check_id(request_id)
-        try:
-            return self._states[request_id]
-        except KeyError:
-            raise ValueError(f"unknown request id {request_id!r}") from None
+    def _leave_queue(self, request_id, state: EngineRequestState | None) -> None:
+        spec = self._waiting.pop(request_id)
+        self._wait_steps.pop(request_id, None)
+        self._skip_counts.pop(request_id, None)
+        if spec is not None:
+            self._orders.discard(spec.submission_order)
+        if state is not None:
+            self._closed[request_id] = state
 
-    def request_ids(self, state: EngineRequestState | None = None) -> list:
-        return [rid for rid, s in self._states.items() if state is None or s is state]
-
-    # ------------------------------------------------------------------ scheduler-managed lifecycle
+    # ------------------------------------------------------------------ scheduler-managed
     def submit_request(self, spec: RequestSpec) -> None:
         """Queue a scheduler-managed request; the scheduler admits or rejects it later.
 
@@ -177,12 +285,7 @@ class DecodeEngine:
         self._require_no_open_step("submit_request")
         if not isinstance(spec, RequestSpec):
             raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
-        self._check_new_id(spec.request_id)
-        if any(rid not in self._scheduled.specs for rid in self._states):
-            raise RuntimeError(
-                "submit_request is the scheduler-managed lifecycle; this engine already runs "
-                "unscheduled requests (add_request/admit)"
-            )
+        self._check_new_id(spec.request_id, "scheduled")
         if spec.prefix_id is not None:
             if spec.prefix_id not in self.cache.prefix_ids():
                 raise ValueError(
@@ -194,16 +297,17 @@ class DecodeEngine:
                     f"a prefix request's context must be its prefix: prefix {spec.prefix_id!r} "
                     f"holds {num_tokens} tokens, spec says {spec.initial_context_tokens}"
                 )
-        if any(s.submission_order == spec.submission_order for s in self._scheduled.specs.values()):
+        if spec.submission_order in self._orders:
             raise ValueError(f"submission_order {spec.submission_order} is already used")
-        self._scheduled.specs[spec.request_id] = spec
-        self._scheduled.waiting.append(spec.request_id)
-        self._states[spec.request_id] = EngineRequestState.WAITING
+        self._mode = "scheduled"
+        self._orders.add(spec.submission_order)
+        self._specs[spec.request_id] = spec
+        self._waiting[spec.request_id] = spec
 
     def request_spec(self, request_id: object) -> RequestSpec:
         self.request_state(request_id)
         try:
-            return self._scheduled.specs[request_id]
+            return self._specs[request_id]
         except KeyError:
             raise ValueError(f"request {request_id!r} is not scheduler-managed") from None
 
@@ -214,19 +318,30 @@ class DecodeEngine:
         waiting_skip_counts: Mapping | None = None,
         active_service_wait_steps: Mapping | None = None,
     ) -> SchedulingSnapshot:
-        """K/V-free metadata for the scheduler, read from the live cache (counters default 0)."""
+        """K/V-free metadata for the scheduler, read from the live cache.
+
+        Fairness counters not given are the engine's own: zero unless a :class:`ServingLoop`
+        advances them.
+        """
         self._require_no_open_step("scheduling_snapshot")
-        specs = self._scheduled.specs
         return snapshot_from_cache(
             self.cache,
             step=step,
-            specs=specs,
-            waiting_ids=list(self._scheduled.waiting),
-            active_ids=[rid for rid in specs if self._states[rid] is EngineRequestState.ACTIVE],
-            waiting_wait_steps=waiting_wait_steps,
-            waiting_skip_counts=waiting_skip_counts,
-            active_service_wait_steps=active_service_wait_steps,
-        )
+            specs=self._specs,
+            waiting_ids=[rid for rid, spec in self._waiting.items() if spec is not None],
+            active_ids=self._scheduled_active_ids(),
+            waiting_wait_steps=self._wait_steps if waiting_wait_steps is None
+            else waiting_wait_steps,
+            waiting_skip_counts=self._skip_counts if waiting_skip_counts is None
+            else waiting_skip_counts,
+            active_service_wait_steps=self._service_wait if active_service_wait_steps is None
+            else active_service_wait_steps,
+        )  # fmt: skip
+
+    def _scheduled_active_ids(self) -> list:
+        if self._mode != "scheduled":
+            return []
+        return self.cache.request_ids(RequestState.ACTIVE)
 
     def apply_scheduler_decision(
         self,
@@ -237,11 +352,11 @@ class DecodeEngine:
     ) -> SchedulerDecision:
         """Admit and reject what ``decision`` says, after proving it is current and canonical.
 
-        The snapshot is rebuilt from the live engine (keeping the caller's fairness counters) and
-        the canonical lifetime policy ``BlockAwareScheduler(scheduler.config)`` is re-run on it;
-        the decision must equal that result exactly. Anything else — a stale snapshot, a decision
-        from another snapshot or config, an edited or non-canonical decision — is rejected before
-        any request is admitted or rejected. Returns the applied decision.
+        The snapshot is rebuilt from the live engine (keeping the snapshot's fairness counters)
+        and the canonical lifetime policy ``BlockAwareScheduler(scheduler.config)`` is re-run on
+        it; the decision must equal that result exactly. Anything else — a stale snapshot, a
+        decision from another snapshot or config, an edited or non-canonical decision — is
+        rejected before any request is admitted or rejected. Returns the applied decision.
         """
         self._require_no_open_step("apply_scheduler_decision")
         if not isinstance(decision, SchedulerDecision):
@@ -272,17 +387,30 @@ class DecodeEngine:
                 f"batch={canonical.batch}; got admit={decision.admit}, "
                 f"reject={decision.reject}, batch={decision.batch})"
             )
+        self.apply_trusted_decision(decision)
+        return decision
+
+    def apply_trusted_decision(self, decision: SchedulerDecision) -> None:
+        """Admit and reject without re-planning: for a decision the caller planned itself from
+        a snapshot of this engine taken since its last change (the serving loop's path, also for
+        the greedy and cancel baselines)."""
+        self._require_no_open_step("apply_trusted_decision")
         for rid in decision.admit:
-            spec = self._scheduled.specs[rid]
+            spec = self._specs[rid]
             self.cache.add_request(rid)
             if spec.prefix_id is not None:
                 self.cache.attach_prefix(rid, spec.prefix_id)
-            self._scheduled.forget_waiting(rid)
-            self._states[rid] = EngineRequestState.ACTIVE
+            self._leave_queue(rid, None)
         for rid in decision.reject:
-            self._scheduled.forget_waiting(rid)
-            self._states[rid] = EngineRequestState.REJECTED
-        return decision
+            self._leave_queue(rid, EngineRequestState.REJECTED)
+
+    def set_fairness_counters(
+        self, wait_steps: Mapping, skip_counts: Mapping, service_wait: Mapping
+    ) -> None:
+        """The counters the next snapshot starts from (the serving loop advances them)."""
+        self._wait_steps = dict(wait_steps)
+        self._skip_counts = dict(skip_counts)
+        self._service_wait = dict(service_wait)
 
     # ------------------------------------------------------------------ single-layer step
     def step(
@@ -300,30 +428,30 @@ class DecodeEngine:
         return out
 
     # ------------------------------------------------------------------ multi-layer step
-    def begin_step(self, request_ids: Sequence):
-        """Open a step: the cache reserves one slot per request (all-or-nothing)."""
-        self._require_no_open_step("begin_step")
-        rids = tuple(request_ids) if isinstance(request_ids, (list, tuple)) else None
-        if rids is None:
+    def _check_batch(self, request_ids: object, action: str) -> tuple:
+        if not isinstance(request_ids, (list, tuple)):
             raise TypeError(
                 f"request_ids must be a list or tuple, got {type(request_ids).__name__}"
             )
-        states, active = self._states, EngineRequestState.ACTIVE
-        for rid in rids:  # fast path first; the slow check explains what is wrong
-            if type(rid) not in (str, int) or states.get(rid) is not active:
-                self._require_state(rid, active, "step")
-        view = self.cache.begin_token(list(rids))
-        block_tables, seq_lens_after = self.cache.transaction_decode_inputs(view)
-        lens = [self.cache.seq_len(rid) for rid in rids]  # host-side: no device sync
-        self._open = _OpenStep(
-            transaction_id=view.transaction_id,
-            request_ids=rids,
-            block_tables=block_tables,
-            seq_lens_after=seq_lens_after,
-            positions=tuple(lens),
-            max_seq_len_after=max(lens) + 1,
-            total_tokens_after=sum(lens) + len(lens),
-        )
+        rids = tuple(request_ids)
+        waiting, closed = self._waiting, self._closed
+        for rid in rids:  # the cache checks activity; ids it cannot know are explained here
+            if rid in waiting or (type(rid) in (str, int) and rid in closed):
+                self._require_state(rid, EngineRequestState.ACTIVE, action)
+        return rids
+
+    def begin_step(self, request_ids: Sequence, *, pad_to: int | None = None):
+        """Open a step: the cache reserves one slot per request (all-or-nothing).
+
+        ``pad_to`` pads the step's rows to a CUDA graph's captured batch: every layer then takes
+        ``q, k, v`` with ``pad_to`` rows (padding rows are neither stored nor attended).
+        """
+        self._require_no_open_step("begin_step")
+        rids = self._check_batch(request_ids, "step")
+        view = self.cache.begin_token(list(rids), pad_to=pad_to)
+        slots = self.cache.transaction_slots(view)
+        positions = view.host_positions.tolist()
+        self._open = _OpenStep("decode", view, slots, positions, [p + 1 for p in positions])
         return view
 
     def step_layer(
@@ -331,49 +459,45 @@ class DecodeEngine:
     ) -> torch.Tensor:
         """RoPE + append + decode for one layer; any failure aborts the whole token.
 
-        Returns the attention output ``[B, Hq, D]`` of the rotated q over the cache including the
-        new token. After an automatic abort, outputs of earlier layers must be discarded.
+        Returns the attention output ``[rows, Hq, D]`` of the rotated q over the cache including
+        the new token. After an automatic abort, outputs of earlier layers must be discarded.
         """
-        step = self._require_open_step(tx)
+        step = self._require_open_step(tx, "decode")
         try:
-            q = self._check_layer_inputs(step, layer_idx, q)
-            q_rot = self.cache.write_token_layer_rope(
-                tx,
+            self._check_layer_inputs(step, q, k, v)
+            if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "step_layer is being captured in a CUDA graph outside capture_step: the "
+                    "engine would count layers the graph has not run yet; use capture_step"
+                )
+            backend, rope = self.append_backend, self.rope
+            q_rot = self.cache.write_token_layer_with(
+                step.transaction_id,
                 layer_idx,
-                q,
-                k,
-                v,
-                rotary_dim=self.rotary_dim,
-                base=self.rope_base,
-                append_backend=self.append_backend,
+                lambda k_layer, v_layer, slots: write_rope_layer(
+                    backend, rope, q, k, v, k_layer, v_layer, slots
+                ),
             )
-            out = self._decode_layer(step, layer_idx, q_rot)
+            return self._decode_layer(step, layer_idx, q_rot)
         except BaseException:
             self._abort_open_step()
             raise
-        step.next_layer = layer_idx + 1
-        return out
 
     def commit_step(self, tx) -> StepResult:
-        """Publish the step: every request's seq_len grows by one, once."""
+        """Publish the step: every request's seq_len grows by its tokens, once."""
         step = self._require_open_step(tx)
-        if step.next_layer != self.cache.num_layers:
-            raise RuntimeError(
-                f"step has {step.next_layer} of {self.cache.num_layers} layers written; "
-                "commit needs all of them"
-            )
-        view = self.cache.commit_token(tx)
+        view = self.cache.commit_token(step.transaction_id)  # RuntimeError if layers are missing
         self._open = None
         return StepResult(  # from host-side lengths: committing never waits for the GPU
             transaction_id=view.transaction_id,
             request_ids=step.request_ids,
-            positions=step.positions,
-            seq_lens=tuple(p + 1 for p in step.positions),
+            positions=tuple(step.positions),
+            seq_lens=tuple(step.seq_lens_after),
             num_layers=self.cache.num_layers,
         )
 
     def abort_step(self, tx) -> None:
-        """Abandon the step: the cache releases what begin_step took; seq_lens are unchanged."""
+        """Abandon the step: the cache releases what begin took; seq_lens are unchanged."""
         self._require_open_step(tx)
         self._abort_open_step()
 
@@ -381,43 +505,132 @@ class DecodeEngine:
     def has_open_step(self) -> bool:
         return self._open is not None
 
-    # ------------------------------------------------------------------ prompt import, prefixes
+    # ------------------------------------------------------------------ CUDA graphs
+    def capture_step(self, tx, body: Callable[[], T], *, pool: Any = None) -> CapturedStep:
+        """Capture ``body()`` — which runs ``step_layer`` for every layer of the open step, with
+        whatever model code sits around it — in a CUDA graph, then replay it once so this step
+        is really written. Kernels must be warm (run one eager step of the same shapes first).
+        """
+        step = self._require_open_step(tx, "decode")
+        if not step.slots.positions.is_cuda:
+            raise RuntimeError("capture_step needs a CUDA cache")
+        if self.decode_backend != "triton":
+            raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
+        if self.cache.layers_written(step.transaction_id):
+            raise RuntimeError("capture_step needs a step with no layer written yet")
+        graph = torch.cuda.CUDAGraph()
+        self._capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                output = body()
+            written = self.cache.layers_written(step.transaction_id)
+            if written != self.cache.num_layers:
+                raise RuntimeError(
+                    f"the captured body wrote {written} of "
+                    f"{self.cache.num_layers} layers; it must run step_layer for every layer"
+                )
+        except BaseException:
+            if self._open is step:
+                self._abort_open_step()
+            raise
+        finally:
+            self._capturing = False
+        graph.replay()
+        return CapturedStep(self, graph, output, step.num_rows, step.slots.generation,
+                            (step.decode,))  # fmt: skip
+
+    def replay_step(self, tx, captured: CapturedStep) -> Any:
+        """Write every layer of the open step by replaying ``captured``; returns its output."""
+        step = self._require_open_step(tx, "decode")
+        if not isinstance(captured, CapturedStep) or captured.engine is not self:
+            raise TypeError("captured must be a CapturedStep of this engine")
+        if (captured.num_rows, captured.generation) != (step.num_rows, step.slots.generation):
+            raise ValueError(
+                f"captured step has {captured.num_rows} rows (buffers generation "
+                f"{captured.generation}); this step has {step.num_rows} (generation "
+                f"{step.slots.generation}): capture again"
+            )
+        self.cache.write_all_layers_with(step.transaction_id, captured.graph.replay)
+        return captured.output
+
+    # ------------------------------------------------------------------ prompt import
+    def begin_prefill(self, request_ids: Sequence, num_tokens: Sequence[int]):
+        """Open a prompt import: ``num_tokens[i]`` slots for request ``i``, all layers, one
+        transaction (``prefill_layer`` per layer, then ``commit_step`` or ``abort_step``)."""
+        self._require_no_open_step("begin_prefill")
+        rids = self._check_batch(request_ids, "prefill")
+        view = self.cache.begin_tokens(list(rids), num_tokens)
+        slots = self.cache.transaction_slots(view)
+        starts = [self.cache.seq_len(rid) for rid in rids]
+        after = [s + n for s, n in zip(starts, num_tokens, strict=True)]
+        self._open = _OpenStep("prefill", view, slots, starts, after)
+        return view
+
+    def prefill_layer(self, tx, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's prompt ``k, v [sum(num_tokens), Hkv, D]`` (already rotated, as the
+        cache keeps them) in the reserved slots; any failure aborts the whole import."""
+        step = self._require_open_step(tx, "prefill")
+        try:
+            cache = self.cache
+            rows = step.slots.num_tokens
+            for name, t in (("k", k), ("v", v)):
+                check_tensor(name, t, ndim=3, dtypes=(cache.dtype,), device=cache.device)
+                if tuple(t.shape) != (rows, cache.num_kv_heads, cache.head_dim):
+                    raise ValueError(
+                        f"{name} must have shape {(rows, cache.num_kv_heads, cache.head_dim)}, "
+                        f"got {tuple(t.shape)}"
+                    )
+            backend = "torch" if self.append_backend == "torch" else "triton"
+            cache.write_token_layer_with(
+                step.transaction_id,
+                layer_idx,
+                lambda k_layer, v_layer, slots: write_plain_layer(
+                    backend, k, v, k_layer, v_layer, slots
+                ),
+            )
+        except BaseException:
+            self._abort_open_step()
+            raise
+
     def prefill_request_layers(
         self, request_id: object, k_layers: torch.Tensor, v_layers: torch.Tensor
     ) -> int:
-        """Import one caller-built prompt token for every layer (``[num_layers, Hkv, D]``).
+        """Import caller-built prompt tokens for every layer, all or nothing.
 
-        All or nothing: the token is committed once every layer is written, else rolled back.
-        Returns the request's new seq_len.
+        ``k_layers, v_layers``: ``[num_layers, Hkv, D]`` (one token) or
+        ``[num_layers, T, Hkv, D]`` (T tokens). Returns the request's new seq_len.
         """
         self._require_no_open_step("prefill_request_layers")
         self._require_state(request_id, EngineRequestState.ACTIVE, "prefill")
         cache = self.cache
-        expected = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
         for name, t in (("k_layers", k_layers), ("v_layers", v_layers)):
-            check_tensor(name, t, ndim=3, dtypes=(cache.dtype,), device=cache.device)
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
-        tx = cache.begin_token([request_id])
-        try:
-            for layer in range(cache.num_layers):
-                cache.write_token_layer(
-                    tx,
-                    layer,
-                    k_layers[layer].unsqueeze(0),
-                    v_layers[layer].unsqueeze(0),
-                    append_backend="torch" if self.append_backend == "torch" else "triton",
+            check_tensor(name, t, dtypes=(cache.dtype,), device=cache.device)
+            if t.dim() not in (3, 4):
+                raise ValueError(
+                    f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
+                    f"{tuple(t.shape)}"
                 )
-            cache.commit_token(tx)
-        except BaseException:
-            cache.abort_token(tx)
-            raise
+        if k_layers.dim() == 3:
+            k_layers, v_layers = k_layers.unsqueeze(1), v_layers.unsqueeze(1)
+        expected = (cache.num_layers, k_layers.shape[1], cache.num_kv_heads, cache.head_dim)
+        for name, t in (("k_layers", k_layers), ("v_layers", v_layers)):
+            if tuple(t.shape) != expected or expected[1] == 0:
+                raise ValueError(f"{name} must have shape {expected} (T >= 1), got "
+                                 f"{tuple(t.shape)}")  # fmt: skip
+        tx = self.begin_prefill([request_id], [expected[1]])
+        for layer in range(cache.num_layers):
+            self.prefill_layer(tx, layer, k_layers[layer], v_layers[layer])
+        self.commit_step(tx)
         return cache.seq_len(request_id)
 
+    # ------------------------------------------------------------------ prefixes
     def register_prefix(self, prefix_id, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
         """Register immutable shared-prefix blocks (before scheduler-managed submissions)."""
         self._require_no_open_step("register_prefix")
-        if self._scheduled.has_live_requests(self._states):
+        live = any(spec is not None for spec in self._waiting.values()) or (
+            self._mode == "scheduled" and self.cache.request_ids(RequestState.ACTIVE)
+        )
+        if live:
             raise RuntimeError(
                 "register_prefix while scheduler-managed requests are waiting or active could "
                 "evict a prefix they were planned with; register prefixes before submitting"
@@ -427,24 +640,13 @@ class DecodeEngine:
     def evict_prefix(self, prefix_id) -> None:
         """Evict an inactive prefix; only once every request of this engine is terminal."""
         self._require_no_open_step("evict_prefix")
-        live = (EngineRequestState.WAITING, EngineRequestState.ACTIVE)
-        if any(state in live for state in self._states.values()):
+        if self._waiting or self.cache.request_ids(RequestState.ACTIVE):
             raise RuntimeError(
                 "evict_prefix needs every request to be finished, cancelled or rejected first"
             )
         self.cache.evict_prefix(prefix_id)
 
     # ------------------------------------------------------------------ internals
-    def _check_new_id(self, request_id: object) -> None:
-        _check_id(request_id)
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} already exists (ids are not reused)")
-        try:
-            self.cache.request_state(request_id)
-        except ValueError:
-            return
-        raise ValueError(f"request id {request_id!r} already exists in the cache")
-
     def _require_state(self, request_id, state: EngineRequestState, action: str) -> None:
         current = self.request_state(request_id)
         if current is not state:
@@ -460,114 +662,64 @@ class DecodeEngine:
                 "commit_step or abort_step first"
             )
 
-    def _require_open_step(self, tx) -> _OpenStep:
-        tx_id = getattr(tx, "transaction_id", tx)
-        if isinstance(tx_id, bool) or not isinstance(tx_id, int):
-            raise TypeError(f"tx must be a step handle from begin_step, got {type(tx).__name__}")
-        if self._open is None or self._open.transaction_id != tx_id:
+    def _require_open_step(self, tx, kind: str | None = None) -> _OpenStep:
+        step = self._open
+        tx_id = tx.transaction_id if isinstance(tx, TokenTransactionView) else tx
+        if step is None or step.transaction_id != tx_id or type(tx_id) is not int:
+            if isinstance(tx_id, bool) or not isinstance(tx_id, int):
+                raise TypeError(
+                    f"tx must be a step handle from begin_step, got {type(tx).__name__}"
+                )
             # let the cache say whether it was committed, aborted or never existed
             self.cache.transaction_view(tx_id)
             raise RuntimeError(f"step {tx_id} is not this engine's open step")
-        return self._open
+        if kind is not None and step.kind != kind:
+            raise RuntimeError(
+                f"step {tx_id} is a {step.kind} transaction; this call needs a {kind} one"
+            )
+        return step
 
     def _abort_open_step(self) -> None:
         tx_id = self._open.transaction_id
         self._open = None
         self.cache.abort_token(tx_id)
 
-    def _check_layer_inputs(self, step: _OpenStep, layer_idx: int, q: torch.Tensor):
-        cache = self.cache
-        check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-        if q.dtype != cache.dtype or not same_device(q.device, cache.device):
-            raise TypeError(
-                f"q must be {cache.dtype} on {cache.device}, got {q.dtype} on {q.device}"
-            )
-        batch, num_q_heads, head_dim = q.shape
-        if batch != len(step.request_ids) or head_dim != cache.head_dim:
+    def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
+        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
+        if step.q_shape is not None and shapes == (step.q_shape, step.kv_shape, step.kv_shape):
+            cache = self.cache
+            if q.dtype is cache.dtype and k.dtype is q.dtype and v.dtype is q.dtype:
+                device = cache.device
+                if q.device == device and k.device == device and v.device == device:
+                    return  # the common case: same shapes as the step's first layer
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v)
+        if step.q_shape is not None and q.shape != step.q_shape:
             raise ValueError(
-                f"q must be [batch={len(step.request_ids)}, num_q_heads, {cache.head_dim}], "
-                f"got {tuple(q.shape)}"
+                f"q has {q.shape[1]} heads but earlier layers of this step had {step.q_shape[1]}"
             )
-        if num_q_heads % cache.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
-                f"({cache.num_kv_heads})"
-            )
-        if step.num_q_heads is not None and num_q_heads != step.num_q_heads:
-            raise ValueError(
-                f"q has {num_q_heads} heads but earlier layers of this step had {step.num_q_heads}"
-            )
-        step.num_q_heads = num_q_heads
-        return q
+        step.q_shape, step.kv_shape = q.shape, k.shape
 
     def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
         k_layer, v_layer = self.cache.layer_kv(layer_idx)
+        slots = step.slots
         if self.decode_backend == "torch":
             return torch_paged_decode(
                 q_rot,
                 k_layer,
                 v_layer,
-                step.block_tables,
-                step.seq_lens_after,
-                step.max_seq_len_after,
+                slots.block_tables,
+                slots.seq_lens_after,
+                step.max_len_after,
                 self.sm_scale,
             )
-        from flashdec.kernels import launch_decode
-
-        if step.decode_state is None:
-            step.decode_state = self._triton_state(q_rot.shape, step)
-        workspace = step.decode_state.workspace
-        # trusted launch: q was checked above, the layer views, tables and lengths are the
-        # cache's own, and the plan was built for exactly this batch shape
-        return launch_decode(
-            q_rot,
-            k_layer,
-            v_layer,
-            step.block_tables,
-            step.seq_lens_after,
-            self.sm_scale,
-            workspace.plan,
-            torch.empty_like(q_rot),  # each layer's output outlives the shared workspace
-            workspace.partial_out,
-            workspace.partial_lse,
-            q_rot.shape[0],
-        )
-
-    def _triton_state(self, q_shape, step: _OpenStep) -> TritonDecodeState:
-        """The decode plan + workspace for this step, reused while the layout still fits."""
-        cache = self.cache
-        state = self._decode_state
-        if state is None or not state.fits(tuple(q_shape), step.max_seq_len_after):
-            state = TritonDecodeState.build(
-                tuple(q_shape),
-                cache.num_kv_heads,
-                cache.block_size,
-                step.max_seq_len_after,
-                step.total_tokens_after,
-                cache.dtype,
-                cache.device,
-                cache.max_blocks_per_seq,
-            )
-            self._decode_state = state
-        return state
-
-
-def _check_id(request_id: object) -> None:
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-        raise TypeError(f"request id must be a str or int, got {type(request_id).__name__}")
-
-
-class _ScheduledRequests:
-    """Bookkeeping of scheduler-managed requests (specs and the waiting queue)."""
-
-    def __init__(self) -> None:
-        self.specs: dict = {}
-        self.waiting: list = []  # in submission order
-
-    def forget_waiting(self, request_id) -> None:
-        if request_id in self.waiting:
-            self.waiting.remove(request_id)
-
-    def has_live_requests(self, states: dict) -> bool:
-        live = (EngineRequestState.WAITING, EngineRequestState.ACTIVE)
-        return any(states[rid] in live for rid in self.specs)
+        state = step.decode
+        if state is None:
+            state = self._decode_state
+            num_heads = q_rot.shape[1]
+            if state is None or not state.fits(step.num_rows, num_heads, step.max_len_after):
+                state = self._decode_state = DecodeState(
+                    self.cache, step.num_rows, num_heads, step.max_len_after
+                )
+            step.decode = state
+        # each layer's output outlives the shared workspace
+        return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))

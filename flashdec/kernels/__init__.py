@@ -1,5 +1,6 @@
 """Triton kernels: paged decode attention (split-KV) and (fused RoPE +) KV append."""
 
+from flashdec.kernels._runtime import triton_runs_on
 from flashdec.kernels.append import (
     fused_rope_kv_append,
     kv_append,
@@ -21,4 +22,5 @@ __all__ = [
     "launch_kv_append",
     "paged_decode_attention",
     "plan_decode",
+    "triton_runs_on",
 ]

@@ -34,6 +34,11 @@ def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
     )
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether this process can run FlashDec's Triton kernels on tensors of ``device``."""
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+
+
 @functools.lru_cache(maxsize=16)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

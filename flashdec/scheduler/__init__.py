@@ -13,7 +13,6 @@ from flashdec.scheduler.base import (
 from flashdec.scheduler.baselines import CancelScheduler, GreedyScheduler, blocks_needed_now
 from flashdec.scheduler.decision import SchedulerDecision
 from flashdec.scheduler.fairness import FairnessCounters, advance_fairness_counters, counters_of
-from flashdec.scheduler.from_cache import snapshot_from_cache
 from flashdec.scheduler.policy import BlockAwareScheduler, lifetime_headroom
 from flashdec.scheduler.snapshot import (
     ActiveRequest,
@@ -62,5 +61,4 @@ __all__ = [
     "make_scheduler",
     "rejection_reason",
     "select_batch",
-    "snapshot_from_cache",
 ]

@@ -1,30 +1,27 @@
 """Engine workloads: requests arrive, the lifetime scheduler admits them, the engine decodes.
 
-``run_synthetic_workload`` drives a single-layer engine with ``engine.step``;
+Both run through the :class:`~flashdec.engine.ServingLoop` with an executor that feeds random
+Q/K/V. ``run_synthetic_workload`` drives a single-layer engine with ``engine.step``;
 ``run_integrated_workload`` adds what a real deployment mixes in: multi-layer token
 transactions, shared-prefix hits and misses, and injected failures whose rollback is verified
-before the step is retried. Both end with full cleanup (no block in use, invariants clean) and are
-deterministic under their seed (timings aside).
+before the step is retried. Both end with full cleanup — also when ``max_steps`` stops them early,
+which cancels and reports the unfinished requests — and are deterministic under their seed
+(timings aside).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from flashdec.cache import PagedKVCache
-from flashdec.engine import DecodeEngine, EngineRequestState
-from flashdec.scheduler import (
-    BlockAwareScheduler,
-    FairnessCounters,
-    RequestSpec,
-    SchedulerConfig,
-    advance_fairness_counters,
-)
+from flashdec.engine import DecodeEngine
+from flashdec.engine.loop import LoopStep, ServingLoop, run_loop
+from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 from flashdec.workloads.config import DTYPES, IntegratedWorkloadConfig, SyntheticWorkloadConfig
 from flashdec.workloads.stats import LatencyStats, jain_index, ratio, safe_rate
 
@@ -73,6 +70,8 @@ class WorkloadResult:
     final_used_blocks: int
     invariants_checked: int
     trajectory: tuple[StepRecord, ...]
+    stopped_early: bool  # max_steps ended the run with requests left (they were cancelled)
+    unfinished: int  # requests cancelled by that clean-up, or never submitted
 
 
 @dataclass(frozen=True)
@@ -124,104 +123,73 @@ def _build_requests(config, rng: random.Random, prefix_ids, prefix_tokens):
     return specs, arrivals
 
 
-class _EngineRun:
-    """State of one workload run (engine, scheduler, counters, measurements)."""
+class RandomKVExecutor:
+    """The loop's executor for synthetic workloads: seeded random Q/K/V for every layer.
 
-    def __init__(self, config: SyntheticWorkloadConfig, num_layers: int) -> None:
+    Prompts are imported in one transaction per step; decode steps are timed end to end (begin,
+    every layer, commit, device sync). With ``failure_rate`` a step is first attempted with a
+    malformed K at a random layer, and the automatic abort is verified to have left the cache as
+    it was, before the real step runs.
+    """
+
+    def __init__(self, engine: DecodeEngine, config, num_layers: int, device, dtype) -> None:
+        self.engine = engine
         self.config = config
-        self.device, self.dtype, self.append_backend, self.decode_backend = _resolve(config)
         self.num_layers = num_layers
+        self.device = device
+        self.dtype = dtype
         self.rng = random.Random(config.seed)
-        self.gen = torch.Generator(device=self.device).manual_seed(config.seed)
-        num_prefixes = getattr(config, "num_prefixes", 0) if self._uses_prefixes else 0
-        prefix_blocks = getattr(config, "prefix_blocks", 0)
-        cache = PagedKVCache(
-            num_layers=num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            block_size=config.block_size,
-            max_blocks=config.num_blocks,
-            dtype=self.dtype,
-            device=self.device,
-            prefix_cache_capacity_blocks=num_prefixes * prefix_blocks,
-        )
-        self.engine = DecodeEngine(
-            cache, append_backend=self.append_backend, decode_backend=self.decode_backend
-        )
-        self.scheduler = BlockAwareScheduler(
-            SchedulerConfig(
-                max_active_requests=config.max_active_requests,
-                max_batch_size=config.max_batch_size,
-                reserve_blocks=config.reserve_blocks,
-                aging_threshold=config.aging_threshold,
-            )
-        )
-        self.prefix_ids = [f"prefix{i}" for i in range(num_prefixes)]
-        for pid in self.prefix_ids:
-            shape = (
-                num_layers,
-                prefix_blocks,
-                config.num_kv_heads,
-                config.block_size,
-                config.head_dim,
-            )
-            self.engine.register_prefix(pid, self._randn(*shape), self._randn(*shape))
-        self.specs, self.arrivals = _build_requests(
-            config, self.rng, self.prefix_ids, prefix_blocks * config.block_size
-        )
-        self.bytes_per_block = (
-            (2 * num_layers * config.num_kv_heads * config.block_size * config.head_dim)
-            * torch.finfo(self.dtype).bits
-            // 8
-        )
+        self.gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.failure_rate = getattr(config, "failure_rate", 0.0)
+        self.single_layer_api = not isinstance(config, IntegratedWorkloadConfig)
+        self.latencies: list[float] = []
+        self.prompt_tokens = 0
+        self.failures = 0
+        self.rollbacks = 0
 
-    @property
-    def _uses_prefixes(self) -> bool:
-        return isinstance(self.config, IntegratedWorkloadConfig) and self.config.prefix_hit_rate > 0
-
-    def _randn(self, *shape: int) -> torch.Tensor:
+    def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, device=self.device).to(self.dtype)
 
-    def _layer_inputs(self, batch: int):
-        c = self.config
-        return [
+    def prefill(self, requests: Sequence[tuple[object, int]]) -> None:
+        c, engine = self.config, self.engine
+        total = sum(n for _, n in requests)
+        tx = engine.begin_prefill([rid for rid, _ in requests], [n for _, n in requests])
+        for layer in range(self.num_layers):
+            kv = self.randn(2, total, c.num_kv_heads, c.head_dim)
+            engine.prefill_layer(tx, layer, kv[0], kv[1])
+        engine.commit_step(tx)
+        self.prompt_tokens += total
+
+    def decode(self, batch: Sequence) -> tuple:
+        c, engine = self.config, self.engine
+        inputs = [
             (
-                self._randn(batch, c.num_q_heads, c.head_dim),
-                self._randn(batch, c.num_kv_heads, c.head_dim),
-                self._randn(batch, c.num_kv_heads, c.head_dim),
+                self.randn(len(batch), c.num_q_heads, c.head_dim),
+                self.randn(len(batch), c.num_kv_heads, c.head_dim),
+                self.randn(len(batch), c.num_kv_heads, c.head_dim),
             )
             for _ in range(self.num_layers)
         ]
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _import_context(self, rid) -> int:
-        """Prompt tokens of a prefix miss, imported one all-layer transaction at a time."""
-        spec = self.engine.request_spec(rid)
-        if spec.prefix_id is not None:
-            return 0
-        c = self.config
-        for _ in range(spec.initial_context_tokens):
-            shape = (self.num_layers, c.num_kv_heads, c.head_dim)
-            self.engine.prefill_request_layers(rid, self._randn(*shape), self._randn(*shape))
-        return spec.initial_context_tokens
-
-    def _decode_step(self, batch: list, inputs) -> float:
-        """One complete timed step; returns seconds."""
-        engine = self.engine
+        if self.failure_rate and self.rng.random() < self.failure_rate:
+            self.failures += 1
+            self._failed_attempt(list(batch), inputs)
+            self.rollbacks += 1
         self._sync()
         start = time.perf_counter()
-        if self.num_layers == 1 and not isinstance(self.config, IntegratedWorkloadConfig):
-            engine.step(batch, *inputs[0])
+        if self.single_layer_api and self.num_layers == 1:
+            engine.step(list(batch), *inputs[0])
         else:
-            tx = engine.begin_step(batch)
+            tx = engine.begin_step(list(batch))
             for layer, (q, k, v) in enumerate(inputs):
                 engine.step_layer(tx, layer, q, k, v)
             engine.commit_step(tx)
         self._sync()
-        return time.perf_counter() - start
+        self.latencies.append(time.perf_counter() - start)
+        return ()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _failed_attempt(self, batch: list, inputs) -> None:
         """Run the step with a broken input at a random layer and prove it rolled back."""
@@ -249,131 +217,148 @@ class _EngineRun:
             raise AssertionError("an automatic abort left the cache changed")
         cache.validate_invariants()
 
+
+class _EngineRun:
+    """One workload run: cache, engine, prefixes, the trace, the loop and its executor."""
+
+    def __init__(self, config: SyntheticWorkloadConfig, num_layers: int) -> None:
+        self.config = config
+        self.device, self.dtype, append_backend, decode_backend = _resolve(config)
+        self.num_layers = num_layers
+        integrated = isinstance(config, IntegratedWorkloadConfig)
+        uses_prefixes = integrated and config.prefix_hit_rate > 0
+        num_prefixes = config.num_prefixes if uses_prefixes else 0
+        prefix_blocks = config.prefix_blocks if integrated else 0
+        cache = PagedKVCache(
+            num_layers=num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=config.block_size,
+            max_blocks=config.num_blocks,
+            dtype=self.dtype,
+            device=self.device,
+            prefix_cache_capacity_blocks=num_prefixes * prefix_blocks,
+        )
+        self.engine = DecodeEngine(
+            cache, append_backend=append_backend, decode_backend=decode_backend
+        )
+        self.executor = RandomKVExecutor(self.engine, config, num_layers, self.device, self.dtype)
+        scheduler = BlockAwareScheduler(
+            SchedulerConfig(
+                max_active_requests=config.max_active_requests,
+                max_batch_size=config.max_batch_size,
+                reserve_blocks=config.reserve_blocks,
+                aging_threshold=config.aging_threshold,
+            )
+        )
+        self.prefix_ids = [f"prefix{i}" for i in range(num_prefixes)]
+        shape = (num_layers, prefix_blocks, config.num_kv_heads, config.block_size,
+                 config.head_dim)  # fmt: skip
+        for pid in self.prefix_ids:
+            self.engine.register_prefix(
+                pid, self.executor.randn(*shape), self.executor.randn(*shape)
+            )
+        rng = random.Random(config.seed)
+        self.specs, self.arrivals = _build_requests(
+            config, rng, self.prefix_ids, prefix_blocks * config.block_size
+        )
+        self.loop = ServingLoop(
+            self.engine, scheduler, self.executor, check_invariants=config.check_invariants
+        )
+
     def run(self, progress: Callable[[int, int], None] | None = None) -> dict:
-        engine, config = self.engine, self.config
-        cache = engine.cache
-        pending = list(zip(self.arrivals, self.specs, strict=True))
-        counters = FairnessCounters()
-        generated = dict.fromkeys((s.request_id for s in self.specs), 0)
-        arrived_at, admitted_at, first_served, left_at = {}, {}, {}, {}
-        latencies, schedule_times, trajectory = [], [], []
-        tokens = prompt_tokens = failures = rollbacks = invariants = 0
+        config, engine, cache = self.config, self.engine, self.engine.cache
+        arrival = {s.request_id: a for s, a in zip(self.specs, self.arrivals, strict=True)}
+        admitted_at: dict = {}
+        left_at: dict = {}
+        trajectory: list[StepRecord] = []
+        done = 0
         peak_used = max_service_wait = 0
-        failure_rate = getattr(config, "failure_rate", 0.0)
-        step = 0
-        done_states = (EngineRequestState.FINISHED, EngineRequestState.REJECTED)
-        while step < config.max_steps:
-            while pending and pending[0][0] <= step:
-                _, spec = pending.pop(0)
-                engine.submit_request(spec)
-                arrived_at[spec.request_id] = step
-            t0 = time.perf_counter()
-            snapshot = engine.scheduling_snapshot(step, **counters.as_kwargs())
-            decision = self.scheduler.plan(snapshot)
-            engine.apply_scheduler_decision(decision, scheduler=self.scheduler, snapshot=snapshot)
-            schedule_times.append(time.perf_counter() - t0)
-            max_service_wait = max(
-                [max_service_wait, *(r.service_wait_steps for r in snapshot.active)]
-            )
-            for rid in decision.admit:
-                admitted_at[rid] = step
-                prompt_tokens += self._import_context(rid)
-            for rid in decision.reject:
-                left_at[rid] = step
-            batch = list(decision.batch)
-            departed = []
-            latency = 0.0
-            if batch:
-                inputs = self._layer_inputs(len(batch))
-                if failure_rate and self.rng.random() < failure_rate:
-                    failures += 1
-                    self._failed_attempt(batch, inputs)
-                    rollbacks += 1
-                latency = self._decode_step(batch, inputs)
-                latencies.append(latency)
-                tokens += len(batch)
-                for rid in batch:
-                    first_served.setdefault(rid, step)
-                    generated[rid] += 1
-                    if generated[rid] == engine.request_spec(rid).max_new_tokens:
-                        engine.finish_request(rid)
-                        departed.append(rid)
-                        left_at[rid] = step
-            counters = advance_fairness_counters(
-                snapshot, decision, served_ids=batch, departed_ids=departed
-            )
-            if config.check_invariants:
-                cache.validate_invariants()
-                invariants += 1
-            used = cache.max_blocks - cache.num_free_blocks
+        latencies = self.executor.latencies
+
+        def on_step(record: LoopStep) -> None:
+            nonlocal done, peak_used, max_service_wait
+            for rid in record.admitted:
+                admitted_at[rid] = record.step
+            for rid in (*record.rejected, *record.finished):
+                left_at[rid] = record.step
+            done += len(record.rejected) + len(record.finished)
+            used = cache.max_blocks - record.free_blocks
             peak_used = max(peak_used, used)
+            max_service_wait = max(max_service_wait, record.max_service_wait)
             trajectory.append(
                 StepRecord(
-                    step=step,
-                    waiting=len(engine.request_ids(EngineRequestState.WAITING)),
-                    active=len(engine.request_ids(EngineRequestState.ACTIVE)),
-                    batch=len(batch),
-                    free_blocks=cache.num_free_blocks,
+                    step=record.step,
+                    waiting=record.waiting,
+                    active=record.active,
+                    batch=len(record.served),
+                    free_blocks=record.free_blocks,
                     used_blocks=used,
-                    latency_ms=latency * 1e3,
+                    latency_ms=latencies[-1] * 1e3 if record.served else 0.0,
                 )
             )
-            step += 1
-            terminal = sum(engine.request_state(rid) in done_states for rid in arrived_at)
             if progress is not None:
-                progress(terminal, len(self.specs))
-            if not pending and terminal == len(self.specs):
-                break
-        # cleanup: every request terminal, every prefix evicted, nothing left in use
+                progress(done, len(self.specs))
+
+        outcome = run_loop(
+            self.loop,
+            zip(self.arrivals, self.specs, strict=True),
+            max_steps=config.max_steps,
+            on_step=on_step,
+        )
+        # cleanup: every request terminal (run_loop cancelled the rest), every prefix evicted
         for pid in self.prefix_ids:
             engine.evict_prefix(pid)
         cache.validate_invariants()
-        states = [engine.request_state(s.request_id) for s in self.specs]
-        finished = states.count(EngineRequestState.FINISHED)
+        steps = outcome.num_steps
+        states = {s.request_id: self._final_state(s.request_id) for s in self.specs}
+        finished = sum(state == "finished" for state in states.values())
+        generated = self.loop.generated
         rates = [
-            generated[s.request_id]
-            / (left_at.get(s.request_id, step) - arrived_at[s.request_id] + 1)
-            for s in self.specs
-            if s.request_id in arrived_at
-            and engine.request_state(s.request_id) is not EngineRequestState.REJECTED
+            generated[rid] / (left_at.get(rid, steps) - arrival[rid] + 1)
+            for rid in generated
+            if states[rid] != "rejected"
         ]
-        waits = [
-            admitted_at.get(rid, step) - t for rid, t in arrived_at.items() if rid in admitted_at
-        ]
+        waits = [admitted_at[rid] - arrival[rid] for rid in admitted_at]
         elapsed = sum(latencies)
+        tokens = sum(generated.values())
         return dict(
             config=config,
             device=str(self.device),
             dtype=str(self.dtype).replace("torch.", ""),
-            append_backend=self.append_backend,
-            decode_backend=self.decode_backend,
+            append_backend=engine.append_backend,
+            decode_backend=engine.decode_backend,
             num_requests=len(self.specs),
             finished=finished,
-            rejected=states.count(EngineRequestState.REJECTED),
+            rejected=sum(state == "rejected" for state in states.values()),
             completion_rate=ratio(finished, len(self.specs)),
-            steps=step,
+            steps=steps,
             decode_steps=len(latencies),
             tokens_decoded=tokens,
-            prompt_tokens_imported=prompt_tokens,
+            prompt_tokens_imported=self.executor.prompt_tokens,
             elapsed_s=elapsed,
             tokens_per_s=safe_rate(tokens, elapsed),
             step_latency=LatencyStats.from_seconds(latencies),
-            schedule_latency=LatencyStats.from_seconds(schedule_times),
+            schedule_latency=LatencyStats.from_seconds([r.schedule_s for r in outcome.steps]),
             max_service_wait_steps=max_service_wait,
             max_waiting_steps=max(waits, default=0),
             jain_service_rate=jain_index(rates),
             peak_used_blocks=peak_used,
-            peak_kv_bytes=peak_used * self.bytes_per_block,
-            bytes_per_block=self.bytes_per_block,
+            peak_kv_bytes=peak_used * cache.bytes_per_block,
+            bytes_per_block=cache.bytes_per_block,
             final_used_blocks=cache.max_blocks - cache.num_free_blocks,
-            invariants_checked=invariants,
+            invariants_checked=len(outcome.steps) if config.check_invariants else 0,
             trajectory=tuple(trajectory),
-            _extra=dict(
-                failures=failures,
-                rollbacks=rollbacks,
-                admitted=[rid for rid in admitted_at],
-            ),
+            stopped_early=outcome.stopped_early,
+            unfinished=len(outcome.unfinished),
+            _extra=dict(admitted=list(admitted_at)),
         )
+
+    def _final_state(self, request_id) -> str:
+        try:
+            return self.engine.request_state(request_id).value
+        except ValueError:
+            return "not submitted"  # it had not arrived when max_steps stopped the run
 
 
 def run_synthetic_workload(
@@ -426,7 +411,7 @@ def run_integrated_workload(
         context_blocks_shared=shared,
         context_blocks_without_sharing=without,
         prefix_savings_blocks=savings,
-        prefix_savings_bytes=savings * run.bytes_per_block,
-        injected_failures=extra["failures"],
-        verified_rollbacks=extra["rollbacks"],
+        prefix_savings_bytes=savings * run.engine.cache.bytes_per_block,
+        injected_failures=run.executor.failures,
+        verified_rollbacks=run.executor.rollbacks,
     )

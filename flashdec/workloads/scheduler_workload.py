@@ -1,26 +1,22 @@
 """``run_scheduler_workload``: lifetime vs cancel vs greedy admission on finite traces.
 
-Each policy drives its own real ``PagedKVCache`` (one layer, one tiny KV head, fp32, CPU, torch
-append backend) step by step:
-
-1. submit the requests whose arrival step has come;
-2. snapshot the cache (``snapshot_from_cache``) and ``plan``;
-3. drop rejected requests; admit: ``add_request``, attach the shared prefix if any, import the
-   rest of the context one token at a time with ``append``;
-4. decode one token for every batch request. A request at a block boundary needs a fresh block;
-   if the pool cannot give every such request one, the policy's ``select_victims`` may cancel
-   requests (cancel baseline), and whoever still finds no block is *stuck* this step;
-5. finish every request that reached ``max_new_tokens``; advance the fairness counters.
+Each policy drives its own real ``PagedKVCache`` and ``DecodeEngine`` (one layer, one tiny KV
+head, fp32, CPU, torch backends) through the same :class:`~flashdec.engine.ServingLoop` every
+other workload uses; only the scheduler differs. Per step the loop plans, admits (attaching a
+shared prefix, importing the rest of the context in one transaction), decodes one token for the
+batch — a request at a block boundary needs a fresh block: if the pool cannot give every such
+request one, the policy's ``select_victims`` may cancel requests (cancel baseline), and whoever
+still finds no block is *stuck* this step — and finishes requests at ``max_new_tokens``.
 
 A run ends when every request is terminal, or as a *deadlock* when ``deadlock_patience``
-consecutive steps change nothing (no token, admission, rejection, finish or cancel) while requests
-remain. K/V values are seeded random numbers: the scheduling outcome depends only on the trace.
+consecutive steps change nothing (no token, admission, rejection or cancel) while requests
+remain; what is left is then cancelled, so the cache ends empty. K/V values are seeded random
+numbers: the scheduling outcome depends only on the trace.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -28,16 +24,16 @@ from typing import Any
 import torch
 
 from flashdec._checks import check_positive_int
+from flashdec.cache import PagedKVCache
+from flashdec.engine import DecodeEngine
+from flashdec.engine.loop import ServingLoop, run_loop
 from flashdec.scheduler import (
     POLICIES,
-    FairnessCounters,
     PrefixId,
     RequestId,
     RequestSpec,
     SchedulerConfig,
-    advance_fairness_counters,
     make_scheduler,
-    snapshot_from_cache,
 )
 from flashdec.scheduler.spec import check_request_id
 from flashdec.workloads.stats import LatencyStats, jain_index, ratio, safe_rate
@@ -288,214 +284,119 @@ def without_prefix_sharing(trace: WorkloadTrace) -> WorkloadTrace:
 # ---------------------------------------------------------------------------- the runner
 
 
-class _Run:
-    """One policy's run: the cache, the queues and every counter the result reports."""
+class _TinyKVExecutor:
+    """K/V content is irrelevant to scheduling: one layer, one tiny head, seeded values."""
 
-    def __init__(
-        self, trace: WorkloadTrace, policy: str, seed: int, config: SchedulerConfig
-    ) -> None:
-        from flashdec.cache import PagedKVCache  # lazy: keep importing this module cheap
-
-        self.trace = trace
-        self.policy = policy
-        self.scheduler = make_scheduler(policy, config)
+    def __init__(self, engine: DecodeEngine, seed: int) -> None:
+        self.engine = engine
         self.gen = torch.Generator().manual_seed(seed)
-        bs = trace.block_size
-        self.cache = PagedKVCache(
-            1,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            bs,
-            trace.num_blocks,
-            dtype=torch.float32,
-            device="cpu",
-            prefix_cache_capacity_blocks=trace.prefix_blocks,
-        )
-        for pid, nblocks in trace.prefixes:
-            k = self._randn(1, nblocks, NUM_KV_HEADS, bs, HEAD_DIM)
-            v = self._randn(1, nblocks, NUM_KV_HEADS, bs, HEAD_DIM)
-            self.cache.register_prefix(pid, k, v)
-        self.specs = {r.request_id: r for r in trace.requests}
-        self.arrival = {
-            r.request_id: a for r, a in zip(trace.requests, trace.arrival_steps, strict=True)
-        }
-        self.pending = list(trace.requests)  # not yet arrived, in submission order
-        self.waiting: list[RequestId] = []
-        self.active: list[RequestId] = []
-        self.counters = FairnessCounters()
-        self.decoded = dict.fromkeys(self.specs, 0)
-        self.admitted_at: dict[RequestId, int] = {}
-        self.left_at: dict[RequestId, int] = {}
-        self.outcome: dict[RequestId, str] = {}
-        self.latencies: list[float] = []
-        self.traj_active: list[int] = []
-        self.traj_free: list[int] = []
-        self.traj_batch: list[int] = []
-        self.stall_events = 0
-        self.max_service_wait = 0
-        self.deadlock = False
 
-    def _randn(self, *shape: int) -> torch.Tensor:
+    def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, dtype=torch.float32)
 
-    def _append(self, rids: list[RequestId]) -> None:
-        k = self._randn(len(rids), NUM_KV_HEADS, HEAD_DIM)
-        v = self._randn(len(rids), NUM_KV_HEADS, HEAD_DIM)
-        self.cache.append(rids, k, v)
+    def prefill(self, requests) -> None:
+        total = sum(n for _, n in requests)
+        tx = self.engine.begin_prefill([rid for rid, _ in requests], [n for _, n in requests])
+        self.engine.prefill_layer(tx, 0, *self.randn(2, total, NUM_KV_HEADS, HEAD_DIM))
+        self.engine.commit_step(tx)
 
-    def _snapshot(self, step: int, counters: FairnessCounters | None):
-        kwargs = counters.as_kwargs() if counters is not None else {}
-        return snapshot_from_cache(
-            self.cache,
-            step=step,
-            specs=self.specs,
-            waiting_ids=self.waiting,
-            active_ids=self.active,
-            **kwargs,
-        )
+    def decode(self, batch) -> tuple:
+        n = len(batch)
+        q, k, v = self.randn(3, n, NUM_KV_HEADS, HEAD_DIM)
+        self.engine.step(list(batch), q, k, v)
+        return ()
 
-    def _admit(self, rids: Sequence[RequestId], step: int) -> None:
-        for rid in rids:
-            spec = self.specs[rid]
-            self.waiting.remove(rid)
-            self.cache.add_request(rid)
-            if spec.prefix_id is not None:
-                self.cache.attach_prefix(rid, spec.prefix_id)
-            self.active.append(rid)
-            self.admitted_at[rid] = step
-        # import the contexts token by token, all admitted requests together
-        while True:
-            rows = [
-                rid
-                for rid in rids
-                if self.cache.seq_len(rid) < self.specs[rid].initial_context_tokens
-            ]
-            if not rows:
-                break
-            self._append(rows)
 
-    def _leave(self, rid: RequestId, step: int, outcome: str) -> None:
-        self.outcome[rid] = outcome
-        self.left_at[rid] = step
-        if rid in self.active:
-            self.active.remove(rid)
-        elif rid in self.waiting:
-            self.waiting.remove(rid)
-
-    def step(self, step: int) -> bool:
-        """Run one scheduler step; return whether anything changed."""
-        start = time.perf_counter()
-        bs = self.trace.block_size
-        snapshot = self._snapshot(step, self.counters)
-        decision = self.scheduler.plan(snapshot)
-        for rid in decision.reject:
-            self._leave(rid, step, "rejected")
-        self._admit(decision.admit, step)
-
-        batch = list(decision.batch)
-        needing = [rid for rid in batch if self.cache.seq_len(rid) % bs == 0]
-        victims: tuple[RequestId, ...] = ()
-        if len(needing) > self.cache.num_free_blocks:
-            victims = self.scheduler.select_victims(self._snapshot(step, None), needing)
-            for rid in victims:
-                self.cache.cancel_request(rid)
-                self._leave(rid, step, "cancelled")
-            batch = [rid for rid in batch if rid not in victims]
-            needing = [rid for rid in needing if rid not in victims]
-        free = self.cache.num_free_blocks
-        stuck = set(needing[free:])  # batch order decides who gets the last blocks
-        self.stall_events += len(stuck)
-        served = [rid for rid in batch if rid not in stuck]
-        if served:
-            self._append(served)
-        finished = []
-        for rid in served:
-            self.decoded[rid] += 1
-            if self.decoded[rid] == self.specs[rid].max_new_tokens:
-                self.cache.finish_request(rid)
-                self._leave(rid, step, "finished")
-                finished.append(rid)
-        self.latencies.append(time.perf_counter() - start)
-
-        self.counters = advance_fairness_counters(
-            snapshot, decision, served_ids=served, departed_ids=[*finished, *victims]
-        )
-        self.max_service_wait = max(
-            [self.max_service_wait, *(n for _, n in self.counters.active_service_wait_steps)]
-        )
-        self._record_trajectory(len(served))
-        return bool(decision.admit or decision.reject or served or victims)
-
-    def _record_trajectory(self, batch_size: int) -> None:
-        self.traj_active.append(len(self.active))
-        self.traj_free.append(self.cache.num_free_blocks)
-        self.traj_batch.append(batch_size)
-
-    def run(self, patience: int, max_steps: int, check_invariants: bool) -> PolicyRunResult:
-        idle = 0
-        step = 0
-        while step < max_steps:
-            while self.pending and self.arrival[self.pending[0].request_id] <= step:
-                self.waiting.append(self.pending.pop(0).request_id)
-            if not self.waiting and not self.active:
-                if not self.pending:
-                    break
-                self._record_trajectory(0)  # nothing to do until the next arrival
-                step += 1
-                continue
-            changed = self.step(step)
-            if check_invariants:
-                self.cache.validate_invariants()
-            step += 1
-            idle = 0 if changed else idle + 1
-            if idle >= patience:
-                self.deadlock = True
-                break
-        return self._result(step)
-
-    def _result(self, steps: int) -> PolicyRunResult:
-        counts = {
-            o: sum(1 for v in self.outcome.values() if v == o)
-            for o in ("finished", "cancelled", "rejected")
-        }
-        n = len(self.specs)
-        waits = []
-        rates = []
-        for rid in self.specs:
-            arrived = self.arrival[rid]
-            # waiting ends at admission, at rejection, or when the run stops
-            end = self.admitted_at.get(rid, self.left_at.get(rid, steps))
-            waits.append((rid, max(0, end - arrived)))
-            if self.outcome.get(rid) != "rejected" and arrived < steps:
-                in_system = self.left_at.get(rid, steps - 1) - arrived + 1
-                rates.append(self.decoded[rid] / in_system)
-        elapsed = sum(self.latencies)
-        tokens = sum(self.decoded.values())
-        return PolicyRunResult(
-            policy=self.policy,
-            num_requests=n,
-            finished=counts["finished"],
-            cancelled=counts["cancelled"],
-            rejected=counts["rejected"],
-            stuck=len(self.active),
-            never_admitted=len(self.waiting) + len(self.pending),
-            completion_rate=ratio(counts["finished"], n),
-            deadlock=self.deadlock,
-            steps=steps,
-            tokens_decoded=tokens,
-            elapsed_s=elapsed,
-            tokens_per_s=safe_rate(tokens, elapsed),
-            step_latency=LatencyStats.from_seconds(self.latencies),
-            peak_active=max(self.traj_active, default=0),
-            stall_events=self.stall_events,
-            max_service_wait_steps=self.max_service_wait,
-            max_waiting_steps=max((w for _, w in waits), default=0),
-            jain_service_rate=jain_index(rates),
-            waiting_steps_by_request=tuple(waits),
-            active_trajectory=tuple(self.traj_active),
-            free_blocks_trajectory=tuple(self.traj_free),
-            batch_trajectory=tuple(self.traj_batch),
-        )
+def _run_policy(
+    trace: WorkloadTrace,
+    policy: str,
+    seed: int,
+    config: SchedulerConfig,
+    patience: int,
+    max_steps: int,
+    check_invariants: bool,
+) -> PolicyRunResult:
+    """One policy on one trace: a real cache and engine driven by the serving loop."""
+    cache = PagedKVCache(
+        1,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        trace.block_size,
+        trace.num_blocks,
+        dtype=torch.float32,
+        device="cpu",
+        prefix_cache_capacity_blocks=trace.prefix_blocks,
+    )
+    engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
+    executor = _TinyKVExecutor(engine, seed)
+    for pid, nblocks in trace.prefixes:
+        shape = (1, nblocks, NUM_KV_HEADS, trace.block_size, HEAD_DIM)
+        engine.register_prefix(pid, executor.randn(*shape), executor.randn(*shape))
+    loop = ServingLoop(
+        engine, make_scheduler(policy, config), executor, check_invariants=check_invariants
+    )
+    arrival = {r.request_id: a for r, a in zip(trace.requests, trace.arrival_steps, strict=True)}
+    outcome = run_loop(
+        loop,
+        zip(trace.arrival_steps, trace.requests, strict=True),
+        max_steps=max_steps,
+        patience=patience,
+    )
+    steps = outcome.num_steps
+    admitted_at, left_at, result_of = {}, {}, {}
+    for record in outcome.steps:
+        for rid in record.admitted:
+            admitted_at[rid] = record.step
+        for outcome_name, rids in (
+            ("rejected", record.rejected),
+            ("cancelled", record.cancelled),
+            ("finished", record.finished),
+        ):
+            for rid in rids:
+                result_of[rid] = outcome_name
+                left_at[rid] = record.step
+    counts = {o: sum(1 for v in result_of.values() if v == o)
+              for o in ("finished", "cancelled", "rejected")}  # fmt: skip
+    waits, rates = [], []
+    decoded = loop.generated
+    for request in trace.requests:
+        rid = request.request_id
+        arrived = arrival[rid]
+        # waiting ends at admission, at rejection, or when the run stops
+        end = admitted_at.get(rid, left_at.get(rid, steps))
+        waits.append((rid, max(0, end - arrived)))
+        if result_of.get(rid) != "rejected" and arrived < steps:
+            in_system = left_at.get(rid, steps - 1) - arrived + 1
+            rates.append(decoded.get(rid, 0) / in_system)
+    latencies = [r.schedule_s + r.prefill_s + r.decode_s for r in outcome.steps]
+    elapsed = sum(latencies)
+    tokens = sum(decoded.values())
+    n = len(trace.requests)
+    return PolicyRunResult(
+        policy=policy,
+        num_requests=n,
+        finished=counts["finished"],
+        cancelled=counts["cancelled"],
+        rejected=counts["rejected"],
+        stuck=len(outcome.unfinished_active),
+        never_admitted=len(outcome.unfinished_waiting),
+        completion_rate=ratio(counts["finished"], n),
+        deadlock=outcome.deadlock,
+        steps=len(outcome.steps),
+        tokens_decoded=tokens,
+        elapsed_s=elapsed,
+        tokens_per_s=safe_rate(tokens, elapsed),
+        step_latency=LatencyStats.from_seconds(latencies),
+        peak_active=max((r.active for r in outcome.steps), default=0),
+        stall_events=sum(len(r.stuck) for r in outcome.steps),
+        max_service_wait_steps=max((r.max_service_wait for r in outcome.steps), default=0),
+        max_waiting_steps=max((w for _, w in waits), default=0),
+        jain_service_rate=jain_index(rates),
+        waiting_steps_by_request=tuple(waits),
+        active_trajectory=tuple(r.active for r in outcome.steps),
+        free_blocks_trajectory=tuple(r.free_blocks for r in outcome.steps),
+        batch_trajectory=tuple(len(r.served) for r in outcome.steps),
+    )
 
 
 _DEFAULT = object()
@@ -540,7 +441,7 @@ def run_scheduler_workload(
     if not prefix_sharing:
         trace = without_prefix_sharing(trace)
     runs = tuple(
-        _Run(trace, policy, seed, config).run(deadlock_patience, max_steps, check_invariants)
+        _run_policy(trace, policy, seed, config, deadlock_patience, max_steps, check_invariants)
         for policy in policies
     )
     return SchedulerWorkloadResult(

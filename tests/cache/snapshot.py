@@ -29,15 +29,18 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         for rid in cache.request_ids()
     }
     prefixes = {pid: cache.prefix_state(pid) for pid in cache.prefix_ids()}
-    open_tx = cache._tx.open  # private peek: the layer progress is not public
+    tx_id = cache.open_transaction_id
     tx = None
-    if open_tx is not None:
+    if tx_id is not None:
+        slots = cache.transaction_slots(tx_id)
+        view = cache.transaction_view(tx_id)
         tx = (
-            open_tx.transaction_id,
-            open_tx.next_layer,
-            dict(open_tx.reserved),
-            open_tx.metadata.buffer.clone(),
-        )
+            tx_id,
+            cache.layers_written(tx_id),
+            cache.metrics()["num_reserved_blocks"],
+            torch.cat([slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after,
+                       view.block_tables.flatten()]).clone(),
+        )  # fmt: skip
     return {
         "version": cache.version,
         "metrics": cache.metrics(),

@@ -103,10 +103,12 @@ APPEND_CASES = [
     ("k-type", lambda c: c.append(["a"], [[0.0]], kv(c, 1)), TypeError, "torch.Tensor"),
     ("empty", lambda c: c.append([], kv(c, 0), kv(c, 0)), ValueError, "must not be empty"),
     ("ids-str", lambda c: c.append("a", kv(c, 1), kv(c, 1)), TypeError, "list or tuple"),
-    ("id-bool", lambda c: c.append([True], kv(c, 1), kv(c, 1)), TypeError, "str or an int"),
+    ("id-bool", lambda c: c.append([True], kv(c, 1), kv(c, 1)), TypeError, "str or int"),
     (
-        "backend",
-        lambda c: c.append(["a"], kv(c, 1), kv(c, 1), append_backend="cuda"),
+        "rope-backend",
+        lambda c: rope_paged_kv_append(
+            c, 0, ["a"], tokens(c, 1, 0, heads=4), kv(c, 1), kv(c, 1), None, append_backend="cuda"
+        ),
         ValueError,
         "append_backend",
     ),
@@ -153,24 +155,10 @@ def test_rejected_append_changes_nothing(call, exc, match):
     assert_rejected(cache, exc, match, lambda: call(cache))
 
 
-def test_unavailable_kernel_backend_changes_nothing(monkeypatch):
-    import sys
-
-    cache = populated(num_layers=1)
-    monkeypatch.setitem(sys.modules, "flashdec.kernels.append", None)  # import now fails
-    k = kv(cache, 1)
-    assert_rejected(
-        cache,
-        RuntimeError,
-        "needs flashdec.kernels.append",
-        lambda: cache.append(["b"], k, k, append_backend="triton"),
-    )
-
-
 LIFECYCLE_CASES = [
     ("add-duplicate", lambda c: c.add_request("a"), ValueError, "already exists"),
     ("add-reused", lambda c: c.add_request("f"), ValueError, "not reused"),
-    ("add-float", lambda c: c.add_request(1.0), TypeError, "str or an int"),
+    ("add-float", lambda c: c.add_request(1.0), TypeError, "str or int"),
     ("finish-unknown", lambda c: c.finish_request("zz"), ValueError, "unknown request"),
     ("finish-twice", lambda c: c.finish_request("f"), RuntimeError, "it is finished"),
     ("cancel-cancelled", lambda c: c.cancel_request("x"), RuntimeError, "it is cancelled"),
@@ -187,6 +175,23 @@ LIFECYCLE_CASES = [
         "needs 3 new block",
     ),
     ("begin-empty", lambda c: c.begin_token(()), ValueError, "must not be empty"),
+    ("begin-pad-small", lambda c: c.begin_token(["a", "b"], pad_to=1), ValueError, "pad_to"),
+    ("begin-pad-type", lambda c: c.begin_token(["a"], pad_to=1.5), TypeError, "pad_to"),
+    ("tokens-count-len", lambda c: c.begin_tokens(["a", "b"], [1]), ValueError, "1 entries"),
+    ("tokens-count-zero", lambda c: c.begin_tokens(["a"], [0]), ValueError, "num_tokens"),
+    ("tokens-count-type", lambda c: c.begin_tokens(["a"], 3), TypeError, "num_tokens"),
+    (
+        "tokens-capacity",
+        lambda c: c.begin_tokens(["a", "b"], [4, 4]),
+        RuntimeError,
+        "out of KV blocks",
+    ),
+    (
+        "tokens-full",
+        lambda c: c.begin_tokens(["a"], [10_000]),
+        RuntimeError,
+        "max_blocks_per_seq",
+    ),
     (
         "register-duplicate",
         lambda c: c.register_prefix("p", prefix_blocks(c, 1, 0), prefix_blocks(c, 1, 0)),
@@ -296,12 +301,6 @@ TX_CASES = [
         "must be on cpu",
     ),
     (
-        "backend",
-        lambda c, t: c.write_token_layer(t, 1, kv(c, 2), kv(c, 2), append_backend="fused"),
-        ValueError,
-        "append_backend",
-    ),
-    (
         "handle-type",
         lambda c, t: c.write_token_layer("1", 1, kv(c, 2), kv(c, 2)),
         TypeError,
@@ -314,43 +313,24 @@ TX_CASES = [
         "unknown token transaction",
     ),
     (
-        "rope-q-shape",
-        lambda c, t: c.write_token_layer_rope(t, 1, q4(c, 1), kv(c, 2), kv(c, 2)),
-        ValueError,
-        "q must have shape",
-    ),
-    (
-        "rope-q-dtype",
-        lambda c, t: c.write_token_layer_rope(t, 1, q4(c).half(), kv(c, 2), kv(c, 2)),
-        TypeError,
-        "dtype",
-    ),
-    (
-        "rope-rotary",
-        lambda c, t: c.write_token_layer_rope(t, 1, q4(c), kv(c, 2), kv(c, 2), rotary_dim=6),
-        ValueError,
-        "rotary_dim",
-    ),
-    (
-        "rope-base",
-        lambda c, t: c.write_token_layer_rope(t, 1, q4(c), kv(c, 2), kv(c, 2), base=0.5),
-        ValueError,
-        "base",
-    ),
-    (
-        "rope-layer",
-        lambda c, t: c.write_token_layer_rope(t, 0, q4(c), kv(c, 2), kv(c, 2)),
+        "with-out-of-order",
+        lambda c, t: c.write_token_layer_with(t, 0, lambda *a: None),
         RuntimeError,
         "out of order",
     ),
     (
-        "rope-backend",
-        lambda c, t: c.write_token_layer_rope(
-            t, 1, q4(c), kv(c, 2), kv(c, 2), append_backend="cuda"
-        ),
-        ValueError,
-        "append_backend",
+        "with-failing-writer",
+        lambda c, t: c.write_token_layer_with(t, 1, lambda *a: 1 / 0),
+        ZeroDivisionError,
+        None,
     ),
+    (
+        "all-layers-after-one",
+        lambda c, t: c.write_all_layers_with(t, lambda: None),
+        RuntimeError,
+        "already has 1 layer",
+    ),
+    ("slots-type", lambda c, t: c.transaction_slots("x"), TypeError, "TokenTransactionView"),
     ("commit-early", lambda c, t: c.commit_token(t), RuntimeError, "1 of 2 layers"),
     ("begin-second", lambda c, t: c.begin_token(["b"]), RuntimeError, "is open"),
     ("finish-in-tx", lambda c, t: c.finish_request("a"), RuntimeError, "is open"),

@@ -89,7 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
               width):  # fmt: skip
         self.cache = PagedKVCache(
             num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype=dtype,
-            device="cpu", prefix_cache_capacity_blocks=capacity,
+            device="cpu", prefix_cache_capacity_blocks=min(capacity, max_blocks),
             max_blocks_per_seq=min(width, max_blocks),
         )  # fmt: skip
 

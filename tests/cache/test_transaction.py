@@ -250,7 +250,6 @@ def test_write_path_does_no_host_sync(cache, monkeypatch):
     cache.add_request("b")
     tx = cache.begin_token(["a", "b"])
     k = tokens(cache, 2, 1)
-    q = tokens(cache, 2, 2, heads=4)
 
     def no_sync(*args, **kwargs):
         raise AssertionError("host sync on the write path")
@@ -258,7 +257,8 @@ def test_write_path_does_no_host_sync(cache, monkeypatch):
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
     cache.write_token_layer(tx, 0, k, k)
-    cache.write_token_layer_rope(tx, 1, q, k, k, append_backend="torch")
+    cache.write_token_layer_with(tx, 1, lambda k_layer, v_layer, slots: None)
+    cache.transaction_decode_inputs(tx)
     monkeypatch.undo()
     cache.commit_token(tx)
 

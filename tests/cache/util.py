@@ -20,6 +20,8 @@ def make_cache(**overrides) -> PagedKVCache:
         "prefix_cache_capacity_blocks": 4,
     }
     params.update(overrides)
+    if "prefix_cache_capacity_blocks" not in overrides:  # the budget cannot exceed the pool
+        params["prefix_cache_capacity_blocks"] = min(4, params["max_blocks"])
     return PagedKVCache(**params)
 
 

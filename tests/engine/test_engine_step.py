@@ -112,7 +112,7 @@ def test_failure_at_any_layer_rolls_back_the_whole_token(fail_layer, where, gen,
                 def broken_write(*args, **kwargs):
                     raise OSError("injected write failure")
 
-                monkeypatch.setattr(cache, "write_token_layer_rope", broken_write)
+                monkeypatch.setattr(cache, "write_token_layer_with", broken_write)
             else:
                 expected = ArithmeticError
 
@@ -219,7 +219,7 @@ def test_prefill_imports_a_token_for_every_layer_or_nothing(gen, monkeypatch):
     assert torch.equal(cache.v_cache[:, block, :, 0], v_layers)
 
     before = durable_state(cache)
-    real_write = cache.write_token_layer
+    real_write = cache.write_token_layer_with
     calls = []
 
     def flaky_write(tx, layer, *args, **kwargs):
@@ -228,7 +228,7 @@ def test_prefill_imports_a_token_for_every_layer_or_nothing(gen, monkeypatch):
             raise OSError("injected")
         return real_write(tx, layer, *args, **kwargs)
 
-    monkeypatch.setattr(cache, "write_token_layer", flaky_write)
+    monkeypatch.setattr(cache, "write_token_layer_with", flaky_write)
     with pytest.raises(OSError, match="injected"):
         engine.prefill_request_layers("a", k_layers + 1, v_layers + 1)
     monkeypatch.undo()

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
+from flashdec.engine import snapshot_from_cache
 from flashdec.scheduler import (
     BlockAwareScheduler,
     PrefixInfo,
     RequestSpec,
     SchedulerConfig,
-    snapshot_from_cache,
 )
 
 BS = 4

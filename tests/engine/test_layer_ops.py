@@ -1,12 +1,19 @@
-"""rope_paged_kv_append and the RoPE/Triton write paths: what is stored, and that the torch,
-Triton and fused backends store the same bytes (rotated q within dtype rounding)."""
+"""The engine's layer operations: rope_paged_kv_append and the RoPE/plain write paths through
+the cache's writer hook — what is stored, and that the torch, Triton and fused backends store the
+same bytes (rotated q within dtype rounding)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashdec.cache import RopeAppendResult, rope_paged_kv_append
+from flashdec.engine.layer_ops import (
+    Rope,
+    RopeAppendResult,
+    rope_paged_kv_append,
+    write_plain_layer,
+    write_rope_layer,
+)
 from flashdec.reference import apply_rope
 from tests.cache.snapshot import assert_rejected, snapshot
 from tests.cache.util import kernels_or_skip, make_cache, prefix_blocks, stored, tokens
@@ -65,6 +72,29 @@ def test_rope_append_is_single_layer_only(cache):
         rope_paged_kv_append(object(), 0, ["a"], q, k, k, None)
 
 
+@pytest.fixture
+def cache():
+    return make_cache()
+
+
+ROPE_FULL = Rope(rotary_dim=4)  # make_cache's head_dim
+
+
+def rope_writer(backend, rope, q, k, v):
+    return lambda kl, vl, slots: write_rope_layer(backend, rope, q, k, v, kl, vl, slots)
+
+
+def plain_writer(backend, k, v):
+    return lambda kl, vl, slots: write_plain_layer(backend, k, v, kl, vl, slots)
+
+
+def test_cache_keeps_the_old_import_path():
+    from flashdec import cache as cache_module
+
+    assert cache_module.rope_paged_kv_append is rope_paged_kv_append
+    assert cache_module.RopeAppendResult is RopeAppendResult
+
+
 def test_transaction_rope_write_matches_reference(cache):
     for rid in ("a", "b"):
         cache.add_request(rid)
@@ -77,7 +107,11 @@ def test_transaction_rope_write_matches_reference(cache):
     written = []
     for layer in range(cache.num_layers):
         q, k, v = tokens(cache, 2, layer, heads=4), tokens(cache, 2, 5 + layer), tokens(cache, 2, 9)
-        q_rot = cache.write_token_layer_rope(tx, layer, q, k, v, append_backend="torch")
+        q_rot = cache.write_token_layer_with(
+            tx,
+            layer,
+            rope_writer("torch", ROPE_FULL, q, k, v),
+        )
         assert torch.equal(q_rot, apply_rope(q, positions))
         written.append((apply_rope(k, positions), v))
     cache.commit_token(tx)
@@ -131,10 +165,8 @@ def test_legacy_append_backends_store_identical_bytes(dtype):
         results = {}
         for backend, cache in caches.items():
             if step == 0:  # plain append with the two scatter backends
-                if backend != "fused":
-                    cache.append(batch, k, v, append_backend=backend)
-                else:
-                    cache.append(batch, k, v, append_backend="torch")
+                plain = "torch" if backend == "fused" else backend
+                cache.append_with(batch, plain_writer(plain, k, v))
                 continue
             results[backend] = rope_paged_kv_append(
                 cache, 0, batch, q, k, v, rotary_dim=4, append_backend=backend
@@ -164,13 +196,12 @@ def test_transaction_backends_store_identical_bytes(dtype):
             k, v = tokens(ref, n, 7 + layer), tokens(ref, n, 8 + layer)
             q_rot = {}
             for name, cache in caches.items():
-                if layer == 0 and name != "fused":  # layer 0: plain scatter, torch vs triton
-                    cache.write_token_layer(txs[name], 0, k, v, append_backend=name)
-                elif layer == 0:
-                    cache.write_token_layer(txs[name], 0, k, v)
+                if layer == 0:  # layer 0: plain scatter, torch vs triton
+                    plain = "torch" if name == "fused" else name
+                    cache.write_token_layer_with(txs[name], 0, plain_writer(plain, k, v))
                 else:
-                    q_rot[name] = cache.write_token_layer_rope(
-                        txs[name], layer, q, k, v, append_backend=name
+                    q_rot[name] = cache.write_token_layer_with(
+                        txs[name], layer, rope_writer(name, Rope(rotary_dim=8), q, k, v)
                     )
             if q_rot:
                 atol, rtol = TOLERANCES[dtype]

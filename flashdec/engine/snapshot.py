@@ -8,9 +8,9 @@ Nothing is mutated; every argument is checked before anything is read.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from flashdec._checks import check_positive_int
+from flashdec.cache import PagedKVCache, RequestState
 from flashdec.scheduler.snapshot import (
     ActiveRequest,
     PrefixInfo,
@@ -50,7 +50,7 @@ def _counters(
 
 
 def snapshot_from_cache(
-    cache: Any,
+    cache: PagedKVCache,
     *,
     step: int,
     specs: Mapping[RequestId, RequestSpec],
@@ -67,8 +67,6 @@ def snapshot_from_cache(
     cache. Counters default to 0 and may only name ids of their own list. Raises RuntimeError while
     a token transaction is open (a reserved block would make lengths and blocks disagree).
     """
-    from flashdec.cache import RequestState  # lazy: the scheduler package stays torch-light
-
     check_positive_int("step", step, minimum=0)
     if not isinstance(specs, Mapping):
         raise TypeError(

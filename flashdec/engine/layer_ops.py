@@ -1,0 +1,283 @@
+"""One layer's attention operations and their backends: RoPE + append, then paged decode.
+
+This is where the cache and the kernels meet. The cache owns the reservation of a token's slots
+and the layer order; the functions here store K/V into those slots (``torch`` index_put,
+``triton`` scatter kernel, or ``fused`` RoPE + append kernel) and decode over them (``torch``
+gather + dense math, or the ``triton`` split-KV kernel with a plan + workspace made once per step).
+The Triton calls are the *trusted* launchers: the cache validated its own reservation, so no
+index check (and no host sync) is repeated per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashdec._checks import (
+    check_choice,
+    check_rope_base,
+    check_rotary_dim,
+    check_tensor,
+)
+from flashdec.cache import PagedKVCache, TransactionSlots
+from flashdec.cache.paged_kv_cache import torch_scatter
+from flashdec.kernels import (
+    DecodeWorkspace,
+    launch_decode,
+    launch_fused_rope_kv_append,
+    launch_kv_append,
+    plan_decode,
+)
+from flashdec.reference import apply_rope, dense_decode_attention_ref
+
+APPEND_BACKENDS = ("torch", "triton", "fused")
+DECODE_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True, eq=False)
+class Rope:
+    """How q and k are rotated: the first ``rotary_dim`` dims, split-half, at each token's
+    position, with ``inv_freq`` (a model's own float32 table) or ``base ** (-2i / rotary_dim)``."""
+
+    rotary_dim: int
+    base: float = 10000.0
+    inv_freq: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        head_dim: int,
+        rotary_dim: int | None,
+        base: float,
+        inv_freq: torch.Tensor | None,
+        device: torch.device,
+    ) -> Rope:
+        rotary_dim = check_rotary_dim(rotary_dim, head_dim)
+        base = check_rope_base(base, "rope_base")
+        if inv_freq is not None:
+            inv_freq = check_tensor("rope_inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,))
+            if inv_freq.shape[0] != rotary_dim // 2:
+                raise ValueError(
+                    f"rope_inv_freq must have rotary_dim // 2 = {rotary_dim // 2} entries, got "
+                    f"{inv_freq.shape[0]}"
+                )
+            inv_freq = inv_freq.to(device).contiguous()
+        return cls(rotary_dim, base, inv_freq)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Reference rotation (float32 math, one rounding) — the torch backends' path."""
+        if self.inv_freq is None:
+            return apply_rope(x, positions, self.rotary_dim, self.base)
+        return apply_rope(x, positions, self.rotary_dim, inv_freq=self.inv_freq)
+
+
+def write_rope_layer(
+    backend: str,
+    rope: Rope,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    slots: TransactionSlots,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate q and k at the reserved positions, store rotated k and v; returns rotated q.
+
+    ``q, k, v`` have one row per slot row (padding rows included: their K/V are not stored).
+    """
+    if backend == "fused":
+        return launch_fused_rope_kv_append(
+            q,
+            k,
+            v,
+            k_layer,
+            v_layer,
+            slots.block_ids,
+            slots.offsets,
+            slots.positions,
+            rope.rotary_dim,
+            rope.base,
+            q_out,
+            **({} if rope.inv_freq is None else {"inv_freq": rope.inv_freq}),
+        )  # fmt: skip  TODO(merge): pass inv_freq= directly
+    positions = slots.positions
+    q_rot = rope.apply(q, positions)
+    k_rot = rope.apply(k, positions)
+    write_plain_layer(backend, k_rot, v, k_layer, v_layer, slots)
+    if q_out is not None:
+        q_out.copy_(q_rot)
+        return q_out
+    return q_rot
+
+
+def write_plain_layer(
+    backend: str,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    slots: TransactionSlots,
+) -> None:
+    """Store ``k, v`` bitwise in the reserved slots (``torch`` or the ``triton`` scatter)."""
+    if backend == "torch":
+        count = slots.num_tokens
+        torch_scatter(k_layer, v_layer, k[:count], v[:count], slots)
+    else:
+        launch_kv_append(k_layer, v_layer, k, v, slots.block_ids, slots.offsets)
+
+
+def torch_paged_decode(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Gather the first ``max_seq_len`` tokens of each request, then dense masked attention."""
+    batch = q.shape[0]
+    block_size = k_layer.shape[2]
+    num_blocks = max(1, -(-max_seq_len // block_size))
+    ids = block_tables[:, :num_blocks].long()  # [B, nb]
+    num_kv_heads, head_dim = k_layer.shape[1], k_layer.shape[3]
+    dense_shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_layer[ids].transpose(2, 3).reshape(dense_shape)  # [B, nb, Hkv, bs, D] -> [B, L, Hkv, D]
+    v = v_layer[ids].transpose(2, 3).reshape(dense_shape)
+    return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale)
+
+
+class DecodeState:
+    """A Triton decode plan and its workspace, shared by every layer of a step.
+
+    The plan is sized for a power-of-two bucket of the longest request, so one plan serves
+    every step until the batch outgrows the bucket (the kernel derives each request's range from
+    the device lengths, so a plan is correct for any length; the bucket only keeps the split
+    count well chosen). Reused while the step has the same rows and head count.
+    """
+
+    __slots__ = ("num_q_heads", "num_rows", "planned_len", "workspace")
+
+    def __init__(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int):
+        planned = min(1 << max(0, (max_len - 1).bit_length()),
+                      cache.max_blocks_per_seq * cache.block_size)  # fmt: skip
+        planned = max(planned, max_len)
+        plan = plan_decode(
+            num_rows,
+            num_q_heads,
+            cache.num_kv_heads,
+            cache.head_dim,
+            cache.block_size,
+            planned,
+            cache.dtype,
+            cache.device,
+            max_blocks_per_seq=cache.max_blocks_per_seq,
+        )
+        self.workspace = DecodeWorkspace.allocate(plan)
+        self.num_rows = num_rows
+        self.num_q_heads = num_q_heads
+        self.planned_len = planned
+
+    def fits(self, num_rows: int, num_q_heads: int, max_len: int) -> bool:
+        return (
+            num_rows == self.num_rows
+            and num_q_heads == self.num_q_heads
+            and self.planned_len // 2 < max_len <= self.planned_len
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        slots: TransactionSlots,
+        sm_scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        ws = self.workspace
+        return launch_decode(
+            q, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale, ws.plan,
+            out, ws.partial_out, ws.partial_lse, slots.num_rows,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class RopeAppendResult:
+    """What one RoPE append did (tensors on the cache's device)."""
+
+    q: torch.Tensor  # [B, Hq, D] rotated query
+    positions: torch.Tensor  # [B] int32, positions of the appended tokens (pre-append seq_lens)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, including the new tokens
+    seq_lens: torch.Tensor  # [B] int32, committed lengths after the append
+
+
+def rope_paged_kv_append(
+    cache: PagedKVCache,
+    layer_idx: int,
+    request_ids: Sequence,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary_dim: int | None,
+    append_backend: str = "torch",
+    base: float = 10000.0,
+) -> RopeAppendResult:
+    """Rotate ``q`` and ``k`` at each request's seq_len and append rotated k and v (one layer).
+
+    Only for single-layer caches (``layer_idx`` must be 0); ``append_backend`` is "torch"
+    (reference RoPE + index_put), "triton" (reference RoPE + Triton scatter) or "fused" (one
+    kernel). All three store the same bytes; rotated q agrees within dtype rounding. Everything
+    is validated before the cache changes.
+    """
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    backend = check_choice("append_backend", append_backend, APPEND_BACKENDS)
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+        raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
+    if layer_idx != 0:
+        raise ValueError(
+            f"rope_paged_kv_append is the single-layer helper: layer_idx must be 0, got "
+            f"{layer_idx}; use begin_token / write_token_layer for multi-layer caches"
+        )
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
+        raise TypeError(
+            f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
+        )
+    batch = len(request_ids)
+    check_step_inputs(cache, batch, q, k, v)
+    rope = Rope.build(cache.head_dim, rotary_dim, base, None, cache.device)
+
+    def write(k_layer, v_layer, slots):
+        return write_rope_layer(backend, rope, q, k, v, k_layer, v_layer, slots), slots
+
+    q_rot, slots = cache.append_with(list(request_ids), write)
+    return RopeAppendResult(
+        q=q_rot,
+        positions=slots.positions,
+        block_tables=slots.block_tables,
+        seq_lens=slots.seq_lens_after,
+    )
+
+
+def check_step_inputs(
+    cache: PagedKVCache, rows: int, q: object, k: object, v: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Structural checks of one layer's ``q [rows, Hq, D]`` and ``k, v [rows, Hkv, D]``."""
+    dtype, device = cache.dtype, cache.device
+    q = check_tensor("q", q, ndim=3, dtypes=(dtype,), device=device)
+    k = check_tensor("k", k, ndim=3, dtypes=(dtype,), device=device)
+    v = check_tensor("v", v, ndim=3, dtypes=(dtype,), device=device)
+    hkv, dim = cache.num_kv_heads, cache.head_dim
+    if q.shape[0] != rows or q.shape[2] != dim:
+        raise ValueError(f"q must have shape [{rows}, num_q_heads, {dim}], got {tuple(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % hkv:
+        raise ValueError(
+            f"q's num_q_heads ({q.shape[1]}) must be a positive multiple of num_kv_heads ({hkv})"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != (rows, hkv, dim):
+            raise ValueError(f"{name} must have shape {(rows, hkv, dim)}, got {tuple(t.shape)}")
+    return q, k, v
