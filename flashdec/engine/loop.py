@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from flashdec.engine.engine import DecodeEngine, EngineRequestState
-from flashdec.scheduler import BaseScheduler, RequestSpec, advance_fairness_counters
+from flashdec.scheduler import (
+    BaseScheduler,
+    RequestSpec,
+    SchedulerDecision,
+    SchedulingSnapshot,
+    advance_fairness_counters,
+)
 
 
 class StepExecutor(Protocol):
@@ -72,6 +78,7 @@ class ServingLoop:
         executor: StepExecutor,
         *,
         check_invariants: bool = False,
+        on_plan: Callable[[SchedulingSnapshot, SchedulerDecision], None] | None = None,
     ) -> None:
         if not isinstance(engine, DecodeEngine):
             raise TypeError(f"engine must be a DecodeEngine, got {type(engine).__name__}")
@@ -81,6 +88,7 @@ class ServingLoop:
         self.scheduler = scheduler
         self.executor = executor
         self.check_invariants = check_invariants
+        self.on_plan = on_plan  # sees every snapshot and the decision planned from it
         self.step_index = 0
         self.generated: dict = {}  # request id -> tokens decoded so far
         self._live: set = set()  # submitted, not yet terminal
@@ -107,6 +115,8 @@ class ServingLoop:
         start = time.perf_counter()
         snapshot = engine.scheduling_snapshot(index)
         decision = self.scheduler.plan(snapshot)
+        if self.on_plan is not None:
+            self.on_plan(snapshot, decision)
         engine.apply_trusted_decision(decision)
         self._live.difference_update(decision.reject)
         scheduled = time.perf_counter()

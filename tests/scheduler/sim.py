@@ -1,25 +1,23 @@
-"""A pure block-count simulation of a scheduler driving a pool (no tensors, no cache).
+"""Property tests' traces through the real serving loop, with a tiny CPU cache.
 
-It mirrors the workload loop with plain integers so properties can run thousands of steps: admit
-(import the context's private blocks), decode one token per batch request (a new block at every
-block boundary), finish at ``max_new_tokens``. It asserts nothing itself; it records what a test
-checks: boundary stalls, decisions, waits and skip counts.
+The same :class:`~flashdec.engine.ServingLoop` every workload uses drives a one-layer, one-head,
+fp32 cache with the torch backends (K/V values do not matter to scheduling). This records what
+the property tests check — boundary stalls, admissions, finishes, rejections, skip counts and
+when a request aged — and asserts nothing itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flashdec.scheduler import (
-    PrefixInfo,
-    RequestSpec,
-    SchedulerConfig,
-    advance_fairness_counters,
-    make_scheduler,
-)
-from flashdec.scheduler.fairness import FairnessCounters
-from flashdec.scheduler.spec import ceil_div
-from tests.scheduler.strategies import make_snapshot
+import torch
+
+from flashdec.cache import PagedKVCache
+from flashdec.engine import DecodeEngine
+from flashdec.engine.loop import ServingLoop, run_loop
+from flashdec.scheduler import PrefixInfo, RequestSpec, SchedulerConfig, make_scheduler
+
+HEAD_DIM = 2
 
 
 @dataclass
@@ -36,6 +34,25 @@ class SimResult:
     steps: int = 0
 
 
+class _ZeroKV:
+    """K/V content is irrelevant here: zeros, one layer, one head."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    def prefill(self, requests) -> None:
+        total = sum(n for _, n in requests)
+        tx = self.engine.begin_prefill([rid for rid, _ in requests], [n for _, n in requests])
+        kv = torch.zeros(total, 1, HEAD_DIM)
+        self.engine.prefill_layer(tx, 0, kv, kv)
+        self.engine.commit_step(tx)
+
+    def decode(self, batch) -> tuple:
+        qkv = torch.zeros(len(batch), 1, HEAD_DIM)
+        self.engine.step(list(batch), qkv, qkv, qkv)
+        return ()
+
+
 def simulate(
     specs: list[RequestSpec],
     arrivals: list[int],
@@ -48,87 +65,43 @@ def simulate(
     max_steps: int = 2000,
     keep_history: bool = False,
 ) -> SimResult:
-    scheduler = make_scheduler(policy, config)
-    by_id = {s.request_id: s for s in specs}
-    arrival = {s.request_id: a for s, a in zip(specs, arrivals, strict=True)}
-    pmap = {p.prefix_id: p for p in prefixes}
-    free = num_blocks - sum(p.num_blocks for p in prefixes)
-    pending = sorted(specs, key=lambda s: s.submission_order)
-    waiting: list = []
-    active: dict = {}  # rid -> committed tokens
-    decoded: dict = {}
-    counters = FairnessCounters()
+    prefix_blocks = sum(p.num_blocks for p in prefixes)
+    cache = PagedKVCache(
+        1, 1, HEAD_DIM, block_size, num_blocks, dtype=torch.float32, device="cpu",
+        prefix_cache_capacity_blocks=prefix_blocks,
+    )  # fmt: skip
+    engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
+    for p in prefixes:
+        blocks = torch.zeros(1, p.num_blocks, 1, block_size, HEAD_DIM)
+        engine.register_prefix(p.prefix_id, blocks, blocks)
     out = SimResult()
-    for step in range(max_steps):
-        while pending and arrival[pending[0].request_id] <= step:
-            waiting.append(pending.pop(0).request_id)
-        if not pending and not waiting and not active:
-            break
-        kw = counters.as_kwargs()
-        snap = make_snapshot(
-            block_size=block_size,
-            total_blocks=num_blocks,
-            free_blocks=free,
-            prefixes=prefixes,
-            active=[
-                (by_id[r], t, kw["active_service_wait_steps"].get(r, 0)) for r, t in active.items()
-            ],
-            waiting=[
-                (
-                    by_id[r],
-                    kw["waiting_wait_steps"].get(r, 0),
-                    kw["waiting_skip_counts"].get(r, 0),
-                )
-                for r in waiting
-            ],
-            step=step,
-        )
-        decision = scheduler.plan(snap)
+
+    def observe(snap, decision) -> None:
         if keep_history:
             out.snapshots.append(snap)
             out.decisions.append(decision)
+        threshold = config.aging_threshold
         for w in snap.waiting:
             out.max_skip = max(out.max_skip, w.skip_count)
-            t = config.aging_threshold
-            if t is not None and w.skip_count >= t and w.request_id not in out.aged_at:
-                out.aged_at[w.request_id] = step
+            if (
+                threshold is not None
+                and w.skip_count >= threshold
+                and w.request_id not in (out.aged_at)
+            ):
+                out.aged_at[w.request_id] = snap.step
                 ahead = [
                     x for x in snap.waiting if x.spec.submission_order < w.spec.submission_order
                 ]
                 out.aged_context[w.request_id] = len(snap.active) + len(ahead)
-        for rid in decision.reject:
-            waiting.remove(rid)
-            out.rejected.add(rid)
-        for rid in decision.admit:
-            spec = by_id[rid]
-            waiting.remove(rid)
-            prefix = pmap.get(spec.prefix_id)
-            shared = prefix.num_blocks if prefix is not None else 0
-            free -= ceil_div(spec.initial_context_tokens, block_size) - shared
-            active[rid] = spec.initial_context_tokens
-            decoded[rid] = 0
-            out.admitted_at[rid] = step
-        served = []
-        for rid in decision.batch:
-            if active[rid] % block_size == 0:
-                if free <= 0:
-                    out.stalls += 1
-                    continue
-                free -= 1
-            active[rid] += 1
-            decoded[rid] += 1
-            served.append(rid)
-        departed = []
-        for rid in served:
-            spec = by_id[rid]
-            if decoded[rid] == spec.max_new_tokens:
-                prefix = pmap.get(spec.prefix_id)
-                shared = prefix.num_blocks if prefix is not None else 0
-                free += ceil_div(active.pop(rid), block_size) - shared
-                out.finished_at[rid] = step
-                departed.append(rid)
-        counters = advance_fairness_counters(
-            snap, decision, served_ids=served, departed_ids=departed
-        )
-        out.steps = step + 1
+
+    loop = ServingLoop(engine, make_scheduler(policy, config), _ZeroKV(engine), on_plan=observe)
+    run = run_loop(loop, zip(arrivals, specs, strict=True), max_steps=max_steps)
+    for record in run.steps:
+        out.stalls += len(record.stuck)
+        for rid in record.admitted:
+            out.admitted_at[rid] = record.step
+        for rid in record.finished:
+            out.finished_at[rid] = record.step
+        out.rejected.update(record.rejected)
+    out.steps = run.num_steps
     return out

@@ -1,0 +1,127 @@
+"""The import contract: which layer of the package may import which (parsed, not executed).
+
+- ``reference`` and ``kernels`` import nothing of the package but the shared checks;
+- ``cache`` imports neither ``kernels`` nor ``scheduler``; ``scheduler`` neither ``cache`` nor
+  ``kernels`` (both only the shared checks besides themselves);
+- ``engine`` joins them; ``workloads``, ``models``, ``llm`` and ``cli`` sit above it.
+A failing contract is a failing build.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "flashdec"
+
+# layer -> layers it may import (itself always allowed)
+ALLOWED = {
+    "_checks": set(),
+    "runtime": set(),
+    "reference": {"_checks"},
+    "kernels": {"_checks"},
+    "cache": {"_checks"},
+    "scheduler": {"_checks"},
+    "engine": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler"},
+    "models": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine"},
+    "llm": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
+            "models"},
+    "workloads": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
+                  "models", "llm"},
+    "cli": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
+            "models", "llm", "workloads"},
+    "__main__": {"cli"},
+    "__init__": set(),  # resolves public names lazily, by string
+}  # fmt: skip
+
+# The documented exceptions: the old import path of names that moved up a layer.
+COMPAT_SHIMS = {("cache/__init__.py", "engine")}
+
+
+def layer_of(module: str) -> str | None:
+    """``flashdec.kernels.append`` -> ``kernels``; None for modules outside the package."""
+    parts = module.split(".")
+    if parts[0] != "flashdec":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports_of(path: Path) -> set[str]:
+    package = ".".join(("flashdec", *path.relative_to(PACKAGE).parent.parts))
+    return imports_in(path.read_text(), package)
+
+
+def imports_in(source: str, package: str) -> set[str]:
+    """Every module an import statement of ``source`` names (relative ones resolved), at any
+    depth: imports inside functions count too."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against the file's package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                found.add(f"{base}.{node.module}" if node.module else base)
+            elif node.module:
+                found.add(node.module)
+                if node.module == "flashdec":  # from flashdec import kernels (not __version__)
+                    found.update(
+                        f"flashdec.{a.name}"
+                        for a in node.names
+                        if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").is_file()
+                    )
+    return found
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])
+def test_module_respects_the_import_contract(path):
+    rel = path.relative_to(PACKAGE)
+    own = rel.parts[0].removesuffix(".py")
+    assert own in ALLOWED, f"{rel}: unknown layer {own!r}; add it to the contract"
+    for module in imports_of(path):
+        layer = layer_of(module)
+        if layer is None or layer == own or (str(rel), layer) in COMPAT_SHIMS:
+            continue
+        if layer == "__init__" and module == "flashdec":
+            # `import flashdec` / `from flashdec import __version__`: only the root and the cli
+            assert own in ("cli", "runtime", "__main__", "workloads", "llm"), (
+                f"{rel} imports the package root"
+            )
+            continue
+        assert layer in ALLOWED[own], f"{rel} ({own}) must not import {module} ({layer})"
+
+
+def test_the_parser_sees_every_import_form():
+    source = (
+        "import flashdec.scheduler.spec\n"
+        "from flashdec.kernels import decode\n"
+        "from . import allocator\n"
+        "from ..engine import loop\n"
+        "def f():\n    from flashdec import runtime\n"
+    )
+    found = imports_in(source, "flashdec.cache")
+    assert {"flashdec.scheduler.spec", "flashdec.kernels", "flashdec.cache", "flashdec.engine",
+            "flashdec.runtime"} <= found  # fmt: skip
+    assert {layer_of(m) for m in found} >= {"scheduler", "kernels", "engine", "runtime"}
+
+
+def test_no_module_is_shadowed_by_a_function():
+    """``flashdec.kernels.decode`` was a function hiding the module of the same name."""
+    import importlib
+
+    for path in FILES:
+        rel = path.relative_to(PACKAGE)
+        if path.name == "__init__.py":
+            continue
+        package = importlib.import_module(".".join(("flashdec", *rel.parent.parts)))
+        name = path.stem
+        value = getattr(package, name, None)
+        if value is not None:
+            assert getattr(value, "__file__", None) == str(path), (
+                f"flashdec.{'.'.join((*rel.parent.parts, name))} is not the module {rel}"
+            )
