@@ -95,3 +95,11 @@ def test_warmup_run_measures_the_same_workload_again():
     cold = run_synthetic_workload(num_requests=5, seed=4)
     warm = run_synthetic_workload(num_requests=5, seed=4, warmup_run=True)
     assert _without_timings(cold) == _without_timings(dataclasses.replace(warm, config=cold.config))
+
+
+@pytest.mark.parametrize("runner", [run_synthetic_workload, run_integrated_workload])
+def test_max_steps_stops_early_reports_and_cleans_up(runner):
+    result = runner(num_requests=12, max_steps=10, seed=2)
+    assert result.stopped_early and result.unfinished > 0
+    assert result.finished + result.rejected + result.unfinished == 12
+    assert result.final_used_blocks == 0

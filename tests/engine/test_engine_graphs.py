@@ -1,0 +1,125 @@
+"""CUDA-graph capture and replay of a step's layers (GPU), and the API's refusals (CPU)."""
+
+import pytest
+import torch
+
+from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from tests.engine.conftest import layer_inputs, make_engine, run_step
+
+LAYERS, HQ, HKV, D, BS = 3, 8, 2, 64, 16
+
+
+def test_capture_and_replay_refuse_what_they_cannot_do(gen):
+    engine = make_engine()  # CPU, torch backends
+    for rid in ("a", "b"):
+        engine.add_request(rid)
+        engine.admit(rid)
+    run_step(engine, ["a", "b"], gen)
+    tx = engine.begin_step(["a", "b"])
+    with pytest.raises(RuntimeError, match="CUDA"):
+        engine.capture_step(tx, lambda: None)
+    assert engine.has_open_step  # a refused call changes nothing
+    with pytest.raises(TypeError, match="CapturedStep"):
+        engine.replay_step(tx, object())
+    engine.abort_step(tx)
+
+
+def _filled_engine(seed: int) -> tuple[DecodeEngine, list[str]]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cache = PagedKVCache(LAYERS, HKV, D, BS, 64, dtype=torch.bfloat16, device="cuda",
+                         max_blocks_per_seq=16)  # fmt: skip
+    engine = DecodeEngine(cache)  # fused append, Triton decode
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        engine.add_request(rid)
+        engine.admit(rid)
+    lengths = [BS - 1, 2 * BS - 2, 5]  # a crosses a block boundary on its second step
+    tx = engine.begin_prefill(rids, lengths)
+    for layer in range(LAYERS):
+        kv = torch.randn(2, sum(lengths), HKV, D, generator=gen, device="cuda")
+        engine.prefill_layer(tx, layer, kv[0].bfloat16(), kv[1].bfloat16())
+    engine.commit_step(tx)
+    return engine, rids
+
+
+@pytest.mark.gpu
+def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
+    eager, rids = _filled_engine(0)
+    graphed, _ = _filled_engine(0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    static = [
+        tuple(torch.empty(3, h, D, dtype=torch.bfloat16, device="cuda") for h in (HQ, HKV, HKV))
+        for _ in range(LAYERS)
+    ]
+    captured = None
+    for step in range(6):
+        inputs = [
+            tuple(torch.randn(3, h, D, generator=gen, device="cuda").bfloat16()
+                  for h in (HQ, HKV, HKV))
+            for _ in range(LAYERS)
+        ]  # fmt: skip
+        positions = eager.cache.seq_lens_tensor(rids)
+        tx = eager.begin_step(rids)
+        want = [eager.step_layer(tx, i, *inputs[i]) for i in range(LAYERS)]
+        tables, lens = eager.cache.transaction_decode_inputs(tx)
+        refs = [
+            paged_decode_attention_ref(
+                apply_rope(inputs[i][0], positions), *eager.cache.layer_kv(i), tables, lens
+            )
+            for i in range(LAYERS)
+        ]
+        eager.commit_step(tx)
+
+        for dst, src in zip(static, inputs, strict=True):
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+        tx = graphed.begin_step(rids)
+        if step == 0:  # eager: compiles every kernel before the capture
+            got = [graphed.step_layer(tx, i, *static[i]) for i in range(LAYERS)]
+        elif captured is None:
+            captured = graphed.capture_step(
+                tx, lambda tx=tx: [graphed.step_layer(tx, i, *static[i]) for i in range(LAYERS)]
+            )
+            got = captured.output
+        else:
+            got = graphed.replay_step(tx, captured)
+        graphed.commit_step(tx)
+        for i in range(LAYERS):
+            torch.testing.assert_close(got[i], want[i], atol=0, rtol=0)
+            torch.testing.assert_close(got[i].float(), refs[i].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(eager.cache.k_cache, graphed.cache.k_cache)
+    assert torch.equal(eager.cache.v_cache, graphed.cache.v_cache)
+    assert graphed.cache.seq_lens_tensor(rids).tolist() == [BS + 5, 2 * BS + 4, 11]
+    graphed.cache.validate_invariants()
+
+
+@pytest.mark.gpu
+def test_capture_outside_capture_step_is_refused():
+    engine, rids = _filled_engine(0)
+    q, k, v = layer_inputs(3, torch.Generator().manual_seed(0))
+    tx = engine.begin_step(rids)
+    inputs = [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capture_step"), torch.cuda.graph(graph):
+        engine.step_layer(tx, 0, *inputs)
+    assert not engine.has_open_step
+
+
+@pytest.mark.gpu
+def test_padded_rows_are_neither_stored_nor_attended():
+    engine, rids = _filled_engine(0)
+    before_k = engine.cache.k_cache.clone()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    tx = engine.begin_step(rids[:2], pad_to=4)  # 2 real rows, 2 padding rows
+    outs = []
+    for layer in range(LAYERS):
+        q, k, v = (torch.randn(4, h, D, generator=gen, device="cuda").bfloat16()
+                   for h in (HQ, HKV, HKV))  # fmt: skip
+        outs.append(engine.step_layer(tx, layer, q, k, v))
+    engine.commit_step(tx)
+    for out in outs:
+        assert out.shape[0] == 4 and not out[2:].any()  # empty rows attend to nothing
+    changed = (engine.cache.k_cache != before_k).any(dim=(0, 2, 3, 4)).nonzero().flatten()
+    blocks = {b for rid in rids[:2] for b in engine.cache.request_block_ids(rid)}
+    assert set(changed.tolist()) <= blocks
+    engine.cache.validate_invariants()
