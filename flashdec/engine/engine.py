@@ -716,7 +716,9 @@ class DecodeEngine:
         if state is None:
             state = self._decode_state
             num_heads = q_rot.shape[1]
-            if state is None or not state.fits(step.num_rows, num_heads, step.max_len_after):
+            if state is None or not state.fits(
+                self.cache, step.num_rows, num_heads, step.max_len_after
+            ):
                 state = self._decode_state = DecodeState(
                     self.cache, step.num_rows, num_heads, step.max_len_after
                 )

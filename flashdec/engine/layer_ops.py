@@ -150,21 +150,27 @@ def torch_paged_decode(
     return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale)
 
 
+def plan_bucket(cache: PagedKVCache, max_len: int) -> int:
+    """The length a step's decode plan is sized for: the next power of two of its longest
+    request (capped at the table width). One rule for when a plan is reused: while this value
+    stays the same."""
+    limit = cache.max_blocks_per_seq * cache.block_size
+    return max(min(1 << max(0, (max_len - 1).bit_length()), limit), max_len)
+
+
 class DecodeState:
     """A Triton decode plan and its workspace, shared by every layer of a step.
 
-    The plan is sized for a power-of-two bucket of the longest request, so one plan serves
-    every step until the batch outgrows the bucket (the kernel derives each request's range from
-    the device lengths, so a plan is correct for any length; the bucket only keeps the split
-    count well chosen). Reused while the step has the same rows and head count.
+    The plan is sized for :func:`plan_bucket` of the longest request, so one plan serves every
+    step until the batch outgrows the bucket (the kernel derives each request's range from the
+    device lengths, so a plan is correct for any length; the bucket only keeps the split count
+    well chosen). Reused while the step has the same rows, head count and bucket.
     """
 
-    __slots__ = ("num_q_heads", "num_rows", "planned_len", "workspace")
+    __slots__ = ("num_q_heads", "num_rows", "planned_len", "workspace")  # planned_len: the bucket
 
     def __init__(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int):
-        planned = min(1 << max(0, (max_len - 1).bit_length()),
-                      cache.max_blocks_per_seq * cache.block_size)  # fmt: skip
-        planned = max(planned, max_len)
+        planned = plan_bucket(cache, max_len)
         plan = plan_decode(
             num_rows,
             num_q_heads,
@@ -181,11 +187,11 @@ class DecodeState:
         self.num_q_heads = num_q_heads
         self.planned_len = planned
 
-    def fits(self, num_rows: int, num_q_heads: int, max_len: int) -> bool:
+    def fits(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int) -> bool:
         return (
             num_rows == self.num_rows
             and num_q_heads == self.num_q_heads
-            and self.planned_len // 2 < max_len <= self.planned_len
+            and plan_bucket(cache, max_len) == self.planned_len
         )
 
     def decode(

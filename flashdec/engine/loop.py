@@ -33,9 +33,10 @@ from flashdec.scheduler import (
 class StepExecutor(Protocol):
     """What the loop runs for its requests (the engine calls are the executor's to make)."""
 
-    def prefill(self, requests: Sequence[tuple[object, int]]) -> None:
-        """Import ``(request_id, num_tokens)`` prompt tokens for newly admitted requests
-        (one engine transaction: all or nothing)."""
+    def prefill(self, requests: Sequence[tuple[object, int]]) -> Collection | None:
+        """Import ``(request_id, num_tokens)`` prompt tokens for newly admitted requests (all
+        or nothing per transaction); return the ids already done (e.g. a model whose first
+        token, from the prompt, is EOS): they finish without decoding."""
 
     def decode(self, batch: Sequence) -> Collection:
         """Decode one token for every request of ``batch`` (one engine step); return the ids
@@ -127,11 +128,10 @@ class ServingLoop:
             missing = spec.initial_context_tokens - cache.seq_len(rid)  # a prefix covers it all
             if missing > 0:
                 imports.append((rid, missing))
-        if imports:
-            self.executor.prefill(imports)
+        done_at_prefill = set(self.executor.prefill(imports) or ()) if imports else set()
         prefilled = time.perf_counter()
 
-        batch = list(decision.batch)
+        batch = [rid for rid in decision.batch if rid not in done_at_prefill]
         stuck, victims = self._unblock(batch, index)
         served = [rid for rid in batch if rid not in stuck and rid not in victims]
         done_early: Collection = ()
@@ -141,7 +141,9 @@ class ServingLoop:
             done_early = self.executor.decode(served)
             decode_s = time.perf_counter() - t0
 
-        finished = []
+        finished = [rid for rid in decision.admit if rid in done_at_prefill]
+        for rid in finished:
+            engine.finish_request(rid)
         for rid in served:
             self.generated[rid] += 1
             if rid in done_early or self.generated[rid] >= engine.request_spec(rid).max_new_tokens:

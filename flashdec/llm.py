@@ -1,0 +1,495 @@
+"""``flashdec.LLM``: generate with a transformers model through FlashDec's runtime.
+
+The model's own weights run the projections and the MLP (PyTorch, with FlashDec's fused
+RMSNorm and SiLU kernels on CUDA); attention is FlashDec's: the prompt's K/V enter the paged
+cache in one transaction per request, and every decode step is one engine step for the whole
+running batch — fused RoPE + append and paged decode per layer. Requests are admitted by the
+lifetime scheduler and joined into the running batch as others finish (continuous batching),
+all through the one serving loop. On CUDA the decode forward — every layer and the final argmax —
+is captured in a CUDA graph per batch-size bucket and replayed; the host does bookkeeping and one
+graph launch per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashdec._checks import check_positive_int
+from flashdec.cache import PagedKVCache
+from flashdec.engine import CapturedStep, DecodeEngine
+from flashdec.engine.layer_ops import plan_bucket
+from flashdec.engine.loop import LoopStep, ServingLoop
+from flashdec.models import DecoderAdapter, load_model
+from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
+
+log = logging.getLogger("flashdec")
+
+# bytes of activations per running request the graphs and the eager forward keep, on top of the
+# weights and the KV pool (a generous bound: hidden states, q/k/v, MLP intermediates, logits)
+_ACTIVATION_RESERVE = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when ``temperature`` is 0 (the default); else softmax sampling at ``temperature``
+    restricted to the ``top_k`` most likely tokens (0 = all) and the ``top_p`` nucleus."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_positive_int("top_k", self.top_k, minimum=0)
+        if self.seed is not None:
+            check_positive_int("seed", self.seed, minimum=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """What the last :meth:`LLM.generate` call measured (wall clock, synchronised)."""
+
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    elapsed_s: float
+    ttft_s: tuple[float, ...]  # per request: submission -> first token
+    tpot_s: tuple[float, ...]  # per request: mean time per output token after the first
+    decode_steps: int
+    graph_replays: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class _Request:
+    __slots__ = ("finished_at", "first_token_at", "ignore_eos", "max_new_tokens", "prompt",
+                 "submitted_at", "tokens")  # fmt: skip
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, ignore_eos: bool, now: float):
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.ignore_eos = ignore_eos
+        self.tokens: list[int] = []
+        self.submitted_at = now
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+
+class LLM:
+    """Greedy (or sampled) generation with a transformers causal LM through FlashDec.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3) or a local
+            model directory (loaded with its tokenizer, if saved).
+        dtype: the model's dtype by default; another one converts the model in place.
+        device: the model's device by default; another one moves the model there.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool; default: what fits ``gpu_memory_fraction`` of the
+            GPU (CPU: a quarter of the available host memory, at most 4 GiB), capped at what
+            ``max_batch_size`` requests of ``max_model_len`` tokens can use.
+        max_batch_size: requests decoded per step at most.
+        cuda_graphs: capture the decode forward per batch-size bucket (default: on CUDA).
+        tokenizer: used for text prompts (default: the one loaded with a model directory).
+        max_model_len: longest prompt + output (default: the model's max positions, at most
+            32768).
+        gpu_memory_fraction: share of the GPU's memory the weights, the KV pool and the
+            activations may use together when ``num_blocks`` is not given.
+
+    Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
+    architecture or feature of the model.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_size: int = 64,
+        cuda_graphs: bool | None = None,
+        tokenizer=None,
+        max_model_len: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+    ) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            loaded = load_model(model, dtype=dtype, device=device)
+            model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+        elif not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                "model must be a transformers PreTrainedModel or a local model directory, got "
+                f"{type(model).__name__}"
+            )
+        elif dtype is not None or device is not None:
+            model.to(**{k: v for k, v in (("dtype", dtype), ("device", device)) if v})
+        self.adapter = DecoderAdapter(model)  # ValueError naming unsupported features
+        spec = self.adapter.spec
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = check_positive_int("block_size", block_size)
+        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
+        if max_model_len is None:
+            max_model_len = min(spec.max_position_embeddings, 32768)
+        self.max_model_len = check_positive_int("max_model_len", max_model_len)
+        if cuda_graphs is None:
+            cuda_graphs = spec.device.type == "cuda"
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool or None, got {cuda_graphs!r}")
+        if cuda_graphs and spec.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        if not (isinstance(gpu_memory_fraction, float) and 0.0 < gpu_memory_fraction <= 1.0):
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
+        self.cuda_graphs = cuda_graphs
+
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(blocks_per_seq, gpu_memory_fraction)
+        num_blocks = check_positive_int("num_blocks", num_blocks)
+        cache = PagedKVCache(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, num_blocks,
+            dtype=spec.dtype, device=spec.device,
+            max_blocks_per_seq=min(blocks_per_seq, num_blocks),
+        )  # fmt: skip
+        on_cuda = spec.device.type == "cuda"
+        self.engine = DecodeEngine(
+            cache,
+            append_backend="fused" if on_cuda else "torch",
+            decode_backend="triton" if on_cuda else "torch",
+            rotary_dim=spec.rotary_dim,
+            sm_scale=spec.sm_scale,
+            rope_inv_freq=spec.inv_freq,
+        )
+        self.scheduler = BlockAwareScheduler(
+            SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)
+        )
+        self._runner = _ModelRunner(self)
+        self.loop = ServingLoop(self.engine, self.scheduler, self._runner)
+        self._next_id = 0
+        self.last_stats: GenerationStats | None = None
+
+    def _default_num_blocks(self, blocks_per_seq: int, fraction: float) -> int:
+        spec = self.adapter.spec
+        per_block = spec.kv_bytes_per_token * self.block_size
+        wanted = self.max_batch_size * blocks_per_seq + 1
+        if spec.device.type == "cuda":
+            total = torch.cuda.get_device_properties(spec.device).total_memory
+            used = torch.cuda.memory_allocated(spec.device)
+            budget = fraction * total - used - _ACTIVATION_RESERVE
+        else:
+            budget = min(_available_host_bytes() / 4, 4 * 2**30)
+        affordable = int(budget // per_block)
+        if affordable < 1:
+            raise ValueError(
+                f"no memory left for a KV cache: budget {budget / 2**30:.2f} GiB after the "
+                "weights; pass num_blocks= or a larger gpu_memory_fraction"
+            )
+        return min(affordable, wanted)
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer (load a model directory that has one, or "
+                    "pass tokenizer=); pass token ids instead"
+                )
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise TypeError(
+            f"a prompt must be a list of token ids or a str, got {type(prompt).__name__}"
+        )
+
+    def add_request(self, prompt, max_new_tokens: int = 32, *, ignore_eos: bool = False):
+        """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
+
+        It is admitted as the pool allows and joins the running batch at the next
+        :meth:`step`. All checks happen before anything is queued.
+        """
+        ids = self._prompt_ids(prompt)
+        check_positive_int("max_new_tokens", max_new_tokens)
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(ignore_eos).__name__}")
+        vocab = self.adapter.spec.vocab_size
+        if not ids:
+            raise ValueError("a prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(
+                f"prompt token ids must lie in [0, {vocab}), got {min(ids)}..{max(ids)}"
+            )
+        if len(ids) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        rid = self._next_id
+        self._next_id += 1
+        prompt_tensor = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
+        self._runner.requests[rid] = _Request(prompt_tensor, max_new_tokens, ignore_eos,
+                                              _now())  # fmt: skip
+        # the lifetime commitment: the prompt plus every token whose K/V is appended
+        self.loop.submit(RequestSpec(rid, len(ids), max(1, max_new_tokens - 1), rid))
+        return rid
+
+    def step(self) -> LoopStep:
+        """One serving-loop step: admit, import prompts, decode one token for the batch."""
+        return self.loop.step()
+
+    def has_unfinished(self) -> bool:
+        return not self.loop.idle
+
+    def output(self, request_id) -> list[int]:
+        """The tokens generated so far for ``request_id`` (the prompt excluded)."""
+        try:
+            return list(self._runner.requests[request_id].tokens)
+        except KeyError:
+            raise ValueError(f"unknown request id {request_id!r}") from None
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        *,
+        ignore_eos: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt; returns the generated ids only, one list per prompt, in
+        order (a sequence stops after its EOS token unless ``ignore_eos``).
+
+        Greedy by default (exactly transformers' greedy ``generate``); ``temperature > 0``
+        samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError("prompts must be a non-empty list of token-id lists or strings")
+        sampling = SamplingParams(temperature, top_k, top_p, seed)
+        if not self.loop.idle:
+            raise RuntimeError("generate needs an idle LLM (requests added with add_request "
+                               "are still running: step them to completion first)")  # fmt: skip
+        checked = [self._prompt_ids(p) for p in prompts]  # all checks before anything is queued
+        self._runner.set_sampling(sampling)
+        start = _now(self.adapter.spec.device)
+        rids = []
+        replays_before = self._runner.graph_replays
+        try:
+            rids = [self.add_request(ids, max_new_tokens, ignore_eos=ignore_eos) for ids in checked]
+            steps = 0
+            while not self.loop.idle:
+                self.loop.step()
+                steps += 1
+        finally:
+            self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
+            self._runner.set_sampling(SamplingParams())
+        elapsed = _now(self.adapter.spec.device) - start
+        requests = [self._runner.requests.pop(rid) for rid in rids]
+        self.last_stats = GenerationStats(
+            num_requests=len(requests),
+            prompt_tokens=sum(r.prompt.shape[0] for r in requests),
+            generated_tokens=sum(len(r.tokens) for r in requests),
+            elapsed_s=elapsed,
+            ttft_s=tuple(r.first_token_at - r.submitted_at for r in requests),
+            tpot_s=tuple(_tpot(r) for r in requests),
+            decode_steps=steps,
+            graph_replays=self._runner.graph_replays - replays_before,
+        )
+        return [r.tokens for r in requests]
+
+
+def _tpot(request: _Request) -> float:
+    if len(request.tokens) < 2 or request.first_token_at is None:
+        return 0.0
+    return (request.finished_at - request.first_token_at) / (len(request.tokens) - 1)
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _now(device: torch.device | None = None) -> float:
+    import time
+
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _ModelRunner:
+    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.adapter = llm.adapter
+        self.spec = llm.adapter.spec
+        self.eos = frozenset(self.spec.eos_token_ids)
+        self.requests: dict[int, _Request] = {}
+        self.sampling = SamplingParams()
+        self.generator: torch.Generator | None = None
+        self.graph_replays = 0
+        # CUDA graphs: buckets of batch sizes, their static inputs, warm-up marks and graphs
+        sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+        self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
+        self.static_ids = None
+        self.graph_pool = None
+        self.warm: set[tuple[int, int]] = set()
+        self.graphs: dict[int, tuple[int, CapturedStep]] = {}  # bucket -> (plan bucket, graph)
+        if llm.cuda_graphs:
+            self.static_ids = torch.zeros(self.buckets[-1], dtype=torch.long,
+                                          device=self.spec.device)  # fmt: skip
+            self.graph_pool = torch.cuda.graph_pool_handle()
+
+    def set_sampling(self, sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self.generator = None
+        if not sampling.greedy:
+            self.generator = torch.Generator(device=self.spec.device)
+            if sampling.seed is not None:
+                self.generator.manual_seed(sampling.seed)
+
+    # -- tokens -------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None) -> list[int]:
+        """Next token per row of ``logits [B, V]`` (one device->host read)."""
+        s = self.sampling
+        if s.greedy:
+            ids = greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
+            return ids.tolist()
+        scores = logits.float() / s.temperature
+        if s.top_k:
+            kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if s.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix reaching top_p
+            sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
+            scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).flatten().tolist()
+
+    def _record(self, rid, token: int, now: float) -> bool:
+        """Append a generated token; True when the request is done."""
+        req = self.requests[rid]
+        req.tokens.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        done = len(req.tokens) >= req.max_new_tokens or (not req.ignore_eos and token in self.eos)
+        if done:
+            req.finished_at = now
+        return done
+
+    # -- the loop's executor ------------------------------------------------------------------
+    def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
+        """Each prompt in its own transaction; its first token comes from the prefill logits."""
+        done = set()
+        engine = self.engine
+        for rid, num_tokens in requests:
+            prompt = self.requests[rid].prompt
+            tx = engine.begin_prefill([rid], [num_tokens])
+            try:
+                logits = self.adapter.prefill(
+                    prompt, lambda layer, k, v, tx=tx: engine.prefill_layer(tx, layer, k, v)
+                )
+                engine.commit_step(tx)
+            except BaseException:
+                if engine.has_open_step:
+                    engine.abort_step(tx)
+                raise
+            (token,) = self._choose(logits[None])
+            if self._record(rid, token, _now()):
+                done.add(rid)
+        return done
+
+    def decode(self, batch: Sequence) -> set:
+        engine = self.engine
+        last = [self.requests[rid].tokens[-1] for rid in batch]
+        rows = len(batch)
+        if self.llm.cuda_graphs:
+            logits, greedy_ids = self._decode_graphed(batch, last)
+        else:
+            ids = torch.tensor(last, dtype=torch.long, device=self.spec.device)
+            tx = engine.begin_step(list(batch))
+            try:
+                logits = self.adapter.decode(ids, self._attention(tx))
+            except BaseException:
+                if engine.has_open_step:
+                    engine.abort_step(tx)
+                raise
+            engine.commit_step(tx)
+            greedy_ids = None
+        tokens = self._choose(logits[:rows], None if greedy_ids is None else greedy_ids[:rows])
+        now = _now()
+        return {
+            rid for rid, token in zip(batch, tokens, strict=True) if self._record(rid, token, now)
+        }
+
+    def _attention(self, tx):
+        engine = self.engine
+        return lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v)
+
+    def _decode_graphed(self, batch: Sequence, last: list[int]):
+        engine, rows = self.engine, len(batch)
+        bucket = next(b for b in self.buckets if b >= rows)
+        ids = self.static_ids[:bucket]
+        ids[:rows].copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)
+        ids[rows:].zero_()
+        tx = engine.begin_step(list(batch), pad_to=bucket)
+        max_len = max(self.engine.cache.seq_len(rid) for rid in batch) + 1
+        plan = plan_bucket(engine.cache, max_len)
+        held = self.graphs.get(bucket)
+        try:
+            if held is not None and held[0] == plan:
+                self.graph_replays += 1
+                logits, greedy_ids = engine.replay_step(tx, held[1])
+            elif (bucket, plan) in self.warm:  # kernels compiled for these shapes: capture
+                captured = engine.capture_step(
+                    tx, lambda: self._forward(ids, tx), pool=self.graph_pool
+                )
+                self.graphs[bucket] = (plan, captured)
+                logits, greedy_ids = captured.output
+            else:  # first use: run eagerly (compiles the kernels), capture next time
+                self.warm.add((bucket, plan))
+                logits, greedy_ids = self._forward(ids, tx)
+        except BaseException:
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        engine.commit_step(tx)
+        return logits, greedy_ids
+
+    def _forward(self, ids: torch.Tensor, tx):
+        logits = self.adapter.decode(ids, self._attention(tx))
+        return logits, torch.argmax(logits, dim=-1)
