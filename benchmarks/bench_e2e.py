@@ -1,0 +1,427 @@
+"""End-to-end decode speed: FlashDec's ``LLM`` against transformers (and vLLM) on one model.
+
+Llama-3-8B shape with random bf16 weights by default (hidden 4096, 32 layers, 32/8 heads,
+head_dim 128, intermediate 14336, vocab 128256), random prompts of ``--prompt-len`` tokens,
+greedy, EOS ignored. For each batch B:
+
+- **decode tok/s** = B × (N − 1) / (time(N new tokens) − time(1 new token)), median of
+  ``--reps`` runs each, N = ``--new-tokens``: the prefill is the same in both runs, so it cancels;
+- FlashDec with CUDA graphs (the default) and without; ``transformers``' own ``generate`` with
+  its static cache, in the same process on the same model;
+- vLLM 0.24.0 from ``--vllm-json`` (``vllm_anchor.py``, same method, same machine and lease);
+- the bytes-read floor: weights + the KV of one step, over the measured copy bandwidth.
+
+It also reports, at B=1, token agreement with transformers over N greedy steps and the largest
+per-step logits difference with FlashDec teacher-forced on transformers' tokens; the share of a
+decode step spent in attention (the step's attention kernels replayed alone from a CUDA graph);
+a per-kernel-class profile of one eager step; peak memory against weights + KV pool; and TTFT /
+TPOT percentiles of a Poisson-arrival run through the serving loop.
+
+Writes ``benchmarks/results/e2e.{md,json,png}``. ``--smoke`` runs the tiny model on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    RESULTS_DIR,
+    bar_plot,
+    copy_ceiling_tbs,
+    environment,
+    environment_markdown,
+    fmt,
+    markdown_table,
+    write_results,
+)
+from flashdec import LLM  # noqa: E402
+from flashdec.models import build_random_model  # noqa: E402
+from flashdec.workloads.serving import ServeBenchConfig, run_serve_benchmark  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b-shape", help="a built-in shape")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers runs")
+    p.add_argument("--no-eager", action="store_true", help="skip FlashDec without CUDA graphs")
+    p.add_argument("--vllm-json", help="vllm_anchor.py's --json output of the same lease")
+    p.add_argument("--serve-requests", type=int, default=128)
+    p.add_argument("--serve-rate", type=float, default=16.0, help="Poisson arrivals per second")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.add_argument("--name", default="e2e")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (script check)")
+    args = p.parse_args()
+    if args.smoke:
+        args.model, args.batches, args.prompt_len, args.new_tokens = "tiny", [1, 3], 20, 6
+        args.reps, args.serve_requests, args.serve_rate = 1, 6, 50.0
+    return args
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=gen).tolist()
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_rate(run, batch: int, new: int, reps: int) -> dict:
+    """tok/s of the decode phase: B(N-1) / (t(N) - t(1)), each a median of ``reps``."""
+    run(batch, 2)  # warm-up: compiles, captures the batch's graphs
+    t1 = median_time(lambda: run(batch, 1), reps)
+    tn = median_time(lambda: run(batch, new), reps)
+    return {
+        "tok_s": batch * (new - 1) / (tn - t1),
+        "step_ms": (tn - t1) / (new - 1) * 1e3,
+        "t1_s": t1,
+        "tn_s": tn,
+    }
+
+
+def hf_generate(model, prompts: list[list[int]], new: int) -> torch.Tensor:
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )
+    return out[:, ids.shape[1] :]
+
+
+def agreement(llm: LLM, model, prompt: list[int], new: int) -> dict:
+    """Greedy token agreement at B=1, and per-step logits with FlashDec teacher-forced on
+    transformers' tokens (so one early near-tie does not decide every later step)."""
+    hf = model.generate(
+        torch.tensor([prompt], device=model.device),
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    hf_tokens = hf.sequences[0, len(prompt) :].tolist()
+    hf_logits = torch.stack([step[0].float() for step in hf.logits])  # [new, V]
+    ours = llm.generate([prompt], new, ignore_eos=True)[0]
+    first_diff = next((i for i, (a, b) in enumerate(zip(ours, hf_tokens)) if a != b), None)
+    forced = teacher_forced_logits(llm, prompt, hf_tokens)  # [new, V]
+    diff = (forced - hf_logits).abs()
+    scale = hf_logits.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)
+    return {
+        "steps": new,
+        "tokens_equal": sum(a == b for a, b in zip(ours, hf_tokens)),
+        "first_divergence": first_diff,
+        "max_abs_logit_diff": float(diff.max()),
+        "max_rel_logit_diff": float((diff / scale).max()),
+        "argmax_equal_teacher_forced": int((forced.argmax(-1) == hf_logits.argmax(-1)).sum()),
+    }
+
+
+def teacher_forced_logits(llm: LLM, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of each step when FlashDec is fed ``tokens`` instead of its own choices."""
+    engine, adapter = llm.engine, llm.adapter
+    rid = "teacher-forced"
+    engine_spec = llm.adapter.spec
+    engine.submit_request(
+        __import__("flashdec").RequestSpec(rid, len(prompt), len(tokens), 10**9)
+    )
+    snapshot = engine.scheduling_snapshot(0)
+    engine.apply_trusted_decision(llm.scheduler.plan(snapshot))
+    tx = engine.begin_prefill([rid], [len(prompt)])
+    ids = torch.tensor(prompt, device=engine_spec.device)
+    rows = [adapter.prefill(ids, lambda layer, k, v: engine.prefill_layer(tx, layer, k, v))]
+    engine.commit_step(tx)
+    for token in tokens[:-1]:
+        tx = engine.begin_step([rid])
+        step_ids = torch.tensor([token], device=engine_spec.device)
+        logits = adapter.decode(
+            step_ids, lambda layer, q, k, v, tx=tx: engine.step_layer(tx, layer, q, k, v)
+        )
+        engine.commit_step(tx)
+        rows.append(logits[0].float())
+    engine.finish_request(rid)
+    return torch.stack(rows)
+
+
+def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
+    """Device time of one step's attention (RoPE+append and decode for every layer) replayed
+    alone from a CUDA graph, against the graph-replayed full step."""
+    if not torch.cuda.is_available():
+        return None
+    from benchmarks._common import graph_us
+    from flashdec import RequestSpec
+
+    engine, spec = llm.engine, llm.adapter.spec
+    rids = [f"share{i}" for i in range(batch)]
+    for i, rid in enumerate(rids):
+        engine.submit_request(RequestSpec(rid, context, 4, 10**9 + i))
+    engine.apply_trusted_decision(llm.scheduler.plan(engine.scheduling_snapshot(0)))
+    tx = engine.begin_prefill(rids, [context] * batch)
+    kv = torch.randn(batch * context, spec.num_kv_heads, spec.head_dim, device="cuda")
+    for layer in range(spec.num_layers):
+        engine.prefill_layer(tx, layer, kv.to(spec.dtype), kv.to(spec.dtype))
+    engine.commit_step(tx)
+    q = torch.randn(batch, spec.num_q_heads, spec.head_dim, device="cuda").to(spec.dtype)
+    k = torch.randn(batch, spec.num_kv_heads, spec.head_dim, device="cuda").to(spec.dtype)
+    tx = engine.begin_step(rids)
+    for layer in range(spec.num_layers):  # warm: compiles this batch's kernels
+        engine.step_layer(tx, layer, q, k, k)
+    engine.commit_step(tx)
+    tx = engine.begin_step(rids)
+    slots = engine.cache.transaction_slots(tx)
+    from flashdec.engine.layer_ops import write_rope_layer
+
+    state = engine._decode_state
+
+    def attention_only():
+        for layer in range(spec.num_layers):
+            k_layer, v_layer = engine.cache.layer_kv(layer)
+            q_rot = write_rope_layer("fused", engine.rope, q, k, k, k_layer, v_layer, slots)
+            state.decode(q_rot, k_layer, v_layer, slots, engine.sm_scale, q_rot)
+
+    attention_us = graph_us(attention_only)
+    engine.abort_step(tx)
+    for rid in rids:
+        engine.finish_request(rid)
+    return {"batch": batch, "context": context, "attention_us": attention_us}
+
+
+def kernel_profile(llm: LLM, batch: int) -> list[dict]:
+    """CUDA time by kernel class in one eager decode step (torch.profiler)."""
+    if not torch.cuda.is_available():
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = prompts_for(batch, 64, llm.adapter.spec.vocab_size, 7)
+    graphs = llm.cuda_graphs
+    llm.cuda_graphs = False
+    try:
+        llm.generate(prompts, 2, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, 3, ignore_eos=True)
+    finally:
+        llm.cuda_graphs = graphs
+    classes = {
+        "attention (RoPE+append, decode)": ("_decode_kernel", "_merge_splits", "_fused_rope"),
+        "GEMM (projections, MLP, lm_head)": ("gemm", "gemv", "sm90", "cutlass", "xmma", "Kernel2"),
+        "RMSNorm (+residual)": ("rms_norm",),
+        "SiLU x up": ("silu",),
+        "prefill attention (SDPA)": ("flash", "fmha", "attention"),
+    }
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if not us:
+            continue
+        name = event.key.lower()
+        label = next(
+            (c for c, keys in classes.items() if any(k.lower() in name for k in keys)), "other"
+        )
+        totals[label] = totals.get(label, 0.0) + us
+    total = sum(totals.values()) or 1.0
+    return [
+        {"class": k, "us": v, "share_pct": 100 * v / total}
+        for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
+    ]
+
+
+def main() -> None:
+    args = parse_args()
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    env = environment()
+    env["transformers"] = __import__("transformers").__version__
+    torch.manual_seed(0)
+    model = build_random_model(args.model, device=device, seed=0)
+    spec_vocab = model.config.vocab_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_batch = max(args.batches)
+    total_len = args.prompt_len + args.new_tokens
+    blocks = max_batch * -(-total_len // 16) + 64
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    llm = LLM(model, max_batch_size=max_batch, num_blocks=blocks, max_model_len=total_len + 64)
+    pool_bytes = llm.engine.cache.bytes_per_block * blocks
+    copy_tbs = copy_ceiling_tbs() if on_gpu else None
+    rows = []
+    print(f"model {args.model}: {weight_bytes / 2**30:.2f} GiB weights, KV pool "
+          f"{pool_bytes / 2**30:.2f} GiB", flush=True)  # fmt: skip
+
+    def flashdec_run(batch: int, new: int) -> None:
+        llm.generate(prompts_for(batch, args.prompt_len, spec_vocab, batch), new, ignore_eos=True)
+
+    for batch in args.batches:
+        row = {"batch": batch}
+        row["flashdec"] = decode_rate(flashdec_run, batch, args.new_tokens, args.reps)
+        if on_gpu and not args.no_eager:
+            llm._runner.llm.cuda_graphs = False
+            row["flashdec_eager"] = decode_rate(flashdec_run, batch, args.new_tokens, args.reps)
+            llm._runner.llm.cuda_graphs = True
+        if not args.no_transformers:
+            row["transformers"] = decode_rate(
+                lambda b, n: hf_generate(model, prompts_for(b, args.prompt_len, spec_vocab, b), n),
+                batch,
+                args.new_tokens,
+                args.reps,
+            )
+        kv_bytes = llm.adapter.spec.kv_bytes_per_token * batch * (total_len - args.new_tokens / 2)
+        floor_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
+        row["floor_ms"] = floor_ms
+        if floor_ms:
+            row["floor_fraction"] = floor_ms / row["flashdec"]["step_ms"]
+        share = attention_share(llm, batch, args.prompt_len + args.new_tokens // 2)
+        if share and share["attention_us"]:
+            share["step_us"] = row["flashdec"]["step_ms"] * 1e3
+            share["share_pct"] = 100 * share["attention_us"] / share["step_us"]
+        row["attention"] = share
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    agree = agreement(llm, model, prompts_for(1, args.prompt_len, spec_vocab, 99)[0],
+                      args.new_tokens)  # fmt: skip
+    print("agreement:", json.dumps(agree), flush=True)
+    profile_rows = kernel_profile(llm, min(64, max_batch))
+    serve = run_serve_benchmark(
+        llm,
+        ServeBenchConfig(
+            num_requests=args.serve_requests,
+            request_rate=args.serve_rate,
+            min_prompt_len=max(1, args.prompt_len // 4),
+            max_prompt_len=args.prompt_len,
+            max_new_tokens=args.new_tokens,
+            seed=0,
+        ),
+    )
+    vllm = json.loads(Path(args.vllm_json).read_text()) if args.vllm_json else None
+    report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak,
+           copy_tbs)  # fmt: skip
+
+
+def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak,
+           copy_tbs) -> None:  # fmt: skip
+    vllm_rows = {r["batch"]: r for r in (vllm or {}).get("rows", [])}
+    table_rows = []
+    for r in rows:
+        b = r["batch"]
+        table_rows.append([
+            b,
+            r["flashdec"]["tok_s"], r["flashdec"]["step_ms"],
+            r.get("flashdec_eager", {}).get("tok_s"),
+            r.get("transformers", {}).get("tok_s"),
+            vllm_rows.get(b, {}).get("decode_tok_s"), vllm_rows.get(b, {}).get("step_ms"),
+            r["floor_ms"], None if r.get("floor_fraction") is None else 100 * r["floor_fraction"],
+            None if not r.get("attention") else r["attention"].get("share_pct"),
+        ])  # fmt: skip
+    table = markdown_table(
+        ["B", "FlashDec tok/s", "FlashDec ms/step", "FlashDec no graphs tok/s",
+         "transformers tok/s", "vLLM tok/s", "vLLM ms/step", "floor ms/step", "% of floor",
+         "attention % of step"],
+        table_rows,
+    )  # fmt: skip
+    targets = []
+    by_batch = {r["batch"]: r for r in rows}
+    for batch, target in ((1, 230.0), (64, 9000.0)):
+        if batch in by_batch:
+            got = by_batch[batch]["flashdec"]["tok_s"]
+            verdict = "met" if got >= target else f"missed by {100 * (1 - got / target):.1f}%"
+            targets.append(f"- B={batch}: {got:,.0f} tok/s against the ≥ {target:,.0f} target: "
+                           f"{verdict}")  # fmt: skip
+    memory = (
+        f"peak {peak / 2**30:.2f} GiB against weights + KV pool "
+        f"{(weight_bytes + pool_bytes) / 2**30:.2f} GiB "
+        f"(+{100 * (peak / (weight_bytes + pool_bytes) - 1):.1f}%)"
+        if peak
+        else "not measured (CPU)"
+    )
+    profile_table = markdown_table(
+        ["kernel class (eager step)", "µs", "share %"],
+        [[p["class"], p["us"], p["share_pct"]] for p in profile_rows],
+    ) if profile_rows else "(no GPU profile)"  # fmt: skip
+    lat = serve.as_dict()
+    markdown = f"""# End to end: FlashDec `LLM` vs transformers and vLLM
+
+{environment_markdown(env)}
+- transformers {env['transformers']}; vLLM: {vllm.get('version') if vllm else 'not run'}
+- model: {args.model} (random weights), {weight_bytes / 2**30:.2f} GiB; prompt {args.prompt_len},
+  {args.new_tokens} new tokens, greedy, EOS ignored; KV pool {pool_bytes / 2**30:.2f} GiB
+- copy bandwidth {fmt(copy_tbs, 2)} TB/s
+
+Decode tok/s = B × (N − 1) / (t(N new) − t(1 new)), medians of {args.reps}. The floor is the
+bytes one step must read (weights + that step's KV) over the copy bandwidth.
+
+{table}
+
+Targets (ahead of vLLM):
+{chr(10).join(targets) or '- (no target batch in this run)'}
+
+Greedy agreement with transformers at B=1 over {agree['steps']} steps: {agree['tokens_equal']}
+tokens equal, first divergence at step {agree['first_divergence']}; teacher-forced on
+transformers' tokens, the largest logits difference is {agree['max_abs_logit_diff']:.4f}
+(relative {agree['max_rel_logit_diff']:.4f}) and {agree['argmax_equal_teacher_forced']} of
+{agree['steps']} argmaxes agree.
+
+Memory: {memory}.
+
+Poisson arrivals through the serving loop ({serve.config.num_requests} requests at
+{serve.config.request_rate}/s, prompts {serve.config.min_prompt_len}–{serve.config.max_prompt_len},
+{serve.config.max_new_tokens} new): TTFT p50 {lat['ttft_p50_ms']:.1f} / p99
+{lat['ttft_p99_ms']:.1f} ms, TPOT p50 {lat['tpot_p50_ms']:.2f} / p99 {lat['tpot_p99_ms']:.2f} ms,
+{lat['output_tok_s']:,.0f} output tok/s.
+
+{profile_table}
+"""
+    out_dir = Path(args.out_dir)
+    payload = {"env": env, "rows": rows, "agreement": agree, "profile": profile_rows,
+               "serve": lat, "vllm": vllm, "peak_bytes": peak, "weight_bytes": weight_bytes,
+               "pool_bytes": pool_bytes}  # fmt: skip
+    md, js = write_results(args.name, markdown, payload, out_dir)
+    labels = [f"B={r['batch']}" for r in rows]
+    bar_plot(
+        out_dir / f"{args.name}.png",
+        labels,
+        {
+            "FlashDec": [r["flashdec"]["tok_s"] for r in rows],
+            "FlashDec (no graphs)": [r.get("flashdec_eager", {}).get("tok_s") for r in rows],
+            "transformers": [r.get("transformers", {}).get("tok_s") for r in rows],
+            "vLLM": [vllm_rows.get(r["batch"], {}).get("decode_tok_s") for r in rows],
+        },
+        "decode tokens / s",
+        f"End-to-end decode, {args.model}",
+    )
+    print(markdown)
+    print(f"wrote {md} and {js}")
+
+
+if __name__ == "__main__":
+    main()
