@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
 # scaling, no dependence on the sequence length)
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_HEAD_DIM = 256  # the paged decode kernel's limit
+_ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")  # as configs name it
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         problems.append(f"mixture-of-experts ({listed})")
 
     window = getattr(config, "sliding_window", None)
-    if window is not None or getattr(config, "use_sliding_window", False):
+    if window or getattr(config, "use_sliding_window", False):
         problems.append(
             f"sliding-window attention (sliding_window={window}) until the layer-groups issue"
         )
@@ -126,7 +127,9 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         value = getattr(config, name, None)
         if value is not None:
             problems.append(f"soft-capping {name}={value}")
-    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    act = next(
+        (getattr(config, name) for name in _ACTIVATION_KEYS if getattr(config, name, None)), None
+    )
     if act != "silu":
         problems.append(f"MLP activation {act!r} (only silu)")
     if getattr(config, "quantization_config", None) is not None:
