@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from flashdec._checks import check_int_tensor, check_shape
+from flashdec._checks import check_int_tensor, check_shape, check_tensor
 from flashdec.kernels.activation import silu_and_mul
 from flashdec.kernels.norm import rms_norm
 from flashdec.models._rope import apply_rope_inv_freq
@@ -223,10 +223,12 @@ class DecoderAdapter:
         ids = self._check_ids(input_ids)
         if not callable(attention):
             raise TypeError(f"attention must be callable, got {type(attention).__name__}")
-        expected = (ids.shape[0], self.spec.num_q_heads, self.spec.head_dim)
+        spec = self.spec
+        expected = (ids.shape[0], spec.num_q_heads, spec.head_dim)
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             out = attention(layer_idx, q, k, v)
+            check_tensor("attention output", out, dtypes=(spec.dtype,), device=spec.device)
             check_shape("attention output", out, expected)
             return out
 

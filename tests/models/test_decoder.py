@@ -97,3 +97,7 @@ class TestErrors:
             adapter.decode(torch.tensor([[1]]), lambda i, q, k, v: q)
         with pytest.raises(ValueError, match="attention output must have shape"):
             adapter.decode(torch.tensor([1, 2]), lambda i, q, k, v: q[:1])
+        with pytest.raises(TypeError, match="attention output must have dtype"):
+            adapter.decode(torch.tensor([1, 2]), lambda i, q, k, v: q.double())
+        with pytest.raises(TypeError, match="attention output must be a torch"):
+            adapter.decode(torch.tensor([1, 2]), lambda i, q, k, v: None)
