@@ -140,7 +140,7 @@ class DecoderAdapter:
     def _layers_forward(
         self,
         input_ids: torch.Tensor,
-        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Attention,
     ) -> torch.Tensor:
         """Embedding, every layer (attention by ``attend``) and the final norm: ``[N, hidden]``."""
         n = input_ids.shape[0]

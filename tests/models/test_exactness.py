@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from flashdec.models import DecoderAdapter, build_random_model
+from flashdec.models import BUILTIN_SHAPES, DecoderAdapter, build_random_model, random_model
 from tests.models.greedy import DenseKV, flashdec_greedy, hf_greedy
 
 FAMILY_SHAPES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny"]
@@ -98,3 +98,19 @@ def test_decode_logits_match_transformers_step_by_step():
             store.seq_lens += 1
             out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
             torch.testing.assert_close(ours[0], out.logits[0, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_llama_with_every_bias(fused):
+    """attention_bias (q/k/v/o) and mlp_bias: each projection's own bias, made non-zero."""
+    config = BUILTIN_SHAPES["tiny-llama"].make_config()
+    config.attention_bias = config.mlp_bias = True
+    model = random_model(config, dtype=torch.float32, device="cpu", seed=2)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    prompts = _prompts(config.vocab_size, lens=(5, 12))
+    ours = flashdec_greedy(DecoderAdapter(model, fused_kernels=fused), prompts, 8)
+    assert ours == hf_greedy(model, prompts, 8)
