@@ -1,0 +1,235 @@
+"""A transformers decoder's forward pass, split where FlashDec's paged cache plugs in.
+
+:class:`DecoderAdapter` runs the model's own weights (references to its modules, no copies):
+
+- ``prefill`` runs one prompt with causal SDPA and hands each layer's rotated K and V to a sink,
+  so the caller can import them into the paged cache;
+- ``decode`` runs one new token per request and asks a callback for each layer's attention, so
+  the caller can rotate q/k at each request's position, append k/v and run paged decode.
+
+On CUDA the per-layer elementwise work uses FlashDec's fused kernels (residual add + RMSNorm,
+SiLU × up); elsewhere, and whenever ``fused_kernels=False``, it is transformers' own modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from flashdec._checks import check_int_tensor, check_shape, check_tensor
+from flashdec.kernels.activation import silu_and_mul
+from flashdec.kernels.norm import rms_norm
+from flashdec.models._rope import apply_rope_inv_freq
+from flashdec.models.spec import ModelSpec, model_spec
+
+# kv_sink(layer_idx, k_rot [T, Hkv, D], v [T, Hkv, D])
+KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
+# attention(layer_idx, q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D]) -> out [B, Hq, D]
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """References to one decoder layer's modules (the model's own parameters)."""
+
+    input_norm: nn.Module
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    o_proj: nn.Linear
+    post_norm: nn.Module
+    mlp: nn.Module
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _Layer:
+        attn = layer.self_attn
+        return cls(
+            input_norm=layer.input_layernorm,
+            q_proj=attn.q_proj,
+            k_proj=attn.k_proj,
+            v_proj=attn.v_proj,
+            q_norm=getattr(attn, "q_norm", None),
+            k_norm=getattr(attn, "k_norm", None),
+            o_proj=attn.o_proj,
+            post_norm=layer.post_attention_layernorm,
+            mlp=layer.mlp,
+        )
+
+
+def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    return F.linear(x, proj.weight, proj.bias)
+
+
+class DecoderAdapter:
+    """Prefill and per-token decode of a supported transformers model (see :mod:`.spec`).
+
+    Args:
+        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` or
+            ``Qwen3ForCausalLM`` on one device; it is checked (:func:`model_spec`) and used in
+            place: the adapter holds references to its modules, never copies of weights.
+        fused_kernels: use FlashDec's Triton residual+RMSNorm and SiLU×up kernels. Default: on
+            when the model is on CUDA. ``False`` runs transformers' own modules (the exact path).
+
+    Raises:
+        TypeError: ``model`` is not a transformers model.
+        ValueError: an unsupported architecture or feature, each one named.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, fused_kernels: bool | None = None) -> None:
+        self.spec: ModelSpec = model_spec(model)
+        if fused_kernels is None:
+            fused_kernels = self.spec.device.type == "cuda"
+        if not isinstance(fused_kernels, bool):
+            raise TypeError(f"fused_kernels must be a bool or None, got {fused_kernels!r}")
+        self.model = model
+        self.fused_kernels = fused_kernels
+        self._embed = model.model.embed_tokens
+        self._layers = tuple(_Layer.of(layer) for layer in model.model.layers)
+        self._final_norm = model.model.norm
+        self._lm_head = model.lm_head
+
+    # -- per-layer pieces shared by prefill and decode ---------------------------------------
+
+    def _norm(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; without ``residual``, ``(norm(x), x)``.
+        The fused path updates ``residual`` in place."""
+        if self.fused_kernels:
+            eps = norm.variance_epsilon
+            if residual is None:
+                return rms_norm(x, norm.weight, eps), x
+            return rms_norm(x, norm.weight, eps, residual=residual), residual
+        if residual is not None:
+            x = residual + x
+        return norm(x), x
+
+    def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernels:
+            return rms_norm(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of normed ``x [N, hidden]`` to ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``
+        (q/k normed per head for Qwen3), not rotated."""
+        spec, n = self.spec, x.shape[0]
+        q = _linear(x, layer.q_proj).view(n, spec.num_q_heads, spec.head_dim)
+        k = _linear(x, layer.k_proj).view(n, spec.num_kv_heads, spec.head_dim)
+        v = _linear(x, layer.v_proj).view(n, spec.num_kv_heads, spec.head_dim)
+        if layer.q_norm is not None:
+            q = self._head_norm(layer.q_norm, q)
+            k = self._head_norm(layer.k_norm, k)
+        return q, k, v
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused_kernels:
+            return layer.mlp(x)
+        mlp = layer.mlp
+        act = silu_and_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj))
+        return _linear(act, mlp.down_proj)
+
+    def _layers_forward(
+        self,
+        input_ids: torch.Tensor,
+        attend: Attention,
+    ) -> torch.Tensor:
+        """Embedding, every layer (attention by ``attend``) and the final norm: ``[N, hidden]``."""
+        n = input_ids.shape[0]
+        x, residual = self._norm(
+            self._layers[0].input_norm, F.embedding(input_ids, self._embed.weight)
+        )
+        for i, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, x)
+            out = attend(i, q, k, v)  # [N, Hq, D]
+            x, residual = self._norm(
+                layer.post_norm, _linear(out.reshape(n, -1), layer.o_proj), residual
+            )
+            next_norm = (
+                self._layers[i + 1].input_norm if i + 1 < len(self._layers) else self._final_norm
+            )
+            x, residual = self._norm(next_norm, self._mlp(layer, x), residual)
+        return x
+
+    def _check_ids(self, input_ids: object) -> torch.Tensor:
+        ids = check_int_tensor("input_ids", input_ids, ndim=1, device=self.spec.device)
+        if ids.shape[0] == 0:
+            raise ValueError("input_ids must hold at least one token, got shape (0,)")
+        return ids
+
+    # -- public API --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, kv_sink: KVSink) -> torch.Tensor:
+        """Run one prompt ``input_ids [T]`` (positions ``0..T-1``) with causal attention.
+
+        For each layer, in order, calls ``kv_sink(layer_idx, k_rot, v)`` once with
+        ``k_rot, v [T, Hkv, D]`` in the model's dtype; ``k_rot`` is K rotated at its position
+        with the model's ``inv_freq`` in FlashDec's RoPE arithmetic (what the fused append
+        kernel writes at decode time). Returns the last position's logits ``[V]`` in float32.
+
+        Raises TypeError/ValueError (before any layer runs) for bad ids or a non-callable sink;
+        an exception from ``kv_sink`` propagates (layers before it have been sunk).
+        """
+        ids = self._check_ids(input_ids)
+        if not callable(kv_sink):
+            raise TypeError(f"kv_sink must be callable, got {type(kv_sink).__name__}")
+        low, high = int(ids.min()), int(ids.max())  # an out-of-range id would fault on CUDA
+        if low < 0 or high >= self.spec.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, {self.spec.vocab_size}), got min {low}, max {high}"
+            )
+        spec = self.spec
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        inv_freq = spec.inv_freq
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            q = apply_rope_inv_freq(q, positions, inv_freq)
+            k = apply_rope_inv_freq(k, positions, inv_freq)
+            kv_sink(layer_idx, k, v)
+            out = F.scaled_dot_product_attention(  # [1, Hq, T, D]
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                scale=spec.sm_scale,
+                enable_gqa=spec.num_q_heads != spec.num_kv_heads,
+            )
+            return out[0].transpose(0, 1)  # [T, Hq, D]
+
+        hidden = self._layers_forward(ids, attend)
+        return _linear(hidden[-1:], self._lm_head)[0].float()
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """One decode step for ``input_ids [B]`` (one new token per running request).
+
+        Per layer: norm, q/k/v projections (+ bias), q/k per-head RMSNorm for Qwen3, then
+        ``out = attention(layer_idx, q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D])`` with q and k
+        NOT rotated (the callback rotates them at each request's position), o_proj, residual,
+        MLP, residual. Returns logits ``[B, V]`` in the model's dtype.
+
+        CUDA-graph capturable: no host sync, no data-dependent control flow. Checks are on
+        metadata only (ids are not range-checked: they come from the previous argmax).
+        """
+        ids = self._check_ids(input_ids)
+        if not callable(attention):
+            raise TypeError(f"attention must be callable, got {type(attention).__name__}")
+        spec = self.spec
+        expected = (ids.shape[0], spec.num_q_heads, spec.head_dim)
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            out = attention(layer_idx, q, k, v)
+            check_tensor("attention output", out, dtypes=(spec.dtype,), device=spec.device)
+            check_shape("attention output", out, expected)
+            return out
+
+        return _linear(self._layers_forward(ids, attend), self._lm_head)
