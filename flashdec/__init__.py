@@ -45,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "DecodeEngine": "flashdec.engine",
     "EngineRequestState": "flashdec.engine",
     "StepResult": "flashdec.engine",
+    # real models
+    "LLM": "flashdec.llm",
+    "SamplingParams": "flashdec.llm",
     # workloads
     "run_synthetic_workload": "flashdec.workloads",
     "run_scheduler_workload": "flashdec.workloads",

@@ -81,6 +81,16 @@ class GenerationStats:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Host timestamps (``time.perf_counter``) of one request added with ``add_request``."""
+
+    submitted_at: float
+    first_token_at: float | None  # None until its prompt is prefilled
+    finished_at: float | None  # None while it runs
+    num_tokens: int
+
+
 class _Request:
     __slots__ = ("finished_at", "first_token_at", "ignore_eos", "max_new_tokens", "prompt",
                  "submitted_at", "tokens")  # fmt: skip
@@ -114,6 +124,8 @@ class LLM:
             32768).
         gpu_memory_fraction: share of the GPU's memory the weights, the KV pool and the
             activations may use together when ``num_blocks`` is not given.
+        append_backend, decode_backend: the engine's (default: ``fused`` / ``triton`` on CUDA,
+            ``torch`` / ``torch`` on the CPU).
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -132,6 +144,8 @@ class LLM:
         tokenizer=None,
         max_model_len: int | None = None,
         gpu_memory_fraction: float = 0.9,
+        append_backend: str | None = None,
+        decode_backend: str | None = None,
     ) -> None:
         if isinstance(model, (str, os.PathLike)):
             loaded = load_model(model, dtype=dtype, device=device)
@@ -161,6 +175,11 @@ class LLM:
         if not (isinstance(gpu_memory_fraction, float) and 0.0 < gpu_memory_fraction <= 1.0):
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.cuda_graphs = cuda_graphs
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({spec.max_position_embeddings})"
+            )
 
         blocks_per_seq = -(-self.max_model_len // block_size)
         if num_blocks is None:
@@ -174,8 +193,8 @@ class LLM:
         on_cuda = spec.device.type == "cuda"
         self.engine = DecodeEngine(
             cache,
-            append_backend="fused" if on_cuda else "torch",
-            decode_backend="triton" if on_cuda else "torch",
+            append_backend=append_backend or ("fused" if on_cuda else "torch"),
+            decode_backend=decode_backend or ("triton" if on_cuda else "torch"),
             rotary_dim=spec.rotary_dim,
             sm_scale=spec.sm_scale,
             rope_inv_freq=spec.inv_freq,
@@ -263,8 +282,24 @@ class LLM:
 
     def output(self, request_id) -> list[int]:
         """The tokens generated so far for ``request_id`` (the prompt excluded)."""
+        return list(self._request(request_id).tokens)
+
+    def request_timing(self, request_id) -> RequestTiming:
+        req = self._request(request_id)
+        return RequestTiming(req.submitted_at, req.first_token_at, req.finished_at,
+                             len(req.tokens))  # fmt: skip
+
+    def release(self, request_id) -> list[int]:
+        """Forget a finished (or cancelled) request's record; returns its tokens."""
+        req = self._request(request_id)
+        if request_id in self.loop.live_ids:
+            raise RuntimeError(f"request {request_id!r} is still running")
+        del self._runner.requests[request_id]
+        return req.tokens
+
+    def _request(self, request_id) -> _Request:
         try:
-            return list(self._runner.requests[request_id].tokens)
+            return self._runner.requests[request_id]
         except KeyError:
             raise ValueError(f"unknown request id {request_id!r}") from None
 

@@ -109,6 +109,11 @@ class ServingLoop:
     def num_live(self) -> int:
         return len(self._live)
 
+    @property
+    def live_ids(self) -> frozenset:
+        """Submitted requests that are not terminal yet."""
+        return frozenset(self._live)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> LoopStep:
         engine, cache = self.engine, self.engine.cache
