@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (  # noqa: E402
+from benchmarks._common import (
     RESULTS_DIR,
     bar_plot,
     copy_ceiling_tbs,
@@ -47,9 +47,9 @@ from benchmarks._common import (  # noqa: E402
     markdown_table,
     write_results,
 )
-from flashdec import LLM  # noqa: E402
-from flashdec.models import build_random_model  # noqa: E402
-from flashdec.workloads.serving import ServeBenchConfig, run_serve_benchmark  # noqa: E402
+from flashdec import LLM
+from flashdec.models import build_random_model
+from flashdec.workloads.serving import ServeBenchConfig, run_serve_benchmark
 
 
 def parse_args() -> argparse.Namespace:
@@ -133,13 +133,15 @@ def agreement(llm: LLM, model, prompt: list[int], new: int) -> dict:
     hf_tokens = hf.sequences[0, len(prompt) :].tolist()
     hf_logits = torch.stack([step[0].float() for step in hf.logits])  # [new, V]
     ours = llm.generate([prompt], new, ignore_eos=True)[0]
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours, hf_tokens)) if a != b), None)
+    first_diff = next(
+        (i for i, (a, b) in enumerate(zip(ours, hf_tokens, strict=True)) if a != b), None
+    )
     forced = teacher_forced_logits(llm, prompt, hf_tokens)  # [new, V]
     diff = (forced - hf_logits).abs()
     scale = hf_logits.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)
     return {
         "steps": new,
-        "tokens_equal": sum(a == b for a, b in zip(ours, hf_tokens)),
+        "tokens_equal": sum(a == b for a, b in zip(ours, hf_tokens, strict=True)),
         "first_divergence": first_diff,
         "max_abs_logit_diff": float(diff.max()),
         "max_rel_logit_diff": float((diff / scale).max()),
@@ -152,9 +154,7 @@ def teacher_forced_logits(llm: LLM, prompt: list[int], tokens: list[int]) -> tor
     engine, adapter = llm.engine, llm.adapter
     rid = "teacher-forced"
     engine_spec = llm.adapter.spec
-    engine.submit_request(
-        __import__("flashdec").RequestSpec(rid, len(prompt), len(tokens), 10**9)
-    )
+    engine.submit_request(__import__("flashdec").RequestSpec(rid, len(prompt), len(tokens), 10**9))
     snapshot = engine.scheduling_snapshot(0)
     engine.apply_trusted_decision(llm.scheduler.plan(snapshot))
     tx = engine.begin_prefill([rid], [len(prompt)])
@@ -372,7 +372,7 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
     markdown = f"""# End to end: FlashDec `LLM` vs transformers and vLLM
 
 {environment_markdown(env)}
-- transformers {env['transformers']}; vLLM: {vllm.get('version') if vllm else 'not run'}
+- transformers {env["transformers"]}; vLLM: {vllm.get("version") if vllm else "not run"}
 - model: {args.model} (random weights), {weight_bytes / 2**30:.2f} GiB; prompt {args.prompt_len},
   {args.new_tokens} new tokens, greedy, EOS ignored; KV pool {pool_bytes / 2**30:.2f} GiB
 - copy bandwidth {fmt(copy_tbs, 2)} TB/s
@@ -383,21 +383,21 @@ bytes one step must read (weights + that step's KV) over the copy bandwidth.
 {table}
 
 Targets (ahead of vLLM):
-{chr(10).join(targets) or '- (no target batch in this run)'}
+{chr(10).join(targets) or "- (no target batch in this run)"}
 
-Greedy agreement with transformers at B=1 over {agree['steps']} steps: {agree['tokens_equal']}
-tokens equal, first divergence at step {agree['first_divergence']}; teacher-forced on
-transformers' tokens, the largest logits difference is {agree['max_abs_logit_diff']:.4f}
-(relative {agree['max_rel_logit_diff']:.4f}) and {agree['argmax_equal_teacher_forced']} of
-{agree['steps']} argmaxes agree.
+Greedy agreement with transformers at B=1 over {agree["steps"]} steps: {agree["tokens_equal"]}
+tokens equal, first divergence at step {agree["first_divergence"]}; teacher-forced on
+transformers' tokens, the largest logits difference is {agree["max_abs_logit_diff"]:.4f}
+(relative {agree["max_rel_logit_diff"]:.4f}) and {agree["argmax_equal_teacher_forced"]} of
+{agree["steps"]} argmaxes agree.
 
 Memory: {memory}.
 
 Poisson arrivals through the serving loop ({serve.config.num_requests} requests at
 {serve.config.request_rate}/s, prompts {serve.config.min_prompt_len}–{serve.config.max_prompt_len},
-{serve.config.max_new_tokens} new): TTFT p50 {lat['ttft_p50_ms']:.1f} / p99
-{lat['ttft_p99_ms']:.1f} ms, TPOT p50 {lat['tpot_p50_ms']:.2f} / p99 {lat['tpot_p99_ms']:.2f} ms,
-{lat['output_tok_s']:,.0f} output tok/s.
+{serve.config.max_new_tokens} new): TTFT p50 {lat["ttft_p50_ms"]:.1f} / p99
+{lat["ttft_p99_ms"]:.1f} ms, TPOT p50 {lat["tpot_p50_ms"]:.2f} / p99 {lat["tpot_p99_ms"]:.2f} ms,
+{lat["output_tok_s"]:,.0f} output tok/s.
 
 {profile_table}
 """

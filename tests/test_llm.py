@@ -155,5 +155,5 @@ def test_unsupported_architecture_fails_at_construction():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="(?i)mixtral|expert"):
+    with pytest.raises(ValueError, match=r"(?i)mixtral|expert"):
         flashdec.LLM(MixtralForCausalLM(config))
