@@ -169,34 +169,6 @@ def check_paged_decode_inputs(
     kv_layout: str = "token_major",
 ) -> PagedDecodeDims:
     """Structural checks (no host sync) for one layer's paged decode call."""
-    # common case first: a few comparisons, no message building
-    if not _paged_decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
-        _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
-    batch, num_q_heads, head_dim = q.shape  # type: ignore[union-attr]
-    if kv_layout == "token_major":
-        num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape  # type: ignore[union-attr]
-    else:
-        num_blocks, num_kv_heads, cache_dim, block_size = k_cache.shape  # type: ignore[union-attr]
-    if (
-        cache_dim != head_dim
-        or num_kv_heads == 0
-        or num_q_heads % num_kv_heads
-        or block_tables.shape[0] != batch  # type: ignore[union-attr]
-        or seq_lens.shape[0] != batch  # type: ignore[union-attr]
-    ):
-        _explain_paged_decode_sizes(q, k_cache, block_tables, seq_lens, kv_layout)
-    return PagedDecodeDims(
-        batch,
-        num_q_heads,
-        head_dim,
-        num_blocks,
-        num_kv_heads,
-        block_size,
-        block_tables.shape[1],  # type: ignore[union-attr]
-    )
-
-
-def _paged_decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens, kv_layout) -> bool:
     tensor = torch.Tensor
     if not (
         isinstance(q, tensor)
@@ -205,25 +177,44 @@ def _paged_decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens, kv_layo
         and isinstance(block_tables, tensor)
         and isinstance(seq_lens, tensor)
     ):
-        return False
+        _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    # common case first: each attribute read once, no message building
+    q_shape, k_shape, t_shape, l_shape = q.shape, k_cache.shape, block_tables.shape, seq_lens.shape
     dtype, device = q.dtype, q.device
-    return (
-        type(kv_layout) is str
+    if not (
+        len(q_shape) == 3
+        and len(k_shape) == 4
+        and len(t_shape) == 2
+        and len(l_shape) == 1
+        and type(kv_layout) is str
         and kv_layout in KV_LAYOUTS
-        and q.dim() == 3
         and dtype in FLOAT_DTYPES
-        and k_cache.dim() == 4
         and k_cache.dtype == dtype
-        and k_cache.device == device
         and v_cache.dtype == dtype
-        and v_cache.device == device
-        and v_cache.shape == k_cache.shape
-        and block_tables.dim() == 2
         and block_tables.dtype in INDEX_DTYPES
-        and block_tables.device == device
-        and seq_lens.dim() == 1
         and seq_lens.dtype in INDEX_DTYPES
+        and k_cache.device == device
+        and v_cache.device == device
+        and block_tables.device == device
         and seq_lens.device == device
+        and v_cache.shape == k_shape
+    ):
+        _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    batch, num_q_heads, head_dim = q_shape
+    if kv_layout == "token_major":
+        num_blocks, num_kv_heads, block_size, cache_dim = k_shape
+    else:
+        num_blocks, num_kv_heads, cache_dim, block_size = k_shape
+    if (
+        cache_dim != head_dim
+        or num_kv_heads == 0
+        or num_q_heads % num_kv_heads
+        or t_shape[0] != batch
+        or l_shape[0] != batch
+    ):
+        _explain_paged_decode_sizes(q, k_cache, block_tables, seq_lens, kv_layout)
+    return PagedDecodeDims(
+        batch, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size, t_shape[1]
     )
 
 

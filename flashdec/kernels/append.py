@@ -328,26 +328,29 @@ def _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets) -> bool:
         and isinstance(offsets, tensor)
     ):
         return False
-    dtype, device, shape = k_cache.dtype, k_cache.device, k_cache.shape
-    batch = k.shape[0] if k.dim() == 3 else -1
+    dtype, device = k_cache.dtype, k_cache.device
+    cache_shape, k_shape = k_cache.shape, k.shape
+    if len(cache_shape) != 4 or len(k_shape) != 3:
+        return False
+    rows = (k_shape[0],)
     return (
-        len(shape) == 4
-        and dtype in FLOAT_DTYPES
-        and v_cache.shape == shape
-        and v_cache.dtype == dtype
-        and v_cache.device == device
-        and k.shape == (batch, shape[1], shape[3])
+        dtype in FLOAT_DTYPES
         and k.dtype == dtype
-        and k.device == device
-        and v.shape == k.shape
         and v.dtype == dtype
-        and v.device == device
-        and block_ids.shape == (batch,)
+        and v_cache.dtype == dtype
         and block_ids.dtype in INDEX_DTYPES
-        and block_ids.device == device
-        and offsets.shape == (batch,)
         and offsets.dtype in INDEX_DTYPES
+        and k.device == device
+        and v.device == device
+        and v_cache.device == device
+        and block_ids.device == device
         and offsets.device == device
+        and k_shape[1] == cache_shape[1]
+        and k_shape[2] == cache_shape[3]
+        and v.shape == k_shape
+        and v_cache.shape == cache_shape
+        and block_ids.shape == rows
+        and offsets.shape == rows
     )
 
 
@@ -386,18 +389,23 @@ def _check_append_values(
     when these metadata tensors were validated before, unmodified."""
     if block_ids.shape[0] == 0:
         return
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
+    shape = k_cache.shape
     try:
-        key = ("append", metadata_key(block_ids), metadata_key(offsets))
-        key += (metadata_key(positions), num_blocks, block_size)
+        key = (
+            "append",
+            metadata_key(block_ids),
+            metadata_key(offsets),
+            None if positions is None else metadata_key(positions),
+            shape[0],
+            shape[2],
+        )
     except RuntimeError:  # inference tensors have no version counter: never cached
         key = None
-    tensors = (block_ids, offsets, positions)
-    if key is not None and lookup(key, tensors):
+    if key is not None and lookup(key, block_ids, offsets, positions):
         return
-    check_append_stats(append_metadata_stats(block_ids, offsets, positions), num_blocks, block_size)
+    check_append_stats(append_metadata_stats(block_ids, offsets, positions), shape[0], shape[2])
     if key is not None:
-        remember(key, tensors, True)
+        remember(key, True, block_ids, offsets, positions)
 
 
 def kv_append(

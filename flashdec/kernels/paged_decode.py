@@ -634,7 +634,7 @@ def _validated_plan(
     except RuntimeError:  # inference tensors have no version counter: never cached
         key = None
     if key is not None:
-        plan = lookup(key, (block_tables, seq_lens))
+        plan = lookup(key, block_tables, seq_lens)
         if plan is not None:
             return plan  # type: ignore[return-value]
     stats = decode_metadata_stats(block_tables, seq_lens, dims)
@@ -643,7 +643,7 @@ def _validated_plan(
         dims, _bucket(stats.max_len), _bucket(stats.total_len), q.dtype, q.device, kv_layout
     )
     if key is not None:
-        remember(key, (block_tables, seq_lens), plan)
+        remember(key, plan, block_tables, seq_lens)
     return plan
 
 

@@ -218,18 +218,16 @@ def append_metadata_stats(
 # the validation cache
 # --------------------------------------------------------------------------------------------
 _MAX_CACHED = 256
-_VALIDATED: dict[Hashable, tuple[tuple[weakref.ref, ...], object]] = {}
+_VALIDATED: dict[Hashable, tuple[tuple[weakref.ref | None, ...], object]] = {}
 
 
-def metadata_key(tensor: torch.Tensor | None) -> Hashable:
+def metadata_key(tensor: torch.Tensor) -> Hashable:
     """Identity of a metadata tensor's current contents as far as PyTorch can tell.
 
     Raises RuntimeError for inference tensors (no version counter). ``id`` alone could be reused
     by a new tensor at a recycled address; the weak reference kept beside each entry rules that
     out.
     """
-    if tensor is None:
-        return None
     return (
         id(tensor),
         tensor.data_ptr(),
@@ -241,23 +239,30 @@ def metadata_key(tensor: torch.Tensor | None) -> Hashable:
     )
 
 
-def lookup(key: Hashable, tensors: tuple[torch.Tensor | None, ...]) -> object | None:
+def lookup(
+    key: Hashable, first: torch.Tensor, second: torch.Tensor, third: torch.Tensor | None = None
+) -> object | None:
     """What was validated under ``key`` for exactly these tensor objects, or None."""
     entry = _VALIDATED.get(key)
     if entry is None:
         return None
-    refs, value = entry
-    for ref, tensor in zip(refs, tensors, strict=True):
-        if ref is not None and ref() is not tensor:
-            del _VALIDATED[key]  # a dead tensor's id was reused
-            return None
-    return value
+    (ref1, ref2, ref3), value = entry
+    if ref1() is first and ref2() is second and (ref3 is None or ref3() is third):
+        return value
+    del _VALIDATED[key]  # a dead tensor's id was reused
+    return None
 
 
-def remember(key: Hashable, tensors: tuple[torch.Tensor | None, ...], value: object) -> None:
+def remember(
+    key: Hashable,
+    value: object,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    third: torch.Tensor | None = None,
+) -> None:
     if len(_VALIDATED) >= _MAX_CACHED:
         del _VALIDATED[next(iter(_VALIDATED))]  # oldest first
-    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    refs = (weakref.ref(first), weakref.ref(second), None if third is None else weakref.ref(third))
     _VALIDATED[key] = (refs, value)
 
 
