@@ -1,18 +1,36 @@
-"""Boundary validation shared by every public entry point.
+"""Boundary validation shared by every public entry point — the one definition of each check.
 
 Each helper raises the SPEC's error kinds — TypeError for a wrong type/dtype/device, ValueError
 for a wrong shape or value — with a message naming the argument and what was expected. They never
-mutate anything, so callers can run all checks before touching state.
+mutate anything, so callers can run all checks before touching state. Checks on the hot path
+compare the common case first and build detailed messages only on failure.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
 KV_LAYOUTS = ("token_major", "dim_major")
+DEFAULT_ROPE_BASE = 10000.0
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Device equality that treats ``cuda`` and ``cuda:<current>`` as the same device."""
+    if a == b:
+        return True
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        return True
+    return a.index == b.index
 
 
 def check_tensor(
@@ -21,7 +39,7 @@ def check_tensor(
     *,
     ndim: int | None = None,
     dtypes: Iterable[torch.dtype] | None = None,
-    device: torch.device | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Check that ``value`` is a tensor with the given rank, dtype set and device."""
     if not isinstance(value, torch.Tensor):
@@ -43,28 +61,52 @@ def check_shape(name: str, value: torch.Tensor, expected: Sequence[int]) -> None
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
 
 
-def check_int_tensor(name: str, value: object, *, ndim: int, device=None) -> torch.Tensor:
-    return check_tensor(name, value, ndim=ndim, dtypes=(torch.int32, torch.int64), device=device)
+def check_int_tensor(
+    name: str, value: object, *, ndim: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    return check_tensor(name, value, ndim=ndim, dtypes=INDEX_DTYPES, device=device)
 
 
-def check_request_id(name: str, value: object):
-    """A request or prefix id is a ``str`` or an ``int`` (``bool`` is not an id)."""
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise TypeError(f"{name} must be a str or int, got {type(value).__name__}")
+def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
-    """A string from a closed set (backends, layouts, policies)."""
+    """A string option (backend, layout, policy): TypeError unless a str, ValueError unless in
+    ``allowed``."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
     return value
 
 
-def check_rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
-    """``None`` rotates the whole head; else an even int in ``[2, head_dim]``."""
+def check_kv_layout(kv_layout: object) -> str:
+    return check_choice("kv_layout", kv_layout, KV_LAYOUTS)
+
+
+def check_request_id(name: str, value: object) -> str | int:
+    """A request (or prefix) id is a ``str`` or an ``int``; ``bool`` is not an id."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"{name} must be a str or an int, got {type(value).__name__}")
+    return value
+
+
+def check_rope_base(value: object, name: str = "base") -> float:
+    """The RoPE base: a real number (not bool), finite and > 1; returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError(f"{name} must be finite and > 1, got {value!r}")
+    return float(value)
+
+
+def check_rotary_dim(rotary_dim: object, head_dim: int) -> int:
+    """``None`` means the whole head; otherwise an even int in [2, head_dim]."""
     if rotary_dim is None:
         return head_dim
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
@@ -76,37 +118,21 @@ def check_rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
     return rotary_dim
 
 
-def check_rope_base(value: object, name: str = "base") -> float:
-    """The RoPE frequency base: a real number, finite and > 1."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not 1.0 < value < float("inf"):
-        raise ValueError(f"{name} must be a finite float > 1, got {value!r}")
-    return float(value)
+def check_inv_freq(
+    inv_freq: object, rotary_dim: int, device: torch.device, base: float
+) -> torch.Tensor:
+    """A caller's RoPE inverse-frequency table: float32 ``[rotary_dim // 2]`` on ``device``.
 
-
-def check_kv_layout(kv_layout: object) -> str:
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    return kv_layout  # type: ignore[return-value]
-
-
-def same_device(a: torch.device, b: torch.device | str) -> bool:
-    """Device equality that treats ``cuda`` and ``cuda:<current>`` as the same device."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        return True
-    return a.index == b.index
-
-
-def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    It replaces the base-derived table, so a non-default ``base`` beside it is ambiguous.
+    """
+    table = check_tensor("inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,), device=device)
+    check_shape("inv_freq", table, (rotary_dim // 2,))
+    if base != DEFAULT_ROPE_BASE:
+        raise ValueError(
+            f"pass either inv_freq or a non-default base, not both (base={base!r}); inv_freq "
+            "already holds the frequencies"
+        )
+    return table
 
 
 def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
@@ -114,27 +140,24 @@ def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not sm_scale > 0 or sm_scale != sm_scale or sm_scale == float("inf"):
+    if not (sm_scale > 0 and math.isfinite(sm_scale)):
         raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale}")
     return float(sm_scale)
 
 
-class PagedDecodeDims:
+# --------------------------------------------------------------------------------------------
+# paged decode
+# --------------------------------------------------------------------------------------------
+class PagedDecodeDims(NamedTuple):
     """Sizes read off validated paged-decode inputs."""
 
-    __slots__ = (
-        "batch",
-        "block_size",
-        "head_dim",
-        "max_blocks_per_seq",
-        "num_blocks",
-        "num_kv_heads",
-        "num_q_heads",
-    )
-
-    def __init__(self, **sizes: int) -> None:
-        for key, val in sizes.items():
-            setattr(self, key, val)
+    batch: int
+    num_q_heads: int
+    head_dim: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    max_blocks_per_seq: int
 
 
 def check_paged_decode_inputs(
@@ -146,22 +169,75 @@ def check_paged_decode_inputs(
     kv_layout: str = "token_major",
 ) -> PagedDecodeDims:
     """Structural checks (no host sync) for one layer's paged decode call."""
+    tensor = torch.Tensor
+    if not (
+        isinstance(q, tensor)
+        and isinstance(k_cache, tensor)
+        and isinstance(v_cache, tensor)
+        and isinstance(block_tables, tensor)
+        and isinstance(seq_lens, tensor)
+    ):
+        _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    # common case first: each attribute read once, no message building
+    q_shape, k_shape, t_shape, l_shape = q.shape, k_cache.shape, block_tables.shape, seq_lens.shape
+    dtype, device = q.dtype, q.device
+    if not (
+        len(q_shape) == 3
+        and len(k_shape) == 4
+        and len(t_shape) == 2
+        and len(l_shape) == 1
+        and type(kv_layout) is str
+        and kv_layout in KV_LAYOUTS
+        and dtype in FLOAT_DTYPES
+        and k_cache.dtype == dtype
+        and v_cache.dtype == dtype
+        and block_tables.dtype in INDEX_DTYPES
+        and seq_lens.dtype in INDEX_DTYPES
+        and k_cache.device == device
+        and v_cache.device == device
+        and block_tables.device == device
+        and seq_lens.device == device
+        and v_cache.shape == k_shape
+    ):
+        _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    batch, num_q_heads, head_dim = q_shape
+    if kv_layout == "token_major":
+        num_blocks, num_kv_heads, block_size, cache_dim = k_shape
+    else:
+        num_blocks, num_kv_heads, cache_dim, block_size = k_shape
+    if (
+        cache_dim != head_dim
+        or num_kv_heads == 0
+        or num_q_heads % num_kv_heads
+        or t_shape[0] != batch
+        or l_shape[0] != batch
+    ):
+        _explain_paged_decode_sizes(q, k_cache, block_tables, seq_lens, kv_layout)
+    return PagedDecodeDims(
+        batch, num_q_heads, head_dim, num_blocks, num_kv_heads, block_size, t_shape[1]
+    )
+
+
+def _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout) -> None:
     check_kv_layout(kv_layout)
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
-    block_tables = check_int_tensor("block_tables", block_tables, ndim=2, device=q.device)
-    seq_lens = check_int_tensor("seq_lens", seq_lens, ndim=1, device=q.device)
+    check_int_tensor("block_tables", block_tables, ndim=2, device=q.device)
+    check_int_tensor("seq_lens", seq_lens, ndim=1, device=q.device)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
             f"and {tuple(v_cache.shape)}"
         )
+
+
+def _explain_paged_decode_sizes(q, k_cache, block_tables, seq_lens, kv_layout) -> None:
     batch, num_q_heads, head_dim = q.shape
     if kv_layout == "token_major":
-        num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
+        _, num_kv_heads, _, cache_dim = k_cache.shape
     else:
-        num_blocks, num_kv_heads, cache_dim, block_size = k_cache.shape
+        _, num_kv_heads, cache_dim, _ = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(
             f"cache head_dim ({cache_dim}, {kv_layout} layout) must equal q's head_dim ({head_dim})"
@@ -170,43 +246,97 @@ def check_paged_decode_inputs(
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"block_tables [{block_tables.shape[0]}, *] and seq_lens [{seq_lens.shape[0]}] "
-            f"must have q's batch size {batch}"
-        )
-    return PagedDecodeDims(
-        batch=batch,
-        num_q_heads=num_q_heads,
-        head_dim=head_dim,
-        num_blocks=num_blocks,
-        num_kv_heads=num_kv_heads,
-        block_size=block_size,
-        max_blocks_per_seq=block_tables.shape[1],
+    raise ValueError(
+        f"block_tables [{block_tables.shape[0]}, *] and seq_lens [{seq_lens.shape[0]}] "
+        f"must have q's batch size {batch}"
     )
+
+
+class PagedDecodeStats(NamedTuple):
+    """What the range checks of a paged decode read off its metadata.
+
+    ``min_id`` / ``max_id`` cover the *used* table entries only (the first
+    ``ceil(seq_len / block_size)`` of each row, at most the table's width); both are None when
+    no entry is used.
+    """
+
+    min_len: int
+    max_len: int
+    total_len: int
+    min_id: int | None
+    max_id: int | None
+
+
+def paged_decode_stats(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
+) -> PagedDecodeStats:
+    """The stats computed with torch on the host (the reference; the Triton kernels compute the
+    same on the device)."""
+    if dims.batch == 0:
+        return PagedDecodeStats(0, 0, 0, None, None)
+    lens = seq_lens.to("cpu", torch.int64)
+    used = (lens.clamp(min=0) + dims.block_size - 1) // dims.block_size  # [B] blocks read
+    used = used.clamp(max=dims.max_blocks_per_seq)
+    mask = torch.arange(dims.max_blocks_per_seq)[None, :] < used[:, None]
+    ids = block_tables.to("cpu", torch.int64)[mask]
+    min_id, max_id = (int(ids.min()), int(ids.max())) if ids.numel() else (None, None)
+    return PagedDecodeStats(int(lens.min()), int(lens.max()), int(lens.sum()), min_id, max_id)
+
+
+def check_paged_decode_stats(stats: PagedDecodeStats, dims: PagedDecodeDims) -> None:
+    """Lengths fit the table and every used block id is in range."""
+    if dims.batch == 0:
+        return
+    if stats.min_len < 0:
+        raise ValueError(f"seq_lens must be >= 0, got min {stats.min_len}")
+    capacity = dims.max_blocks_per_seq * dims.block_size
+    if stats.max_len > capacity:
+        raise ValueError(
+            f"seq_lens must be <= max_blocks_per_seq * block_size = {capacity}, "
+            f"got max {stats.max_len}"
+        )
+    if stats.min_id is not None and (stats.min_id < 0 or stats.max_id >= dims.num_blocks):
+        raise ValueError(
+            f"block_tables holds a used block id outside [0, {dims.num_blocks}): "
+            f"min {stats.min_id}, max {stats.max_id}"
+        )
 
 
 def check_paged_decode_values(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
-) -> None:
-    """Value checks (host sync): lengths fit the table and every used block id is in range."""
-    if dims.batch == 0:
-        return
-    lens = seq_lens.to("cpu", torch.int64)
-    if int(lens.min()) < 0:
-        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
-    capacity = dims.max_blocks_per_seq * dims.block_size
-    if int(lens.max()) > capacity:
+) -> PagedDecodeStats:
+    """Value checks on the host (copies the metadata: for references and tests)."""
+    stats = paged_decode_stats(block_tables, seq_lens, dims)
+    check_paged_decode_stats(stats, dims)
+    return stats
+
+
+# --------------------------------------------------------------------------------------------
+# KV append
+# --------------------------------------------------------------------------------------------
+class AppendStats(NamedTuple):
+    """What the range checks of a KV append read off its slot metadata (batch > 0)."""
+
+    min_id: int
+    max_id: int
+    min_offset: int
+    max_offset: int
+    min_position: int | None  # None when the call has no positions
+    duplicate_slots: int  # ordered pairs of distinct rows that target the same slot
+
+
+def check_append_stats(stats: AppendStats, num_blocks: int, block_size: int) -> None:
+    """Every row writes a distinct in-range slot, at a non-negative position."""
+    if stats.min_id < 0 or stats.max_id >= num_blocks:
         raise ValueError(
-            f"seq_lens must be <= max_blocks_per_seq * block_size = {capacity}, "
-            f"got max {int(lens.max())}"
+            f"block_ids must lie in [0, {num_blocks}), got min {stats.min_id}, max {stats.max_id}"
         )
-    used = (lens + dims.block_size - 1) // dims.block_size  # [B] blocks read per request
-    table = block_tables.to("cpu", torch.int64)
-    mask = torch.arange(dims.max_blocks_per_seq)[None, :] < used[:, None]
-    ids = table[mask]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= dims.num_blocks):
+    if stats.min_offset < 0 or stats.max_offset >= block_size:
         raise ValueError(
-            f"block_tables holds a used block id outside [0, {dims.num_blocks}): "
-            f"min {int(ids.min())}, max {int(ids.max())}"
+            f"offsets must lie in [0, {block_size}), got min {stats.min_offset}, "
+            f"max {stats.max_offset}"
         )
+    if stats.min_position is not None and stats.min_position < 0:
+        raise ValueError(f"positions must be >= 0, got min {stats.min_position}")
+    if stats.duplicate_slots:
+        raise ValueError("two rows target the same (block_id, offset) slot; each must be distinct")

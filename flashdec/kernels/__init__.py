@@ -7,13 +7,15 @@ from flashdec.kernels.append import (
     launch_fused_rope_kv_append,
     launch_kv_append,
 )
-from flashdec.kernels.decode import decode, launch_decode, paged_decode_attention
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, KernelConfig, plan_decode
+from flashdec.kernels.paged_decode import decode, launch_decode, paged_decode_attention
+from flashdec.kernels.validation import clear_validation_cache
 
 __all__ = [
     "DecodePlan",
     "DecodeWorkspace",
     "KernelConfig",
+    "clear_validation_cache",
     "decode",
     "fused_rope_kv_append",
     "kv_append",

@@ -1,4 +1,5 @@
-"""Where FlashDec's Triton kernels run: the GPU, or Triton's interpreter on CPU tensors.
+"""Where FlashDec's Triton kernels run (the GPU, or Triton's interpreter on CPU tensors) and how
+they are launched cheaply.
 
 ``TRITON_INTERPRET`` is read once, at import: Triton itself only honours it when it is set before
 its first import, so a later change would not take effect anyway.
@@ -23,9 +24,8 @@ NOMINAL_SM_COUNT = 132
 
 def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
     """Raise TypeError unless ``tensor`` can be handed to a Triton kernel in this process."""
-    if tensor.device.type == "cuda":
-        return
-    if tensor.device.type == "cpu" and INTERPRET:
+    kind = tensor.device.type
+    if kind == "cuda" or (kind == "cpu" and INTERPRET):
         return
     raise TypeError(
         f"{name} is on {tensor.device}; FlashDec's Triton kernels need CUDA tensors "
@@ -57,48 +57,177 @@ def next_power_of_2(value: int) -> int:
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
 
 
-# Launching through ``kernel[grid](...)`` re-derives the compile key from every argument on each
-# call (about 20 us of Python for our ~45-argument kernels, measured on the H200 host). With the
-# same argument signature the compiled kernel is the same, so it is cached here and launched
-# directly. Only for the pinned Triton (the direct call is not a stable API) and off under the
-# interpreter; FLASHDEC_FAST_LAUNCH=0 turns it off.
+# --------------------------------------------------------------------------------------------
+# Cached launches
+#
+# ``kernel[grid](...)`` re-derives Triton's compile key from every argument on each call (about
+# 20 us of Python for our ~45-argument kernels on the H200 host), and its launcher then asks the
+# driver about every pointer. A :class:`Launcher` keeps the compiled kernel per *specialisation
+# class* of the arguments — exactly what Triton 3.6 compiles a separate kernel for — and calls
+# the compiled launcher's C entry directly with pointers as plain ints. Only for the pinned
+# Triton (the entry is not a stable API), off under the interpreter; FLASHDEC_FAST_LAUNCH=0
+# turns it off.
+# --------------------------------------------------------------------------------------------
 FAST_LAUNCH = (
     not INTERPRET
     and triton.__version__.startswith("3.6.")
     and os.environ.get("FLASHDEC_FAST_LAUNCH", "1") != "0"
 )
-_COMPILED: dict[tuple, Any] = {}
+# Bound on each memo; a cleared memo only costs one slower launch per signature.
+_MAX_ENTRIES = 4096
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
-def _signature(arg: object) -> object:
-    # what Triton specialises on: a tensor's dtype and 16-byte alignment, an int's exact value
-    # (stricter than Triton's divisibility classes, so a hit is always the right kernel)
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    return arg
+def int_class(value: int) -> object:
+    """Triton 3.6's specialisation of an int argument (``native_specialize_impl``): 1 becomes a
+    compile-time constant; otherwise its type (i32, i64 or u64 by range) and whether it is a
+    multiple of 16."""
+    if value == 1:
+        return 1
+    if _I32_MIN <= value <= _I32_MAX:
+        kind = 0
+    elif _I64_MIN <= value <= _I64_MAX:
+        kind = 1
+    else:
+        kind = 2
+    return (kind, value % 16 == 0)
 
 
-def launch(
-    kernel: Any,
-    grid: tuple[int, ...],
-    args: Sequence[object],
-    constexprs: dict[str, object],
-    **options: int,
-) -> None:
-    """``kernel[grid](*args, **constexprs, **options)``, without the per-call key derivation
-    once this argument signature has been compiled (see :data:`FAST_LAUNCH`)."""
-    if not FAST_LAUNCH:
-        kernel[grid](*args, **constexprs, **options)
-        return
-    key = (kernel, *map(_signature, args), *constexprs.items(), *options.items())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = kernel[grid](*args, **constexprs, **options)
-        if len(_COMPILED) > 4096:
-            _COMPILED.clear()
-        # the compiled launcher takes every parameter positionally, constexprs included
-        constants = tuple(constexprs[name] for name in kernel.arg_names[len(args) :])
-        _COMPILED[key] = (compiled, constants)
-        return
-    compiled, constants = compiled
-    compiled[(*grid, 1, 1)[:3]](*args, *constants)  # the compiled runner reads 3 grid dims
+def scalar_class(value: object) -> object:
+    """Specialisation of a scalar argument: bools and floats by type only, ints by class."""
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, float):
+        return float
+    return int_class(value)  # type: ignore[arg-type]
+
+
+def specialization_key(
+    tensors: Sequence[torch.Tensor], scalars: Sequence[object]
+) -> tuple[tuple, tuple]:
+    """Everything of the runtime arguments that selects a compiled kernel: each tensor's dtype
+    and 16-byte alignment, each scalar's class."""
+    return (
+        tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]),
+        tuple([scalar_class(s) for s in scalars]),
+    )
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _current_stream(device: int) -> int:
+    # queried per call: CUDA-graph capture and torch.cuda.stream() change the current stream
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hooks_active() -> bool:
+    """Whether a Triton launch hook (e.g. the proton profiler) is registered."""
+    runtime = triton.knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+class _Compiled:
+    """One compiled kernel and the constant part of its direct launch."""
+
+    __slots__ = ("direct", "function", "kernel", "launch", "metadata", "mode")
+
+    def __init__(self, kernel: Any) -> None:
+        run = kernel.run  # loads the binary on the current device
+        self.kernel = kernel
+        self.launch = run.launch
+        self.function = kernel.function
+        self.metadata = kernel.packed_metadata
+        self.mode = (run.launch_cooperative_grid, run.launch_pdl)
+        # scratch buffers would have to be allocated per launch: leave those to Triton
+        self.direct = not (run.global_scratch_size or run.profile_scratch_size)
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` kernel whose parameters are, in order: ``tensors`` (pointers),
+    ``scalars`` (ints, floats, bools), then ``constexprs``. The grid is 1-D.
+
+    Two memos: the compiled kernel per specialisation class (:func:`specialization_key`), and in
+    front of it the same kernel per exact scalar values, so that the steady state (same shapes
+    call after call) hashes one tuple instead of classifying every argument. Each scalar position
+    must keep its Python type from call to call (``1``, ``1.0`` and ``True`` hash alike).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._by_class: dict[tuple, _Compiled] = {}
+        self._by_value: dict[tuple, _Compiled] = {}
+
+    def __call__(
+        self,
+        grid: int,
+        tensors: tuple[torch.Tensor, ...],
+        scalars: tuple[object, ...],
+        constexprs: tuple[object, ...],
+        num_warps: int,
+        num_stages: int | None = None,
+    ) -> None:
+        if not FAST_LAUNCH:
+            self.kernel[(grid,)](
+                *tensors, *scalars, *constexprs, num_warps=num_warps, num_stages=num_stages
+            )
+            return
+        device = _current_device()
+        ptrs = [t.data_ptr() for t in tensors]
+        misaligned = 0
+        for ptr in ptrs:
+            misaligned |= ptr
+        key = (
+            device,
+            constexprs,
+            num_warps,
+            num_stages,
+            tuple([t.dtype for t in tensors]),
+            misaligned % 16 == 0 or tuple([p % 16 == 0 for p in ptrs]),
+            scalars,
+        )
+        compiled = self._by_value.get(key)
+        if compiled is None:
+            compiled, launched = self._lookup(
+                grid, tensors, scalars, constexprs, num_warps, num_stages
+            )
+            if len(self._by_value) >= _MAX_ENTRIES:
+                self._by_value.clear()
+            self._by_value[key] = compiled
+            if launched:
+                return  # compiled and launched by Triton itself
+        if compiled.direct and not _hooks_active():
+            cooperative, pdl = compiled.mode
+            compiled.launch(
+                grid, 1, 1, _current_stream(device), compiled.function, cooperative, pdl,
+                None, None, compiled.metadata, None, None, None, *ptrs, *scalars, *constexprs,
+            )  # fmt: skip
+        else:
+            compiled.kernel[(grid, 1, 1)](*tensors, *scalars, *constexprs)
+
+    def _lookup(
+        self, grid, tensors, scalars, constexprs, num_warps, num_stages
+    ) -> tuple[_Compiled, bool]:
+        """The compiled kernel of this specialisation class, and whether this call already
+        launched it (a new class is compiled and launched through Triton)."""
+        key = (_current_device(), constexprs, num_warps, num_stages)
+        key += specialization_key(tensors, scalars)
+        compiled = self._by_class.get(key)
+        if compiled is not None:
+            return compiled, False
+        kernel = self.kernel[(grid,)](
+            *tensors, *scalars, *constexprs, num_warps=num_warps, num_stages=num_stages
+        )
+        if len(self._by_class) >= _MAX_ENTRIES:
+            self._by_class.clear()
+        compiled = self._by_class[key] = _Compiled(kernel)
+        return compiled, True
+
+    def clear(self) -> None:
+        self._by_class.clear()
+        self._by_value.clear()

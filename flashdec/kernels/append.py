@@ -4,13 +4,17 @@
   block_size, D]`` at ``(block_ids[b], offsets[b])``; the copy is bitwise.
 - ``fused_rope_kv_append`` does, in ONE launch, what a decode layer needs before attention:
   rotate q (all heads) and k at ``positions`` with split-half RoPE (as
-  :func:`flashdec.apply_rope`: float32 angles ``position * base ** (-2i / rotary_dim)``, dims
-  past ``rotary_dim`` unchanged), write the rotated k and the plain v into the cache, return the
-  rotated q.
+  :func:`flashdec.apply_rope`: float32 angles ``position * inv_freq[i]``, ``inv_freq`` derived
+  from ``base`` or the model's own table; dims past ``rotary_dim`` unchanged), write the rotated
+  k and the plain v into the cache, return the rotated q.
 
-The public functions check every shape, dtype, device and index value (one host sync) and raise
-before anything is written. The ``launch_*`` variants are for callers that validated their own
-reservation (the cache): no checks, no allocation besides an optional q output, no host sync.
+The public functions check every shape, dtype, device and index value and raise before anything
+is written; the index values are checked on the device and read back in one small transfer,
+cached per metadata tensor like ``decode``'s (:mod:`flashdec.kernels.validation`). The
+``launch_*`` variants are for callers that validated their own reservation (the cache, the
+engine): no checks, no allocation besides an optional q output, no host sync. They skip the K/V
+store of a row whose block id is negative (padding rows of a CUDA-graph batch bucket); the
+public functions reject negative ids.
 """
 
 from __future__ import annotations
@@ -20,9 +24,18 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from flashdec._checks import FLOAT_DTYPES, check_int_tensor, check_shape, check_tensor
-from flashdec.kernels._runtime import INTERPRET, check_kernel_device, launch, next_power_of_2
-from flashdec.reference.rope import check_rotary_dim
+from flashdec._checks import (
+    DEFAULT_ROPE_BASE,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_append_stats,
+    check_inv_freq,
+    check_rope_base,
+    check_rotary_dim,
+    check_tensor,
+)
+from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device, next_power_of_2
+from flashdec.kernels.validation import append_metadata_stats, lookup, metadata_key, remember
 
 
 @triton.jit
@@ -57,7 +70,8 @@ def _kv_append_kernel(
     slot = tl.load(offsets_ptr + b)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # a negative block id marks a padding row: nothing is read or written
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (block >= 0)
     k = tl.load(
         k_ptr + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask
     )
@@ -112,6 +126,7 @@ def _fused_rope_kv_append_kernel(
     stride_qob,
     stride_qoh,
     stride_qod,
+    stride_f,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -128,7 +143,7 @@ def _fused_rope_kv_append_kernel(
     first = offs_d < half
     # same float32 ops as the reference: angle = float(position) * inv_freq[i]
     freq_idx = tl.where(first, offs_d, offs_d - half)
-    inv_freq = tl.load(inv_freq_ptr + freq_idx, mask=rot, other=0.0)
+    inv_freq = tl.load(inv_freq_ptr + freq_idx * stride_f, mask=rot, other=0.0)
     angle = tl.load(positions_ptr + b).to(tl.float32) * inv_freq
     if USE_LIBDEVICE:
         cos = libdevice.cos(angle)
@@ -140,7 +155,7 @@ def _fused_rope_kv_append_kernel(
     partner = tl.where(first, offs_d + half, offs_d - half)
     mask_d = offs_d < HEAD_DIM
 
-    # q: every query head, rotated, to q_out
+    # q: every query head, rotated, to q_out (padding rows too: q_out is always fully written)
     offs_hq = tl.arange(0, BLOCK_HQ)
     mask_q = (offs_hq[:, None] < NUM_Q_HEADS) & mask_d[None, :]
     q_rot = _rotate_rows(
@@ -160,11 +175,11 @@ def _fused_rope_kv_append_kernel(
     )
     tl.store(qo_ptrs, q_rot.to(q_out_ptr.dtype.element_ty), mask=mask_q)
 
-    # k rotated, v as is, scattered into the cache slot
+    # k rotated, v as is, scattered into the cache slot; a negative block id is a padding row
     block = tl.load(block_ids_ptr + b).to(tl.int64)
     slot = tl.load(offsets_ptr + b)
     offs_hk = tl.arange(0, BLOCK_HK)
-    mask_k = (offs_hk[:, None] < NUM_KV_HEADS) & mask_d[None, :]
+    mask_k = (offs_hk[:, None] < NUM_KV_HEADS) & mask_d[None, :] & (block >= 0)
     k_rot = _rotate_rows(
         k_ptr + b * stride_kb,
         stride_kh,
@@ -188,17 +203,19 @@ def _fused_rope_kv_append_kernel(
     tl.store(vc + offs_hk[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask_k)
 
 
-_INV_FREQ_CACHE: dict[tuple[str, int, float], torch.Tensor] = {}
+_KV_APPEND = Launcher(_kv_append_kernel)
+_FUSED = Launcher(_fused_rope_kv_append_kernel)
+_INV_FREQ: dict[tuple[torch.device, int, float], torch.Tensor] = {}
+_CONSTEXPRS: dict[tuple, tuple] = {}
 
 
-def _inv_freq(device: torch.device, rotary_dim: int, base: float) -> torch.Tensor:
-    """float32 ``base ** (-2i / rotary_dim)``, computed once per device with the reference's ops."""
-    key = (str(device), rotary_dim, float(base))
-    table = _INV_FREQ_CACHE.get(key)
+def _base_inv_freq(device: torch.device, rotary_dim: int, base: float) -> torch.Tensor:
+    """float32 ``base ** (-2i / rotary_dim)`` with the reference's ops, built once per device."""
+    key = (device, rotary_dim, base)
+    table = _INV_FREQ.get(key)
     if table is None:
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device)
-        table = 1.0 / (base ** (exponents.float() / rotary_dim))
-        _INV_FREQ_CACHE[key] = table
+        table = _INV_FREQ[key] = 1.0 / (base ** (exponents.float() / rotary_dim))
     return table
 
 
@@ -210,32 +227,26 @@ def launch_kv_append(
     block_ids: torch.Tensor,
     offsets: torch.Tensor,
 ) -> None:
-    """Trusted scatter of ``k, v [B, Hkv, D]`` into the cache: no checks, no host sync."""
+    """Trusted scatter of ``k, v [B, Hkv, D]`` into the cache: no checks, no host sync. Rows
+    with a negative block id write nothing."""
     batch, num_kv_heads, head_dim = k.shape
     if batch == 0:
         return
-    launch(
-        _kv_append_kernel,
-        (batch,),
-        (
-            k,
-            v,
-            k_cache,
-            v_cache,
-            block_ids,
-            offsets,
-            *k.stride(),
-            *v.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-        ),
-        {
-            "NUM_KV_HEADS": num_kv_heads,
-            "HEAD_DIM": head_dim,
-            "BLOCK_H": next_power_of_2(num_kv_heads),
-            "BLOCK_D": next_power_of_2(head_dim),
-        },
-        num_warps=4,
+    key = (num_kv_heads, head_dim)
+    consts = _CONSTEXPRS.get(key)
+    if consts is None:
+        consts = _CONSTEXPRS[key] = (
+            num_kv_heads,
+            head_dim,
+            next_power_of_2(num_kv_heads),
+            next_power_of_2(head_dim),
+        )
+    _KV_APPEND(
+        batch,
+        (k, v, k_cache, v_cache, block_ids, offsets),
+        (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
+        consts,
+        4,
     )
 
 
@@ -251,48 +262,44 @@ def launch_fused_rope_kv_append(
     rotary_dim: int | None,
     base: float,
     q_out: torch.Tensor | None,
+    inv_freq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Trusted fused RoPE + append: no checks, no host sync; returns the rotated q."""
+    """Trusted fused RoPE + append: no checks, no host sync; returns the rotated q. Rows with a
+    negative block id rotate q but write nothing to the cache. ``inv_freq`` (float32
+    ``[rotary_dim // 2]``) replaces the table derived from ``base``."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim is None:
+        rotary_dim = head_dim
     if q_out is None:
         q_out = torch.empty_like(q)
     if batch == 0:
         return q_out
-    launch(
-        _fused_rope_kv_append_kernel,
-        (batch,),
+    if inv_freq is None:
+        inv_freq = _base_inv_freq(q.device, rotary_dim, base)
+    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim)
+    consts = _CONSTEXPRS.get(key)
+    if consts is None:
+        consts = _CONSTEXPRS[key] = (
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            rotary_dim,
+            next_power_of_2(num_q_heads),
+            next_power_of_2(num_kv_heads),
+            next_power_of_2(head_dim),
+            not INTERPRET,
+        )
+    _FUSED(
+        batch,
+        (q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out),
         (
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            block_ids,
-            offsets,
-            positions,
-            _inv_freq(q.device, rotary_dim, base),
-            q_out,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-            *q_out.stride(),
+            *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+            *q_out.stride(), inv_freq.stride(0),
         ),
-        {
-            "NUM_Q_HEADS": num_q_heads,
-            "NUM_KV_HEADS": num_kv_heads,
-            "HEAD_DIM": head_dim,
-            "ROTARY_DIM": rotary_dim,
-            "BLOCK_HQ": next_power_of_2(num_q_heads),
-            "BLOCK_HK": next_power_of_2(num_kv_heads),
-            "BLOCK_D": next_power_of_2(head_dim),
-            "USE_LIBDEVICE": not INTERPRET,
-        },
-        num_warps=4,
-    )
+        consts,
+        4,
+    )  # fmt: skip
     return q_out
 
 
@@ -304,7 +311,50 @@ def _check_append_inputs(
     block_ids: object,
     offsets: object,
 ) -> None:
-    """Every structural and value check of a scatter; raises before anything is written."""
+    """Structural checks of a scatter (no host sync)."""
+    if not _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets):
+        _explain_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
+    check_kernel_device("k_cache", k_cache)  # type: ignore[arg-type]
+
+
+def _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets) -> bool:
+    tensor = torch.Tensor
+    if not (
+        isinstance(k_cache, tensor)
+        and isinstance(v_cache, tensor)
+        and isinstance(k, tensor)
+        and isinstance(v, tensor)
+        and isinstance(block_ids, tensor)
+        and isinstance(offsets, tensor)
+    ):
+        return False
+    dtype, device = k_cache.dtype, k_cache.device
+    cache_shape, k_shape = k_cache.shape, k.shape
+    if len(cache_shape) != 4 or len(k_shape) != 3:
+        return False
+    rows = (k_shape[0],)
+    return (
+        dtype in FLOAT_DTYPES
+        and k.dtype == dtype
+        and v.dtype == dtype
+        and v_cache.dtype == dtype
+        and block_ids.dtype in INDEX_DTYPES
+        and offsets.dtype in INDEX_DTYPES
+        and k.device == device
+        and v.device == device
+        and v_cache.device == device
+        and block_ids.device == device
+        and offsets.device == device
+        and k_shape[1] == cache_shape[1]
+        and k_shape[2] == cache_shape[3]
+        and v.shape == k_shape
+        and v_cache.shape == cache_shape
+        and block_ids.shape == rows
+        and offsets.shape == rows
+    )
+
+
+def _explain_append_inputs(k_cache, v_cache, k, v, block_ids, offsets) -> None:
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
     device = k_cache.device
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
@@ -313,28 +363,49 @@ def _check_append_inputs(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}"
         )
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    _, num_kv_heads, _, head_dim = k_cache.shape
     k = check_tensor("k", k, ndim=3, dtypes=(k_cache.dtype,), device=device)
     v = check_tensor("v", v, ndim=3, dtypes=(k_cache.dtype,), device=device)
     batch = k.shape[0]
-    check_shape("k", k, (batch, num_kv_heads, head_dim))
-    check_shape("v", v, (batch, num_kv_heads, head_dim))
-    block_ids = check_int_tensor("block_ids", block_ids, ndim=1, device=device)
-    offsets = check_int_tensor("offsets", offsets, ndim=1, device=device)
-    check_shape("block_ids", block_ids, (batch,))
-    check_shape("offsets", offsets, (batch,))
-    check_kernel_device("k_cache", k_cache)
-    if batch == 0:
+    for name, value, shape in (
+        ("k", k, (batch, num_kv_heads, head_dim)),
+        ("v", v, (batch, num_kv_heads, head_dim)),
+    ):
+        if value.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    for name, value in (("block_ids", block_ids), ("offsets", offsets)):
+        value = check_tensor(name, value, ndim=1, dtypes=INDEX_DTYPES, device=device)
+        if value.shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
+
+
+def _check_append_values(
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    positions: torch.Tensor | None,
+) -> None:
+    """Range and distinctness of the slots (and positions >= 0): one small device read, none
+    when these metadata tensors were validated before, unmodified."""
+    if block_ids.shape[0] == 0:
         return
-    ids = block_ids.to("cpu", torch.int64)
-    offs = offsets.to("cpu", torch.int64)
-    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
-        raise ValueError(f"block_ids must lie in [0, {num_blocks}), got {ids.tolist()}")
-    if int(offs.min()) < 0 or int(offs.max()) >= block_size:
-        raise ValueError(f"offsets must lie in [0, {block_size}), got {offs.tolist()}")
-    slots = ids * block_size + offs
-    if torch.unique(slots).numel() != batch:
-        raise ValueError("two rows target the same (block_id, offset) slot; each must be distinct")
+    shape = k_cache.shape
+    try:
+        key = (
+            "append",
+            metadata_key(block_ids),
+            metadata_key(offsets),
+            None if positions is None else metadata_key(positions),
+            shape[0],
+            shape[2],
+        )
+    except RuntimeError:  # inference tensors have no version counter: never cached
+        key = None
+    if key is not None and lookup(key, block_ids, offsets, positions):
+        return
+    check_append_stats(append_metadata_stats(block_ids, offsets, positions), shape[0], shape[2])
+    if key is not None:
+        remember(key, True, block_ids, offsets, positions)
 
 
 def kv_append(
@@ -346,9 +417,12 @@ def kv_append(
     offsets: torch.Tensor,
 ) -> None:
     """Write ``k, v [B, Hkv, D]`` into token-major ``k/v_cache [num_blocks, Hkv, block_size, D]``
-    at block ``block_ids[b]``, offset ``offsets[b]`` (bitwise). Validates everything first.
+    at block ``block_ids[b]``, offset ``offsets[b]`` (bitwise). Validates everything first; a
+    rejected call writes nothing. Slot metadata is validated once per unmodified tensor (see
+    :func:`flashdec.decode` for the rule).
     """
     _check_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
+    _check_append_values(k_cache, block_ids, offsets, None)
     launch_kv_append(k_cache, v_cache, k, v, block_ids, offsets)
 
 
@@ -362,32 +436,43 @@ def fused_rope_kv_append(
     offsets: torch.Tensor,
     positions: torch.Tensor,
     rotary_dim: int | None = None,
-    base: float = 10000.0,
+    base: float = DEFAULT_ROPE_BASE,
     *,
     q_out: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One kernel: rotate ``q [B, Hq, D]`` and ``k`` at ``positions [B]``, write rotated k and v
     into the cache slots, return rotated q (in ``q_out`` when given; it may be ``q`` itself).
-    Validates everything first; a rejected call writes nothing.
+
+    ``inv_freq`` (float32 ``[rotary_dim // 2]``, e.g. a model's rotary ``inv_freq`` with its
+    scaling) replaces the frequencies derived from ``base``. Validates everything first; a
+    rejected call writes nothing. Slot metadata is validated once per unmodified tensor (see
+    :func:`flashdec.decode` for the rule).
     """
     _check_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
-    q = check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,), device=k_cache.device)
+    device = k_cache.device
+    q = check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,), device=device)
     batch, _, head_dim = q.shape
-    if q.shape[0] != k.shape[0] or head_dim != k.shape[2]:
+    if batch != k.shape[0] or head_dim != k.shape[2]:
         raise ValueError(
             f"q must be [batch={k.shape[0]}, num_q_heads, head_dim={k.shape[2]}], "
             f"got {tuple(q.shape)}"
         )
-    positions = check_int_tensor("positions", positions, ndim=1, device=q.device)
-    check_shape("positions", positions, (batch,))
+    positions = check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if positions.shape != (batch,):
+        raise ValueError(f"positions must have shape ({batch},), got {tuple(positions.shape)}")
     rotary_dim = check_rotary_dim(rotary_dim, head_dim)
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1.0:
-        raise ValueError(f"base must be a float > 1, got {base!r}")
+    base = check_rope_base(base)
+    if inv_freq is not None:
+        inv_freq = check_inv_freq(inv_freq, rotary_dim, device, base)
     if q_out is not None:
-        q_out = check_tensor("q_out", q_out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        check_shape("q_out", q_out, tuple(q.shape))
-    if batch and int(positions.min()) < 0:
-        raise ValueError(f"positions must be >= 0, got {positions.tolist()}")
+        q_out = check_tensor("q_out", q_out, ndim=3, dtypes=(q.dtype,), device=device)
+        if q_out.shape != q.shape:
+            raise ValueError(
+                f"q_out must have q's shape {tuple(q.shape)}, got {tuple(q_out.shape)}"
+            )
+    _check_append_values(k_cache, block_ids, offsets, positions)
     return launch_fused_rope_kv_append(
-        q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, float(base), q_out
-    )
+        q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out,
+        inv_freq,
+    )  # fmt: skip

@@ -64,15 +64,14 @@ class KernelConfig:
 
 
 def default_kernel_config(
-    head_dim: int, group_size: int, dtype: torch.dtype, *, programs_per_sm: float = 0.0
+    head_dim: int, dtype: torch.dtype, *, programs_per_sm: float = 0.0
 ) -> KernelConfig:
     """The tuned defaults for a launch of about ``programs_per_sm`` programs per SM.
 
     ``block_n`` is sized so that one iteration gathers :data:`WIDE_TILE_BYTES` (or
     :data:`NARROW_TILE_BYTES`) of K and V; four warps (eight for head_dim 256, whose tiles are
-    twice as wide). ``group_size`` does not change the choice (measured for 1 to 32).
+    twice as wide). The query group size does not change the choice (measured for 1 to 32).
     """
-    del group_size
     block_d = max(16, next_power_of_2(head_dim))
     elem = torch.empty((), dtype=dtype).element_size()
     if programs_per_sm <= WIDE_TILE_MAX_PROGRAMS_PER_SM:
@@ -119,17 +118,6 @@ class DecodePlan:
     @property
     def uses_split(self) -> bool:
         return self.num_splits > 1
-
-    @property
-    def grid(self) -> tuple[int]:
-        """Stage-1 grid: one program per (request, KV head), or the split path's programs."""
-        if self.num_splits == 1:
-            return (self.batch * self.num_kv_heads,)
-        return (self.num_programs,)
-
-    @property
-    def merge_grid(self) -> tuple[int]:
-        return (self.batch * self.num_q_heads,)
 
     def allocate_workspace(self) -> DecodeWorkspace:
         return DecodeWorkspace.allocate(self)
@@ -200,30 +188,6 @@ def balance_splits(max_seq_len: int, target: int, block_n: int) -> tuple[int, in
         return 1, math.ceil(max_seq_len / block_n) * block_n
     per_split = math.ceil(math.ceil(max_seq_len / splits) / block_n) * block_n
     return math.ceil(max_seq_len / per_split), per_split
-
-
-def choose_tokens_per_split(
-    batch: int,
-    total_tokens: int,
-    max_seq_len: int,
-    num_kv_heads: int,
-    block_n: int,
-    num_sms: int,
-    *,
-    programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
-    min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
-) -> tuple[int, int]:
-    """``(num_splits, tokens_per_split)`` for a batch holding ``total_tokens`` tokens."""
-    target = target_tokens_per_split(
-        batch,
-        total_tokens,
-        max_seq_len,
-        num_kv_heads,
-        num_sms,
-        programs_per_sm=programs_per_sm,
-        min_tokens_per_split=min_tokens_per_split,
-    )
-    return balance_splits(max_seq_len, target, block_n)
 
 
 def plan_decode(
@@ -306,7 +270,7 @@ def plan_decode(
     # the split path aims at DEFAULT_PROGRAMS_PER_SM work items per SM; a single pass runs one
     # program per (request, KV head)
     load = 0.0 if will_split else batch * num_kv_heads / num_sms
-    config = default_kernel_config(head_dim, group, dtype, programs_per_sm=load)
+    config = default_kernel_config(head_dim, dtype, programs_per_sm=load)
     if block_n is not None:
         check_positive_int("block_n", block_n, minimum=16)
         if block_n & (block_n - 1):

@@ -4,30 +4,41 @@ from __future__ import annotations
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_int_tensor, check_tensor
+from flashdec._checks import (
+    DEFAULT_ROPE_BASE,
+    FLOAT_DTYPES,
+    check_int_tensor,
+    check_inv_freq,
+    check_rope_base,
+    check_rotary_dim,
+    check_tensor,
+)
+
+__all__ = ["apply_rope", "check_rotary_dim", "rope_cos_sin", "rope_inv_freq"]
 
 
-def check_rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
-    if rotary_dim is None:
-        return head_dim
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-        raise TypeError(f"rotary_dim must be an int or None, got {type(rotary_dim).__name__}")
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(
-            f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}"
-        )
-    return rotary_dim
+def rope_inv_freq(
+    rotary_dim: int, base: float = DEFAULT_ROPE_BASE, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """float32 inverse frequencies ``base ** (-2i / rotary_dim)``, shape ``[rotary_dim // 2]``."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device)
+    return 1.0 / (base ** (exponents.float() / rotary_dim))
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, rotary_dim: int, base: float = 10000.0
+    positions: torch.Tensor,
+    rotary_dim: int,
+    base: float = DEFAULT_ROPE_BASE,
+    *,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos, sin`` of shape ``[len(positions), rotary_dim // 2]``.
 
-    Frequencies are ``base ** (-2i / rotary_dim)``; the angle is ``position * frequency``.
+    The angle is ``position * inv_freq[i]`` in float32; ``inv_freq`` defaults to
+    :func:`rope_inv_freq` of ``base``.
     """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device)
-    inv_freq = 1.0 / (base ** (exponents.float() / rotary_dim))  # [rotary_dim // 2]
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(rotary_dim, base, positions.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
@@ -36,22 +47,27 @@ def apply_rope(
     x: torch.Tensor,
     positions: torch.Tensor,
     rotary_dim: int | None = None,
-    base: float = 10000.0,
+    base: float = DEFAULT_ROPE_BASE,
+    *,
+    inv_freq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate ``x [B, H, D]`` at integer ``positions [B]``; returns a new tensor of x's dtype.
 
     The first ``rotary_dim`` dims are split in halves ``(x1, x2)`` and become
     ``(x1 cos - x2 sin, x2 cos + x1 sin)``; dims past ``rotary_dim`` are copied unchanged.
+    ``inv_freq`` (float32 ``[rotary_dim // 2]``, e.g. a model's own rotary table with its
+    scaling) replaces the frequencies derived from ``base``.
     """
     x = check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     positions = check_int_tensor("positions", positions, ndim=1, device=x.device)
     if positions.shape[0] != x.shape[0]:
         raise ValueError(f"positions must have shape [{x.shape[0]}], got {tuple(positions.shape)}")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1.0:
-        raise ValueError(f"base must be a float > 1, got {base!r}")
+    base = check_rope_base(base)
     rotary_dim = check_rotary_dim(rotary_dim, x.shape[-1])
+    if inv_freq is not None:
+        inv_freq = check_inv_freq(inv_freq, rotary_dim, x.device, base)
     half = rotary_dim // 2
-    cos, sin = rope_cos_sin(positions, rotary_dim, base)
+    cos, sin = rope_cos_sin(positions, rotary_dim, base, inv_freq=inv_freq)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [B, 1, half]
     x1 = x[..., :half].float()
     x2 = x[..., half:rotary_dim].float()

@@ -26,15 +26,17 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import (
+    PagedDecodeDims,
     check_paged_decode_inputs,
-    check_paged_decode_values,
+    check_paged_decode_stats,
     check_positive_int,
     check_tensor,
     resolve_sm_scale,
     same_device,
 )
-from flashdec.kernels._runtime import INTERPRET, check_kernel_device, launch
+from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, plan_decode
+from flashdec.kernels.validation import decode_metadata_stats, lookup, metadata_key, remember
 
 LOG2E = 1.4426950408889634
 
@@ -384,22 +386,29 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_d & (num_valid > 1))
 
 
-def _check_plan_matches(plan: DecodePlan, dims, q: torch.Tensor, kv_layout: str) -> None:
+_DECODE = Launcher(_decode_kernel)
+_MERGE = Launcher(_merge_splits_kernel)
+
+
+def _check_plan_matches(
+    plan: DecodePlan, dims: PagedDecodeDims, q: torch.Tensor, kv_layout: str
+) -> None:
     """Structural agreement between a workspace's plan and this call (no host sync)."""
-    got = (dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.block_size, q.dtype, kv_layout)
-    want = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.block_size, plan.dtype)
-    if got == (*want, plan.kv_layout) and dims.batch <= plan.batch and q.device == plan.device:
-        return  # the common case, checked in one comparison
-    expected = {
-        "num_q_heads": plan.num_q_heads,
-        "num_kv_heads": plan.num_kv_heads,
-        "head_dim": plan.head_dim,
-        "block_size": plan.block_size,
-    }
-    for name, value in expected.items():
-        if getattr(dims, name) != value:
+    if (
+        dims.num_q_heads == plan.num_q_heads
+        and dims.num_kv_heads == plan.num_kv_heads
+        and dims.head_dim == plan.head_dim
+        and dims.block_size == plan.block_size
+        and dims.batch <= plan.batch
+        and q.dtype == plan.dtype
+        and kv_layout == plan.kv_layout
+        and q.device == plan.device
+    ):
+        return  # the common case
+    for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
+        if getattr(dims, name) != getattr(plan, name):
             raise ValueError(
-                f"workspace was planned for {name}={value}, but the inputs have "
+                f"workspace was planned for {name}={getattr(plan, name)}, but the inputs have "
                 f"{name}={getattr(dims, name)}"
             )
     if dims.batch > plan.batch:
@@ -414,10 +423,42 @@ def _check_plan_matches(plan: DecodePlan, dims, q: torch.Tensor, kv_layout: str)
         raise TypeError(f"workspace lives on {plan.device}, inputs on {q.device}")
 
 
-def _kv_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
-    """(block, head, token, dim) strides: dim-major is token-major with the last two swapped."""
-    sb, sh, s2, s3 = cache.stride()
-    return (sb, sh, s2, s3) if kv_layout == "token_major" else (sb, sh, s3, s2)
+class _PlanConstants:
+    """What a launch reads off its plan, computed once per plan object."""
+
+    __slots__ = ("decode", "merge", "plan", "swap_kv")
+
+    def __init__(self, plan: DecodePlan) -> None:
+        self.plan = plan  # held so that the id() key cannot be reused while the entry lives
+        upcast = INTERPRET and plan.dtype == torch.bfloat16
+        precision = "ieee" if (plan.dtype == torch.float32 or upcast) else "tf32"
+        self.decode = (
+            plan.num_kv_heads,
+            plan.group_size,
+            plan.block_size,
+            plan.head_dim,
+            plan.block_g,
+            plan.block_d,
+            plan.block_n,
+            plan.block_b,
+            plan.uses_split,
+            upcast,
+            precision,
+        )
+        self.merge = (plan.num_q_heads, plan.head_dim, plan.block_d, plan.merge_block_s)
+        self.swap_kv = plan.kv_layout == "dim_major"  # (dim, token) strides -> (token, dim)
+
+
+_CONSTANTS: dict[int, _PlanConstants] = {}
+
+
+def _plan_constants(plan: DecodePlan) -> _PlanConstants:
+    consts = _CONSTANTS.get(id(plan))
+    if consts is None or consts.plan is not plan:
+        if len(_CONSTANTS) >= 1024:
+            _CONSTANTS.clear()
+        consts = _CONSTANTS[id(plan)] = _PlanConstants(plan)
+    return consts
 
 
 def launch_decode(
@@ -436,91 +477,43 @@ def launch_decode(
     """Trusted launcher: no checks, no allocation, no host sync (inputs already validated)."""
     if batch == 0:
         return out
-    kv_layout = plan.kv_layout
-    skb, skh, skt, skd = _kv_strides(k_cache, kv_layout)
-    svb, svh, svt, svd = _kv_strides(v_cache, kv_layout)
+    consts = _plan_constants(plan)
+    skb, skh, sk2, sk3 = k_cache.stride()
+    svb, svh, sv2, sv3 = v_cache.stride()
+    if consts.swap_kv:
+        sk2, sk3, sv2, sv3 = sk3, sk2, sv3, sv2
     splits = plan.num_splits
-    upcast = INTERPRET and q.dtype == torch.bfloat16
-    precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
-    if splits == 1:  # the partial buffers are not touched: pass out as a stand-in pointer
-        partial_out, partial_lse = out, out
-        po_strides = (0, 0, 0, 0)
-        pl_strides = (0, 0, 0)
-        grid = (batch * plan.num_kv_heads,)
+    if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
+        grid = batch * plan.num_kv_heads
+        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out)
+        partial_strides = (0, 0, 0, 0, 0, 0, 0)
     else:
-        po_strides = partial_out.stride()
-        pl_strides = partial_lse.stride()
-        grid = (plan.num_programs,)
-    launch(
-        _decode_kernel,
+        grid = plan.num_programs
+        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse)
+        partial_strides = (*partial_out.stride(), *partial_lse.stride())
+    _DECODE(
         grid,
+        tensors,
         (
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            out,
-            partial_out,
-            partial_lse,
-            sm_scale * LOG2E,
-            batch,
-            plan.tokens_per_split,
-            splits,
-            grid[0],
-            *q.stride(),
-            skb,
-            skh,
-            skt,
-            skd,
-            svb,
-            svh,
-            svt,
-            svd,
-            *block_tables.stride(),
-            *out.stride(),
-            *po_strides,
-            *pl_strides,
+            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid,
+            *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
+            *block_tables.stride(), *out.stride(), *partial_strides,
         ),
-        {
-            "NUM_KV_HEADS": plan.num_kv_heads,
-            "GROUP": plan.group_size,
-            "PAGE_SIZE": plan.block_size,
-            "HEAD_DIM": plan.head_dim,
-            "BLOCK_G": plan.block_g,
-            "BLOCK_D": plan.block_d,
-            "BLOCK_N": plan.block_n,
-            "BLOCK_B": plan.block_b,
-            "SPLIT": splits > 1,
-            "UPCAST": upcast,
-            "DOT_PRECISION": precision,
-        },
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-    )
+        consts.decode,
+        plan.num_warps,
+        plan.num_stages,
+    )  # fmt: skip
     if splits > 1:
-        launch(
-            _merge_splits_kernel,
-            (batch * plan.num_q_heads,),
+        _MERGE(
+            batch * plan.num_q_heads,
+            (partial_out, partial_lse, seq_lens, out),
             (
-                partial_out,
-                partial_lse,
-                seq_lens,
-                out,
-                plan.tokens_per_split,
-                splits,
-                *partial_out.stride(),
-                *partial_lse.stride(),
-                *out.stride(),
+                plan.tokens_per_split, splits,
+                *partial_out.stride(), *partial_lse.stride(), *out.stride(),
             ),
-            {
-                "NUM_Q_HEADS": plan.num_q_heads,
-                "HEAD_DIM": plan.head_dim,
-                "BLOCK_D": plan.block_d,
-                "BLOCK_S": plan.merge_block_s,
-            },
-            num_warps=4,
-        )
+            consts.merge,
+            4,
+        )  # fmt: skip
     return out
 
 
@@ -543,35 +536,32 @@ def decode(
 
     Same semantics as :func:`flashdec.paged_decode_attention_ref`. ``block_size``, if given,
     must equal the cache's page size. ``num_warps`` / ``num_stages`` override the tuned defaults.
+
     With ``workspace`` (from :func:`plan_decode`) the call allocates nothing and never syncs with
-    the host: the split count is the plan's, and the output goes to ``out`` or ``workspace.out``.
-    Without it, the call reads the lengths back once to plan the split itself and validates the
-    block ids in use.
+    the host (CUDA-graph capturable): the split count is the plan's, the output goes to ``out``
+    or ``workspace.out``, and the metadata's values are the caller's responsibility.
+
+    Without it, the lengths and the used block ids are range-checked on the device and read back
+    in one small transfer, which also sizes the plan. What that read established is cached per
+    metadata tensor: a later call with the same ``block_tables`` and ``seq_lens`` objects,
+    unmodified, pays no read at all. Every in-place write through PyTorch (``copy_``, indexing,
+    ``out=``) invalidates the entry; a table written behind PyTorch's back (a custom kernel, a
+    CUDA-graph replay, ``.data``, a NumPy/DLPack view) must be passed as a fresh tensor, or the
+    cache emptied with :func:`flashdec.kernels.clear_validation_cache`. Inference-mode tensors
+    are checked on every call.
     """
     dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
     check_kernel_device("q", q)
-    if block_size is not None:
-        check_positive_int("block_size", block_size)
-        if block_size != dims.block_size:
-            raise ValueError(
-                f"block_size={block_size} does not match the cache's page size {dims.block_size}"
-            )
-    if num_warps is not None:
-        check_positive_int("num_warps", num_warps)
-        if num_warps & (num_warps - 1):
-            raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-    if num_stages is not None:
-        check_positive_int("num_stages", num_stages)
+    if block_size is not None or num_warps is not None or num_stages is not None:
+        _check_overrides(dims, block_size, num_warps, num_stages)
     if dims.head_dim > 256:
         raise ValueError(f"head_dim must be <= 256, got {dims.head_dim}")
     scale = resolve_sm_scale(sm_scale, dims.head_dim)
     if out is not None:
         out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        if tuple(out.shape) != tuple(q.shape):
+        if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
 
-    if dims.batch == 0 and workspace is None:
-        return torch.empty_like(q) if out is None else out
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
@@ -581,22 +571,9 @@ def decode(
             out = workspace.out if dims.batch == plan.batch else workspace.out[: dims.batch]
         partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     else:
-        check_paged_decode_values(block_tables, seq_lens, dims)
-        lens = seq_lens.to("cpu", torch.int64)
-        max_len = int(lens.max()) if dims.batch else 0
-        total = int(lens.sum()) if dims.batch else 0
-        plan = _cached_plan(
-            dims.batch,
-            dims.num_q_heads,
-            dims.num_kv_heads,
-            dims.head_dim,
-            dims.block_size,
-            _bucket(max_len),
-            _bucket(total),
-            q.dtype,
-            q.device,
-            kv_layout,
-        )
+        if dims.batch == 0:
+            return torch.empty_like(q) if out is None else out
+        plan = _validated_plan(q, block_tables, seq_lens, dims, kv_layout)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if plan.uses_split:
@@ -626,6 +603,50 @@ def decode(
     )
 
 
+def _check_overrides(
+    dims: PagedDecodeDims, block_size: object, num_warps: object, num_stages: object
+) -> None:
+    if block_size is not None:
+        check_positive_int("block_size", block_size)
+        if block_size != dims.block_size:
+            raise ValueError(
+                f"block_size={block_size} does not match the cache's page size {dims.block_size}"
+            )
+    if num_warps is not None:
+        check_positive_int("num_warps", num_warps)
+        if num_warps & (num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    if num_stages is not None:
+        check_positive_int("num_stages", num_stages)
+
+
+def _validated_plan(
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dims: PagedDecodeDims,
+    kv_layout: str,
+) -> DecodePlan:
+    """The plan of an eager call, after the metadata's range checks (cached per metadata)."""
+    try:
+        key = ("decode", metadata_key(block_tables), metadata_key(seq_lens), dims, kv_layout)
+        key += (q.dtype,)
+    except RuntimeError:  # inference tensors have no version counter: never cached
+        key = None
+    if key is not None:
+        plan = lookup(key, block_tables, seq_lens)
+        if plan is not None:
+            return plan  # type: ignore[return-value]
+    stats = decode_metadata_stats(block_tables, seq_lens, dims)
+    check_paged_decode_stats(stats, dims)
+    plan = _cached_plan(
+        dims, _bucket(stats.max_len), _bucket(stats.total_len), q.dtype, q.device, kv_layout
+    )
+    if key is not None:
+        remember(key, plan, block_tables, seq_lens)
+    return plan
+
+
 def _bucket(n: int) -> int:
     """Round up to a few significant bits so that plans are reused across nearby lengths."""
     if n <= 64:
@@ -638,34 +659,30 @@ _PLAN_CACHE: dict[tuple, DecodePlan] = {}
 
 
 def _cached_plan(
-    batch: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
+    dims: PagedDecodeDims,
     max_len: int,
     total: int,
     dtype: torch.dtype,
     device: torch.device,
     kv_layout: str,
 ) -> DecodePlan:
-    key = (batch, num_q_heads, num_kv_heads, head_dim, block_size, max_len, total, dtype)
-    key += (str(device), kv_layout)
+    key = (dims.batch, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.block_size)
+    key += (max_len, total, dtype, device, kv_layout)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        if len(_PLAN_CACHE) > 4096:
+        if len(_PLAN_CACHE) >= 4096:
             _PLAN_CACHE.clear()
         plan = plan_decode(
-            batch,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
+            dims.batch,
+            dims.num_q_heads,
+            dims.num_kv_heads,
+            dims.head_dim,
+            dims.block_size,
             max_len,
             dtype,
             device,
             kv_layout,
-            max_blocks_per_seq=max(1, math.ceil(max_len / block_size)),
+            max_blocks_per_seq=max(1, math.ceil(max_len / dims.block_size)),
             total_tokens=total,
         )
         _PLAN_CACHE[key] = plan

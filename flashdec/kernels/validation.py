@@ -1,0 +1,273 @@
+"""Range checks of paged metadata on the device, read back in one small transfer, and a cache of
+what they established.
+
+The public eager calls (``decode`` without a workspace, ``kv_append``, ``fused_rope_kv_append``)
+must reject out-of-range ids before a kernel reads or writes through them. Copying a block table
+to the host for that costs more than the attention itself, so one tiny kernel reduces the
+metadata to a few numbers per program (min/max/sum of the lengths, min/max of the *used* block
+ids; or min/max of ids, offsets and positions and a count of rows sharing a slot) and the host
+reads those back at once. :func:`flashdec._checks.check_paged_decode_stats` /
+:func:`~flashdec._checks.check_append_stats` then judge them.
+
+What a read established is cached per metadata *identity*: the tensor object (held by weak
+reference), its data pointer, shape, strides, dtype, device and PyTorch version counter, plus the
+cache geometry. Every in-place write through PyTorch bumps the version counter, so an edited
+table is checked again; a tensor written behind PyTorch's back (a custom kernel, a CUDA-graph
+replay, ``.data``, a NumPy or DLPack view) must be passed as a fresh tensor, or the cache
+emptied with :func:`clear_validation_cache`. Inference-mode tensors have no version counter and
+are never cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdec._checks import AppendStats, PagedDecodeDims, PagedDecodeStats
+from flashdec.kernels._runtime import Launcher, next_power_of_2
+
+# stands for "no value" in the min/max reductions (ids and lengths are far smaller)
+_BIG = tl.constexpr(2**62)
+_STATS_WIDTH = 8  # int64 slots per program in the stats output
+_MAX_PROGRAMS = 16  # enough to spread a large table; few rows to read back and reduce
+_DECODE_TILE = 1024  # table entries per loop step of one program
+_APPEND_COLS = 64
+
+
+@triton.jit
+def _decode_metadata_kernel(
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    batch,
+    max_blocks,
+    block_size,
+    stride_tb,
+    stride_tn,
+    stride_l,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    # per program: min/max/sum of seq_lens and min/max of the used table entries of its rows
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    offs_r0 = tl.arange(0, ROWS)
+    offs_c0 = tl.arange(0, COLS)
+    len_min = tl.full([ROWS], _BIG, tl.int64)
+    len_max = tl.full([ROWS], -_BIG, tl.int64)
+    len_sum = tl.zeros([ROWS], tl.int64)
+    id_min = tl.full([ROWS, COLS], _BIG, tl.int64)
+    id_max = tl.full([ROWS, COLS], -_BIG, tl.int64)
+    for r0 in range(pid * ROWS, batch, num_programs * ROWS):
+        offs_r = r0 + offs_r0
+        valid_r = offs_r < batch
+        lens = tl.load(lens_ptr + offs_r * stride_l, mask=valid_r, other=0).to(tl.int64)
+        len_min = tl.minimum(len_min, tl.where(valid_r, lens, _BIG))
+        len_max = tl.maximum(len_max, tl.where(valid_r, lens, -_BIG))
+        len_sum += lens
+        # entries past a request's used blocks are unspecified: never read
+        used = tl.minimum((tl.maximum(lens, 0) + block_size - 1) // block_size, max_blocks)
+        rows = tables_ptr + offs_r.to(tl.int64)[:, None] * stride_tb
+        for c0 in range(0, tl.max(used, 0).to(tl.int32), COLS):
+            offs_c = c0 + offs_c0
+            m = offs_c[None, :] < used[:, None]
+            ids = tl.load(rows + offs_c[None, :] * stride_tn, mask=m, other=0).to(tl.int64)
+            id_min = tl.minimum(id_min, tl.where(m, ids, _BIG))
+            id_max = tl.maximum(id_max, tl.where(m, ids, -_BIG))
+    out = out_ptr + pid * 8
+    tl.store(out, tl.min(len_min, 0))
+    tl.store(out + 1, tl.max(len_max, 0))
+    tl.store(out + 2, tl.sum(len_sum, 0))
+    tl.store(out + 3, tl.min(tl.min(id_min, 1), 0))
+    tl.store(out + 4, tl.max(tl.max(id_max, 1), 0))
+
+
+@triton.jit
+def _append_metadata_kernel(
+    ids_ptr,
+    offsets_ptr,
+    positions_ptr,
+    out_ptr,
+    batch,
+    stride_i,
+    stride_o,
+    stride_p,
+    HAS_POSITIONS: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    # per program: min/max of ids and offsets, min of positions, and how many (row, other row)
+    # pairs of its rows target the same (id, offset) slot
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    offs_r0 = tl.arange(0, ROWS)
+    offs_c0 = tl.arange(0, COLS)
+    id_min = tl.full([ROWS], _BIG, tl.int64)
+    id_max = tl.full([ROWS], -_BIG, tl.int64)
+    off_min = tl.full([ROWS], _BIG, tl.int64)
+    off_max = tl.full([ROWS], -_BIG, tl.int64)
+    pos_min = tl.full([ROWS], _BIG, tl.int64)
+    dups = tl.zeros([ROWS], tl.int32)
+    for r0 in range(pid * ROWS, batch, num_programs * ROWS):
+        offs_r = r0 + offs_r0
+        valid_r = offs_r < batch
+        ids_r = tl.load(ids_ptr + offs_r * stride_i, mask=valid_r, other=0).to(tl.int64)
+        slot_r = tl.load(offsets_ptr + offs_r * stride_o, mask=valid_r, other=0).to(tl.int64)
+        id_min = tl.minimum(id_min, tl.where(valid_r, ids_r, _BIG))
+        id_max = tl.maximum(id_max, tl.where(valid_r, ids_r, -_BIG))
+        off_min = tl.minimum(off_min, tl.where(valid_r, slot_r, _BIG))
+        off_max = tl.maximum(off_max, tl.where(valid_r, slot_r, -_BIG))
+        if HAS_POSITIONS:
+            pos = tl.load(positions_ptr + offs_r * stride_p, mask=valid_r, other=0).to(tl.int64)
+            pos_min = tl.minimum(pos_min, tl.where(valid_r, pos, _BIG))
+        for c0 in range(0, batch, COLS):
+            offs_c = c0 + offs_c0
+            valid_c = offs_c < batch
+            ids_c = tl.load(ids_ptr + offs_c * stride_i, mask=valid_c, other=0).to(tl.int64)
+            slot_c = tl.load(offsets_ptr + offs_c * stride_o, mask=valid_c, other=0).to(tl.int64)
+            same = (ids_r[:, None] == ids_c[None, :]) & (slot_r[:, None] == slot_c[None, :])
+            same = same & valid_r[:, None] & valid_c[None, :]
+            same = same & (offs_r[:, None] != offs_c[None, :])
+            dups += tl.sum(same.to(tl.int32), 1)
+    out = out_ptr + pid * 8
+    tl.store(out, tl.min(id_min, 0))
+    tl.store(out + 1, tl.max(id_max, 0))
+    tl.store(out + 2, tl.min(off_min, 0))
+    tl.store(out + 3, tl.max(off_max, 0))
+    tl.store(out + 4, tl.min(pos_min, 0))
+    tl.store(out + 5, tl.sum(dups, 0).to(tl.int64))
+
+
+_DECODE_METADATA = Launcher(_decode_metadata_kernel)
+_APPEND_METADATA = Launcher(_append_metadata_kernel)
+
+
+def _rows_per_program(batch: int, most: int) -> int:
+    return max(2, min(most, next_power_of_2(batch)))
+
+
+def decode_metadata_stats(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
+) -> PagedDecodeStats:
+    """:class:`PagedDecodeStats` of validated-shape metadata: one launch, one small read."""
+    if dims.batch == 0:
+        return PagedDecodeStats(0, 0, 0, None, None)
+    rows = _rows_per_program(dims.batch, 16)
+    programs = min(triton.cdiv(dims.batch, rows), _MAX_PROGRAMS)
+    out = torch.empty(programs, _STATS_WIDTH, dtype=torch.int64, device=seq_lens.device)
+    _DECODE_METADATA(
+        programs,
+        (block_tables, seq_lens, out),
+        (
+            dims.batch,
+            dims.max_blocks_per_seq,
+            dims.block_size,
+            block_tables.stride(0),
+            block_tables.stride(1),
+            seq_lens.stride(0),
+        ),
+        (rows, _DECODE_TILE // rows),
+        num_warps=4,
+    )
+    cols = list(zip(*out.tolist(), strict=True))  # the one device -> host transfer
+    min_id = min(cols[3])
+    used = min_id != _BIG.value
+    return PagedDecodeStats(
+        min(cols[0]),
+        max(cols[1]),
+        sum(cols[2]),
+        min_id if used else None,
+        max(cols[4]) if used else None,
+    )
+
+
+def append_metadata_stats(
+    block_ids: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None
+) -> AppendStats:
+    """:class:`AppendStats` of validated-shape slot metadata (batch > 0): one launch, one small
+    read."""
+    batch = block_ids.shape[0]
+    rows = _rows_per_program(batch, 32)
+    programs = min(triton.cdiv(batch, rows), _MAX_PROGRAMS)
+    out = torch.empty(programs, _STATS_WIDTH, dtype=torch.int64, device=block_ids.device)
+    has_positions = positions is not None
+    pos = positions if has_positions else block_ids  # a stand-in pointer, never read
+    _APPEND_METADATA(
+        programs,
+        (block_ids, offsets, pos, out),
+        (batch, block_ids.stride(0), offsets.stride(0), pos.stride(0)),
+        (has_positions, rows, _APPEND_COLS),
+        num_warps=4,
+    )
+    cols = list(zip(*out.tolist(), strict=True))  # the one device -> host transfer
+    return AppendStats(
+        min(cols[0]),
+        max(cols[1]),
+        min(cols[2]),
+        max(cols[3]),
+        min(cols[4]) if has_positions else None,
+        sum(cols[5]),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the validation cache
+# --------------------------------------------------------------------------------------------
+_MAX_CACHED = 256
+_VALIDATED: dict[Hashable, tuple[tuple[weakref.ref | None, ...], object]] = {}
+
+
+def metadata_key(tensor: torch.Tensor) -> Hashable:
+    """Identity of a metadata tensor's current contents as far as PyTorch can tell.
+
+    Raises RuntimeError for inference tensors (no version counter). ``id`` alone could be reused
+    by a new tensor at a recycled address; the weak reference kept beside each entry rules that
+    out.
+    """
+    return (
+        id(tensor),
+        tensor.data_ptr(),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device,
+        tensor._version,
+    )
+
+
+def lookup(
+    key: Hashable, first: torch.Tensor, second: torch.Tensor, third: torch.Tensor | None = None
+) -> object | None:
+    """What was validated under ``key`` for exactly these tensor objects, or None."""
+    entry = _VALIDATED.get(key)
+    if entry is None:
+        return None
+    (ref1, ref2, ref3), value = entry
+    if ref1() is first and ref2() is second and (ref3 is None or ref3() is third):
+        return value
+    del _VALIDATED[key]  # a dead tensor's id was reused
+    return None
+
+
+def remember(
+    key: Hashable,
+    value: object,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    third: torch.Tensor | None = None,
+) -> None:
+    if len(_VALIDATED) >= _MAX_CACHED:
+        del _VALIDATED[next(iter(_VALIDATED))]  # oldest first
+    refs = (weakref.ref(first), weakref.ref(second), None if third is None else weakref.ref(third))
+    _VALIDATED[key] = (refs, value)
+
+
+def clear_validation_cache() -> None:
+    """Forget every validated metadata tensor: the next eager ``decode`` / ``kv_append`` /
+    ``fused_rope_kv_append`` checks its metadata again. Needed only after writing a metadata
+    tensor behind PyTorch's back (see :mod:`flashdec.kernels.validation`)."""
+    _VALIDATED.clear()
