@@ -30,7 +30,7 @@ from flashdec.kernels import (
     launch_kv_append,
     plan_decode,
 )
-from flashdec.reference import apply_rope, dense_decode_attention_ref
+from flashdec.reference import apply_rope, apply_rope_inv_freq, dense_decode_attention_ref
 
 APPEND_BACKENDS = ("torch", "triton", "fused")
 DECODE_BACKENDS = ("torch", "triton")
@@ -70,7 +70,7 @@ class Rope:
         """Reference rotation (float32 math, one rounding) — the torch backends' path."""
         if self.inv_freq is None:
             return apply_rope(x, positions, self.rotary_dim, self.base)
-        return apply_rope(x, positions, self.rotary_dim, inv_freq=self.inv_freq)
+        return apply_rope_inv_freq(x, positions, self.inv_freq)
 
 
 def write_rope_layer(

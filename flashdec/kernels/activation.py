@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_shape, check_tensor
-from flashdec.kernels._runtime import check_kernel_device, launch
+from flashdec.kernels._runtime import Launcher, check_kernel_device
 
 BLOCK_I = 1024  # columns per program
 
@@ -29,14 +29,20 @@ def _silu_and_mul_kernel(
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # a 1-D grid over (row, column block), column blocks fastest
+    blocks_per_row: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
+    pid = tl.program_id(0)
+    row = (pid // blocks_per_row).to(tl.int64)
+    offs = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < WIDTH
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # silu, rounded like torch's
     out = act.to(tl.float32) * u
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SILU_AND_MUL = Launcher(_silu_and_mul_kernel)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -72,11 +78,11 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
     else:
         gate, up2 = _rows(x, width), _rows(up, width)
     out2 = out.view(-1, width)
-    launch(
-        _silu_and_mul_kernel,
-        (out2.shape[0], triton.cdiv(width, BLOCK_I)),
-        (gate, up2, out2, gate.stride(0), up2.stride(0), out2.stride(0)),
-        {"WIDTH": width, "BLOCK": BLOCK_I},
+    _SILU_AND_MUL(
+        out2.shape[0] * triton.cdiv(width, BLOCK_I),
+        (gate, up2, out2),
+        (gate.stride(0), up2.stride(0), out2.stride(0)),
+        (width, BLOCK_I),
         num_warps=4,
     )
     return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_shape, check_tensor
-from flashdec.kernels._runtime import check_kernel_device, launch, next_power_of_2
+from flashdec.kernels._runtime import Launcher, check_kernel_device, next_power_of_2
 
 MAX_HIDDEN = 32768  # one row per program, held in registers
 
@@ -54,6 +54,9 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + offs_h, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_RMS_NORM = Launcher(_rms_norm_kernel)
 
 
 def _check_eps(eps: object) -> float:
@@ -103,11 +106,11 @@ def rms_norm(
     r2 = residual.view(rows, hidden) if residual is not None else x2
     out2 = out.view(rows, hidden)
     block_h = next_power_of_2(hidden)
-    launch(
-        _rms_norm_kernel,
-        (rows,),
-        (x2, r2, weight.contiguous(), out2, x2.stride(0), r2.stride(0), out2.stride(0), eps),
-        {"HIDDEN": hidden, "BLOCK_H": block_h, "HAS_RESIDUAL": residual is not None},
+    _RMS_NORM(
+        rows,
+        (x2, r2, weight.contiguous(), out2),
+        (x2.stride(0), r2.stride(0), out2.stride(0), float(eps)),
+        (hidden, block_h, residual is not None),
         num_warps=min(16, max(1, block_h // 256)),
     )
     return out

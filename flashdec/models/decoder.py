@@ -24,8 +24,8 @@ from transformers import PreTrainedModel
 from flashdec._checks import check_int_tensor, check_shape, check_tensor
 from flashdec.kernels.activation import silu_and_mul
 from flashdec.kernels.norm import rms_norm
-from flashdec.models._rope import apply_rope_inv_freq
 from flashdec.models.spec import ModelSpec, model_spec
+from flashdec.reference import apply_rope_inv_freq
 
 # kv_sink(layer_idx, k_rot [T, Hkv, D], v [T, Hkv, D])
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]

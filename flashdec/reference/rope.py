@@ -14,7 +14,7 @@ from flashdec._checks import (
     check_tensor,
 )
 
-__all__ = ["apply_rope", "check_rotary_dim", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["apply_rope", "apply_rope_inv_freq", "check_rotary_dim", "rope_cos_sin", "rope_inv_freq"]
 
 
 def rope_inv_freq(
@@ -48,30 +48,49 @@ def apply_rope(
     positions: torch.Tensor,
     rotary_dim: int | None = None,
     base: float = DEFAULT_ROPE_BASE,
-    *,
-    inv_freq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate ``x [B, H, D]`` at integer ``positions [B]``; returns a new tensor of x's dtype.
 
     The first ``rotary_dim`` dims are split in halves ``(x1, x2)`` and become
     ``(x1 cos - x2 sin, x2 cos + x1 sin)``; dims past ``rotary_dim`` are copied unchanged.
-    ``inv_freq`` (float32 ``[rotary_dim // 2]``, e.g. a model's own rotary table with its
-    scaling) replaces the frequencies derived from ``base``.
+    Frequencies are ``base ** (-2i / rotary_dim)``; :func:`apply_rope_inv_freq` takes a table.
     """
+    x, positions = _check_rope_inputs(x, positions)
+    base = check_rope_base(base)
+    rotary_dim = check_rotary_dim(rotary_dim, x.shape[-1])
+    return _rotate(x, positions, rope_inv_freq(rotary_dim, base, x.device))
+
+
+def apply_rope_inv_freq(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """:func:`apply_rope` with a given float32 table ``inv_freq [rotary_dim // 2]`` (e.g. a
+    model's own rotary module's, which includes its scaling); rotates the first
+    ``2 * len(inv_freq)`` dims."""
+    x, positions = _check_rope_inputs(x, positions)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"inv_freq must be a torch.Tensor, got {type(inv_freq).__name__}")
+    rotary_dim = check_rotary_dim(2 * inv_freq.shape[0] if inv_freq.dim() == 1 else -1,
+                                  x.shape[-1])  # fmt: skip
+    return _rotate(x, positions, check_inv_freq(inv_freq, rotary_dim, x.device, DEFAULT_ROPE_BASE))
+
+
+def _check_rope_inputs(x: object, positions: object) -> tuple[torch.Tensor, torch.Tensor]:
     x = check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     positions = check_int_tensor("positions", positions, ndim=1, device=x.device)
     if positions.shape[0] != x.shape[0]:
         raise ValueError(f"positions must have shape [{x.shape[0]}], got {tuple(positions.shape)}")
-    base = check_rope_base(base)
-    rotary_dim = check_rotary_dim(rotary_dim, x.shape[-1])
-    if inv_freq is not None:
-        inv_freq = check_inv_freq(inv_freq, rotary_dim, x.device, base)
-    half = rotary_dim // 2
-    cos, sin = rope_cos_sin(positions, rotary_dim, base, inv_freq=inv_freq)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [B, 1, half]
+    return x, positions
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Float32 angles ``position * inv_freq``, float32 rotation, one rounding to x's dtype."""
+    half = inv_freq.shape[0]
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # [B, 1, half]
     x1 = x[..., :half].float()
-    x2 = x[..., half:rotary_dim].float()
+    x2 = x[..., half : 2 * half].float()
     out = x.clone()
     out[..., :half] = (x1 * cos - x2 * sin).to(x.dtype)
-    out[..., half:rotary_dim] = (x2 * cos + x1 * sin).to(x.dtype)
+    out[..., half : 2 * half] = (x2 * cos + x1 * sin).to(x.dtype)
     return out

@@ -103,7 +103,7 @@ APPEND_CASES = [
     ("k-type", lambda c: c.append(["a"], [[0.0]], kv(c, 1)), TypeError, "torch.Tensor"),
     ("empty", lambda c: c.append([], kv(c, 0), kv(c, 0)), ValueError, "must not be empty"),
     ("ids-str", lambda c: c.append("a", kv(c, 1), kv(c, 1)), TypeError, "list or tuple"),
-    ("id-bool", lambda c: c.append([True], kv(c, 1), kv(c, 1)), TypeError, "str or int"),
+    ("id-bool", lambda c: c.append([True], kv(c, 1), kv(c, 1)), TypeError, "str or an int"),
     (
         "rope-backend",
         lambda c: rope_paged_kv_append(
@@ -158,7 +158,7 @@ def test_rejected_append_changes_nothing(call, exc, match):
 LIFECYCLE_CASES = [
     ("add-duplicate", lambda c: c.add_request("a"), ValueError, "already exists"),
     ("add-reused", lambda c: c.add_request("f"), ValueError, "not reused"),
-    ("add-float", lambda c: c.add_request(1.0), TypeError, "str or int"),
+    ("add-float", lambda c: c.add_request(1.0), TypeError, "str or an int"),
     ("finish-unknown", lambda c: c.finish_request("zz"), ValueError, "unknown request"),
     ("finish-twice", lambda c: c.finish_request("f"), RuntimeError, "it is finished"),
     ("cancel-cancelled", lambda c: c.cancel_request("x"), RuntimeError, "it is cancelled"),

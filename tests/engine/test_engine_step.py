@@ -201,7 +201,7 @@ def test_lifecycle_paths_and_errors():
     assert engine.request_state("w") is EngineRequestState.CANCELLED
     with pytest.raises(ValueError, match="unknown request"):
         engine.request_state("nope")
-    with pytest.raises(TypeError, match="str or int"):
+    with pytest.raises(TypeError, match="str or an int"):
         engine.add_request(1.5)
     with pytest.raises(TypeError, match="list or tuple"):
         engine.begin_step("a")

@@ -7,7 +7,7 @@ import torch
 
 from flashdec import dense_decode_attention_ref
 from flashdec.models import DecoderAdapter, ModelSpec
-from flashdec.models._rope import apply_rope_inv_freq
+from flashdec.reference import apply_rope_inv_freq
 
 
 class DenseKV:

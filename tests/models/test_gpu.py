@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashdec.models import DecoderAdapter, build_random_model, model_spec
-from flashdec.models._rope import apply_rope_inv_freq
+from flashdec.reference import apply_rope_inv_freq
 from tests.models.greedy import DenseKV
 
 pytestmark = pytest.mark.gpu
