@@ -13,6 +13,7 @@ from flashdec.kernels import (
     launch_fused_rope_kv_append,
     launch_kv_append,
 )
+from flashdec.reference import rope_inv_freq
 from tests.helpers import TOLERANCES
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -274,3 +275,166 @@ def test_gpu_llama_shapes_large_batch(dtype):
     k_ref = apply_rope(t["k"], t["positions"], None, 500000.0)
     _assert_rope_close(_written(t["k_cache"], t), k_ref)
     assert torch.equal(_written(t["v_cache"], t), t["v"])
+
+
+# --------------------------------------------------------------------------------------------
+# padding rows (trusted launchers) and the model's own RoPE frequencies
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True])
+def test_trusted_launchers_skip_padding_rows(fused, device):
+    t = _setup(5, 4, 2, 16, 6, 8, torch.float16, device)
+    padding = torch.tensor([False, True, False, False, True], device=device)
+    t["block_ids"] = torch.where(padding, -1, t["block_ids"]).to(torch.int32)
+    k_before, v_before = t["k_cache"].clone(), t["v_cache"].clone()
+    real = {key: t[key][~padding] for key in ("k", "v", "block_ids", "offsets", "positions")}
+    if fused:
+        q_out = torch.full_like(t["q"], float("nan"))
+        launch_fused_rope_kv_append(
+            t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
+            t["positions"], None, 10000.0, q_out,
+        )  # fmt: skip
+        # every row's q is rotated, padding rows included
+        _assert_rope_close(q_out, apply_rope(t["q"], t["positions"]))
+        k_expected = apply_rope(real["k"], real["positions"])
+        _assert_rope_close(_written(t["k_cache"], real), k_expected)
+    else:
+        launch_kv_append(
+            t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"]
+        )  # fmt: skip
+        assert torch.equal(_written(t["k_cache"], real), real["k"])
+    assert torch.equal(_written(t["v_cache"], real), real["v"])
+    _untouched_equal(k_before, t["k_cache"], real)  # nothing else written
+    _untouched_equal(v_before, t["v_cache"], real)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor) -> torch.Tensor:
+    """A llama3-style table: low frequencies divided by 8, high ones kept, a smooth band between
+    (what a transformers rotary module's ``inv_freq`` holds for such a model)."""
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((8192 / wavelen) - 1) / 3
+    scaled = torch.where(wavelen > 8192, inv_freq / 8, inv_freq)
+    band = (wavelen >= 2048) & (wavelen <= 8192)
+    return torch.where(band, (1 - smooth) * inv_freq / 8 + smooth * inv_freq, scaled)
+
+
+@pytest.mark.parametrize("rotary_dim", [None, 16])
+def test_inv_freq_equal_to_the_base_table_is_bit_identical(rotary_dim, device):
+    t = _setup(3, 4, 2, 32, 5, 8, torch.bfloat16, device)
+    table = rope_inv_freq(rotary_dim or 32, 500000.0, device)
+    t2 = {**t, "k_cache": t["k_cache"].clone(), "v_cache": t["v_cache"].clone()}
+    by_base = _fused_call(t, rotary_dim=rotary_dim, base=500000.0)
+    by_table = _fused_call(t2, rotary_dim=rotary_dim, inv_freq=table)
+    assert torch.equal(by_base, by_table)
+    assert torch.equal(t["k_cache"], t2["k_cache"])
+    ref = apply_rope(t["q"], t["positions"], rotary_dim, 500000.0)
+    assert torch.equal(apply_rope(t["q"], t["positions"], rotary_dim, inv_freq=table), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_inv_freq_matches_reference(dtype, device):
+    t = _setup(4, 6, 2, 32, 6, 8, dtype, device)
+    t["positions"] = torch.tensor([0, 7, 9000, 131000], device=device)
+    table = _llama3_scaled(rope_inv_freq(32, 500000.0)).to(device)
+    q_rot = _fused_call(t, inv_freq=table)
+    _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], inv_freq=table))
+    k_ref = apply_rope(t["k"], t["positions"], inv_freq=table)
+    _assert_rope_close(_written(t["k_cache"], t), k_ref)
+    assert not torch.equal(k_ref, apply_rope(t["k"], t["positions"], base=500000.0))
+    # the trusted launcher takes the same table (here a strided view of a wider one)
+    wide = torch.stack([table, table], 1).reshape(-1)
+    q_out = torch.empty_like(t["q"])
+    launch_fused_rope_kv_append(
+        t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
+        t["positions"], None, 10000.0, q_out, wide[::2],
+    )  # fmt: skip
+    assert torch.equal(q_out, q_rot)
+
+
+def test_bad_inv_freq_is_rejected_before_writing(device):
+    t = _setup(2, 4, 2, 16, 3, 8, torch.float32, device)
+    k_before = t["k_cache"].clone()
+    table = rope_inv_freq(16, device=device)
+    bad = [
+        ({"inv_freq": table[:4]}, ValueError, "inv_freq"),  # not [rotary_dim // 2]
+        ({"inv_freq": table, "rotary_dim": 8}, ValueError, "inv_freq"),
+        ({"inv_freq": table.double()}, TypeError, "inv_freq"),
+        ({"inv_freq": table[None]}, ValueError, "inv_freq"),
+        ({"inv_freq": [1.0] * 8}, TypeError, "inv_freq"),
+        ({"inv_freq": table, "base": 500000.0}, ValueError, "base"),  # both: ambiguous
+        ({"base": True}, TypeError, "base"),
+        ({"base": "10000"}, TypeError, "base"),
+        ({"base": float("inf")}, ValueError, "base"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            _fused_call(t, **kwargs)
+        assert torch.equal(t["k_cache"], k_before), kwargs
+
+
+def _fused_call(t, **kwargs):
+    return fused_rope_kv_append(
+        t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
+        t["positions"], **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_fast_launches_and_graph_capture():
+    """The cached launch on new tensors each call, and inside a CUDA graph (padding rows too)."""
+    dtype = torch.bfloat16
+    for seed in range(3):
+        t = _setup(64, 32, 8, 128, 256, 16, dtype, "cuda", seed=seed)
+        q_rot = _fused_call(t, base=500000.0)
+        _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], None, 500000.0))
+        _assert_rope_close(
+            _written(t["k_cache"], t), apply_rope(t["k"], t["positions"], None, 500000.0)
+        )
+    t = _setup(8, 32, 8, 128, 64, 16, dtype, "cuda", seed=7)
+    t["block_ids"][3] = -1  # a padding row
+    q_out = torch.empty_like(t["q"])
+
+    def step():
+        launch_fused_rope_kv_append(
+            t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
+            t["positions"], None, 10000.0, q_out,
+        )  # fmt: skip
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    t["q"].normal_()
+    t["positions"].add_(5)
+    k_before = t["k_cache"].clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_rope_close(q_out, apply_rope(t["q"], t["positions"]))
+    keep = torch.arange(8, device="cuda") != 3
+    real = {key: t[key][keep] for key in ("k", "block_ids", "offsets", "positions")}
+    _assert_rope_close(_written(t["k_cache"], real), apply_rope(real["k"], real["positions"]))
+    _untouched_equal(k_before, t["k_cache"], real)
+
+
+@pytest.mark.gpu
+def test_gpu_public_append_reads_the_device_once_then_never():
+    import warnings
+
+    t = _setup(16, 32, 8, 128, 64, 16, torch.bfloat16, "cuda")
+    _fused_call({**t, "block_ids": t["block_ids"].clone()})  # compile outside the count
+
+    def syncs(fn):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(lambda: _fused_call(t)) == 1
+    assert syncs(lambda: _fused_call(t)) == 0
+    args = (t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    assert syncs(lambda: kv_append(*args)) == 1
+    assert syncs(lambda: kv_append(*args)) == 0

@@ -173,9 +173,12 @@ def test_strided_caches_layer_view_and_slices(device):
 
 
 def test_default_scale_alias_and_public_name(device):
+    import flashdec.kernels.paged_decode as module
+
     k, v, tables, lens, _, _ = make_paged_kv([20], 1, 16, 8, torch.float32, device)
     q = _q(1, 3, 16, torch.float32, device)
     assert flashdec.decode is decode and paged_decode_attention is decode
+    assert flashdec.kernels.decode is decode and module.decode is decode  # no shadowed module
     _assert_close(decode(q, k, v, tables, lens), paged_decode_attention_ref(q, k, v, tables, lens))
 
 
@@ -320,20 +323,54 @@ def test_gpu_cuda_graph_capture_and_replay():
 
 @pytest.mark.gpu
 def test_gpu_repeated_calls_take_the_cached_launch_and_stay_correct():
-    from flashdec.kernels import _runtime
+    from flashdec.kernels import paged_decode
 
     dtype = torch.float16
     seq_lens = [3000, 1, 777]
     k, v, tables, lens, kd, vd = make_paged_kv(seq_lens, 4, 128, 16, dtype, "cuda")
-    q = _q(3, 16, 128, dtype, "cuda")
     for splits in (1, 5):
         plan = plan_decode(3, 16, 4, 128, 16, 3000, dtype, "cuda", num_splits=splits)
         ws = plan.allocate_workspace()
-        decode(q, k, v, tables, lens, workspace=ws)  # compiles, fills the launch cache
-        cached = len(_runtime._COMPILED)
-        for _ in range(3):  # new data in the same buffers: the cached launch must see it
-            q.normal_()
+        decode(_q(3, 16, 128, dtype, "cuda"), k, v, tables, lens, workspace=ws)  # compiles
+        compiled = (len(paged_decode._DECODE._by_class), len(paged_decode._MERGE._by_class))
+        for seed in range(3):
+            # new q and out tensors each call (new pointers, passed as ints) and the workspace's
+            # own buffers: the cached launch must see every one of them
+            q = _q(3, 16, 128, dtype, "cuda", seed=seed + 2)
+            out = _poisoned(q.shape, dtype, "cuda")
             ws.out.fill_(float("nan"))
-            decode(q, k, v, tables, lens, workspace=ws)
-            _assert_close(ws.out, dense_decode_attention_ref(q, kd, vd, lens))
-        assert len(_runtime._COMPILED) == cached  # no new compile-key entries
+            decode(q, k, v, tables, lens, out=out, workspace=ws)
+            _assert_close(out, dense_decode_attention_ref(q, kd, vd, lens))
+            _assert_close(decode(q, k, v, tables, lens, workspace=ws), out)
+            _assert_close(decode(q, k, v, tables, lens), out)  # eager, no workspace
+        assert compiled == (
+            len(paged_decode._DECODE._by_class),
+            len(paged_decode._MERGE._by_class),
+        )  # no new compile-key entries
+
+
+@pytest.mark.gpu
+def test_gpu_eager_decode_reads_the_device_once_then_never():
+    import warnings
+
+    dtype = torch.bfloat16
+    k, v, tables, lens, kd, vd = make_paged_kv([700, 33, 0, 4096], 8, 128, 16, dtype, "cuda")
+    q = _q(4, 32, 128, dtype, "cuda")
+    decode(q, k, v, tables.clone(), lens.clone())  # compile outside the count
+    torch.cuda.synchronize()
+
+    def syncs(fn):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(lambda: decode(q, k, v, tables, lens)) == 1  # the one small read
+    assert syncs(lambda: decode(q, k, v, tables, lens)) == 0  # validated, unmodified
+    ws = plan_decode(4, 32, 8, 128, 16, 4096, dtype, "cuda").allocate_workspace()
+    assert syncs(lambda: decode(q, k, v, tables, lens, workspace=ws)) == 0
+    _assert_close(decode(q, k, v, tables, lens), dense_decode_attention_ref(q, kd, vd, lens))

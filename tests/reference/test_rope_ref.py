@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashdec import apply_rope
+from flashdec.reference import rope_inv_freq
 
 
 def test_position_zero_is_identity():
@@ -83,3 +84,45 @@ def test_errors(kwargs, error):
     args.update(kwargs)
     with pytest.raises(error):
         apply_rope(**args)
+
+
+def test_inv_freq_replaces_the_base_table():
+    x, pos = torch.randn(3, 2, 8), torch.tensor([0, 6, 70000])
+    table = rope_inv_freq(8, 500000.0)
+    assert torch.equal(apply_rope(x, pos, base=500000.0), apply_rope(x, pos, inv_freq=table))
+    # angle = position * inv_freq: halving the table is halving the (even) positions, exactly
+    assert torch.equal(
+        apply_rope(x, pos, inv_freq=table / 2), apply_rope(x, pos // 2, inv_freq=table)
+    )
+
+
+def test_hand_computed_rotation_with_a_given_table():
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    out = apply_rope(x, torch.tensor([3]), inv_freq=torch.tensor([1.0, 0.25]))
+    a0, a1 = 3.0, 0.75
+    expected = torch.tensor(
+        [
+            1 * math.cos(a0) - 3 * math.sin(a0),
+            2 * math.cos(a1) - 4 * math.sin(a1),
+            3 * math.cos(a0) + 1 * math.sin(a0),
+            4 * math.cos(a1) + 2 * math.sin(a1),
+        ]
+    )
+    torch.testing.assert_close(out[0, 0], expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"inv_freq": torch.ones(3)}, ValueError),  # not [rotary_dim // 2]
+        ({"inv_freq": torch.ones(4, dtype=torch.float64)}, TypeError),
+        ({"inv_freq": torch.ones(4), "base": 500.0}, ValueError),  # both: ambiguous
+        ({"base": "10000"}, TypeError),
+        ({"base": True}, TypeError),
+        ({"base": float("nan")}, ValueError),
+    ],
+)
+def test_rope_table_errors(kwargs, error):
+    x, pos = torch.randn(2, 2, 8), torch.tensor([1, 2])
+    with pytest.raises(error):
+        apply_rope(x, pos, **kwargs)
