@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdec import apply_rope
-from flashdec.reference import rope_inv_freq
+from flashdec.reference import apply_rope_inv_freq, rope_inv_freq
 
 
 def test_position_zero_is_identity():
@@ -86,19 +86,33 @@ def test_errors(kwargs, error):
         apply_rope(**args)
 
 
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        (torch.ones(5), ValueError),  # rotates 10 dims of 8
+        (torch.ones(2, 2), ValueError),  # not 1-D
+        (torch.ones(4, dtype=torch.float64), TypeError),
+        ([1.0, 2.0], TypeError),
+    ],
+)
+def test_inv_freq_table_errors(table, error):
+    with pytest.raises(error):
+        apply_rope_inv_freq(torch.randn(2, 2, 8), torch.tensor([0, 1]), table)
+
+
 def test_inv_freq_replaces_the_base_table():
     x, pos = torch.randn(3, 2, 8), torch.tensor([0, 6, 70000])
     table = rope_inv_freq(8, 500000.0)
-    assert torch.equal(apply_rope(x, pos, base=500000.0), apply_rope(x, pos, inv_freq=table))
+    assert torch.equal(apply_rope(x, pos, base=500000.0), apply_rope_inv_freq(x, pos, table))
     # angle = position * inv_freq: halving the table is halving the (even) positions, exactly
     assert torch.equal(
-        apply_rope(x, pos, inv_freq=table / 2), apply_rope(x, pos // 2, inv_freq=table)
+        apply_rope_inv_freq(x, pos, table / 2), apply_rope_inv_freq(x, pos // 2, table)
     )
 
 
 def test_hand_computed_rotation_with_a_given_table():
     x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
-    out = apply_rope(x, torch.tensor([3]), inv_freq=torch.tensor([1.0, 0.25]))
+    out = apply_rope_inv_freq(x, torch.tensor([3]), torch.tensor([1.0, 0.25]))
     a0, a1 = 3.0, 0.75
     expected = torch.tensor(
         [
@@ -114,9 +128,6 @@ def test_hand_computed_rotation_with_a_given_table():
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"inv_freq": torch.ones(3)}, ValueError),  # not [rotary_dim // 2]
-        ({"inv_freq": torch.ones(4, dtype=torch.float64)}, TypeError),
-        ({"inv_freq": torch.ones(4), "base": 500.0}, ValueError),  # both: ambiguous
         ({"base": "10000"}, TypeError),
         ({"base": True}, TypeError),
         ({"base": float("nan")}, ValueError),
