@@ -2,13 +2,15 @@
 # GPU check: every `gpu`-marked test, then the benchmarks; prints a short summary last.
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
-#   GPU_CHECK_PHASES="tests tune decode append" bash scripts/gpu_check.sh
-#   extra arguments per phase: TUNE_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS
+#   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
+#   phases: tests quicktests tune decode append engine eager launch e2e
+#   extra arguments per phase: TUNE_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS,
+#   LAUNCH_ARGS, E2E_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
 mkdir -p "$OUT"
-PHASES=${GPU_CHECK_PHASES:-tests decode append}
+PHASES=${GPU_CHECK_PHASES:-tests engine eager e2e}
 export PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
 : >"$LOG"
@@ -50,6 +52,15 @@ for phase in $PHASES; do
     append)
       python3 benchmarks/bench_append.py --out-dir "$OUT" ${APPEND_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
+    eager)
+      python3 benchmarks/bench_eager.py --out-dir "$OUT" ${EAGER_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    launch)
+      python3 benchmarks/bench_launch.py --out-dir "$OUT" ${LAUNCH_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    e2e)
+      python3 benchmarks/bench_e2e.py --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown phase $phase"; rc=2 ;;
   esac
   echo "=== phase $phase: rc=$rc, $(( $(date +%s) - start )) s ===" | tee -a "$LOG"
@@ -61,4 +72,5 @@ grep -h "=== phase .*rc=" "$LOG"
 [ -f "$OUT/decode.md" ] && sed -n '/^## Summary/,/^## All shapes/p' "$OUT/decode.md"
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
+[ -f "$OUT/e2e.md" ] && grep "^| \|target\|agreement\|Memory" "$OUT/e2e.md"
 exit $status
