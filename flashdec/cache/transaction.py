@@ -193,14 +193,15 @@ class SlotBuffers:
     packing the next step never waits for the previous upload) and copies it to the device in one
     transfer; the block tables are then gathered on the device from the cache's persistent
     :class:`~flashdec.cache.device_tables.DeviceTables`. Views of these buffers keep their
-    addresses across transactions; the cache replaces the whole object (new ``generation``) only
-    when a bigger batch needs more rows.
+    addresses across transactions (and are built once per batch shape); the cache replaces the
+    whole object (new ``generation``) only when a bigger batch needs more rows. int64 throughout:
+    the index ops that read these buffers take int64 without a conversion launch.
     """
 
-    # int32 regions of ``capacity`` entries each, then the slot rows (capacity * num_kv_heads)
+    # regions of ``capacity`` entries each, then the slot rows (capacity * num_kv_heads)
     POSITIONS, BLOCK_IDS, OFFSETS, SEQ_LENS, SEQ_LENS_AFTER, TABLE_ROWS = range(6)
-    UPDATE_ROWS, UPDATE_COLS, UPDATE_VALUES = 6, 7, 8
-    NUM_REGIONS = 9
+    UPDATE_INDEX, UPDATE_VALUE = 6, 7  # device-table writes: flat index, block id
+    NUM_REGIONS = 8
 
     def __init__(
         self, capacity: int, num_kv_heads: int, width: int, device: torch.device, generation: int
@@ -211,14 +212,17 @@ class SlotBuffers:
         self.generation = generation
         size = self.NUM_REGIONS * capacity + capacity * num_kv_heads
         pinned = device.type == "cuda"
+        copies = 2 if pinned else 1
         self._staging = [
-            torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
-            for _ in range(2 if pinned else 1)
+            torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(copies)
         ]
-        self._events: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._hosts = [t.numpy() for t in self._staging]
+        self._events: list[torch.cuda.Event | None] = [None] * copies
         self._turn = 0
-        self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
+        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(capacity, width, dtype=torch.int64, device=device)
+        self._views: dict[tuple, object] = {}  # fixed views, made once per shape
+        self._heads = np.arange(num_kv_heads, dtype=np.int64)
 
     def _at(self, region: int, count: int) -> slice:
         start = region * self.capacity
@@ -229,7 +233,7 @@ class SlotBuffers:
         positions: np.ndarray,
         block_ids: np.ndarray,
         table_rows: np.ndarray,
-        updates: tuple[np.ndarray, np.ndarray, np.ndarray],
+        updates: tuple[np.ndarray, np.ndarray],
         block_size: int,
         num_rows: int,
     ) -> None:
@@ -241,7 +245,7 @@ class SlotBuffers:
         event = self._events[slot]
         if event is not None:
             event.synchronize()  # the upload from this buffer two transactions ago is done
-        host = self._staging[slot].numpy()
+        host = self._hosts[slot]
         batch = positions.shape[0]
         offsets = positions % block_size
         for region, values, pad in (
@@ -256,15 +260,14 @@ class SlotBuffers:
             rows[:batch] = values
             rows[batch:] = pad
         count = updates[0].shape[0]
-        for region, values in zip(
-            (self.UPDATE_ROWS, self.UPDATE_COLS, self.UPDATE_VALUES), updates, strict=True
-        ):
-            host[self._at(region, count)] = values
-        heads = np.arange(self.num_kv_heads, dtype=np.int64)
-        slot_rows = (block_ids.astype(np.int64)[:, None] * self.num_kv_heads + heads) * block_size
-        slot_rows += offsets[:, None]
+        host[self._at(self.UPDATE_INDEX, count)] = updates[0]
+        host[self._at(self.UPDATE_VALUE, count)] = updates[1]
         start = self.NUM_REGIONS * self.capacity
-        host[start : start + batch * self.num_kv_heads] = slot_rows.reshape(-1)
+        slot_rows = host[start : start + batch * self.num_kv_heads].reshape(batch, -1)
+        np.multiply(block_ids[:, None], self.num_kv_heads, out=slot_rows)
+        slot_rows += self._heads
+        slot_rows *= block_size
+        slot_rows += offsets[:, None]
         self.device_buffer.copy_(self._staging[slot], non_blocking=True)
         if self.device.type == "cuda":
             event = self._events[slot] or torch.cuda.Event()
@@ -273,23 +276,31 @@ class SlotBuffers:
         self._turn = (slot + 1) % len(self._staging)
 
     def region(self, region: int, count: int) -> torch.Tensor:
-        return self.device_buffer[self._at(region, count)]
+        key = (region, count)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.device_buffer[self._at(region, count)]
+        return view
 
     def slots(self, batch: int, num_rows: int) -> TransactionSlots:
-        start = self.NUM_REGIONS * self.capacity
-        return TransactionSlots(
-            batch=batch,
-            num_rows=num_rows,
-            num_tokens=batch,
-            generation=self.generation,
-            positions=self.region(self.POSITIONS, num_rows),
-            block_ids=self.region(self.BLOCK_IDS, num_rows),
-            offsets=self.region(self.OFFSETS, num_rows),
-            seq_lens=self.region(self.SEQ_LENS, num_rows),
-            seq_lens_after=self.region(self.SEQ_LENS_AFTER, num_rows),
-            slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
-            block_tables=self.tables[:num_rows],
-        )
+        key = ("slots", batch, num_rows)
+        slots = self._views.get(key)
+        if slots is None:
+            start = self.NUM_REGIONS * self.capacity
+            slots = self._views[key] = TransactionSlots(
+                batch=batch,
+                num_rows=num_rows,
+                num_tokens=batch,
+                generation=self.generation,
+                positions=self.region(self.POSITIONS, num_rows),
+                block_ids=self.region(self.BLOCK_IDS, num_rows),
+                offsets=self.region(self.OFFSETS, num_rows),
+                seq_lens=self.region(self.SEQ_LENS, num_rows),
+                seq_lens_after=self.region(self.SEQ_LENS_AFTER, num_rows),
+                slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
+                block_tables=self.tables[:num_rows],
+            )
+        return slots
 
 
 class OpenTransaction:

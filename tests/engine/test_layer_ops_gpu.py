@@ -1,5 +1,5 @@
-"""The cache on a real GPU (``gpu`` marker; skipped without CUDA): the three write backends agree,
-and the per-layer write path never synchronises with the host."""
+"""Layer operations on a real GPU (``gpu`` marker): the three write backends agree through the
+cache's writer hook, and the per-layer write path never synchronises with the host."""
 
 from __future__ import annotations
 
@@ -9,7 +9,23 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
+from flashdec.engine.layer_ops import Rope, write_plain_layer, write_rope_layer
 from tests.cache.util import kernels_or_skip
+
+ROPE = Rope(rotary_dim=128)
+
+
+def rope_write(cache, tx, layer, q, k, v, backend):
+    return cache.write_token_layer_with(
+        tx, layer, lambda kl, vl, slots: write_rope_layer(backend, ROPE, q, k, v, kl, vl, slots)
+    )
+
+
+def plain_write(cache, tx, layer, k, v, backend):
+    return cache.write_token_layer_with(
+        tx, layer, lambda kl, vl, slots: write_plain_layer(backend, k, v, kl, vl, slots)
+    )
+
 
 pytestmark = pytest.mark.gpu
 
@@ -48,10 +64,7 @@ def test_backends_agree_on_cuda(dtype):
         txs = {b: c.begin_token(batch) for b, c in caches.items()}
         for layer in range(4):
             q, k, v = _inputs(step, layer, len(batch), dtype)
-            outs = {
-                b: c.write_token_layer_rope(txs[b], layer, q, k, v, append_backend=b)
-                for b, c in caches.items()
-            }
+            outs = {b: rope_write(c, txs[b], layer, q, k, v, b) for b, c in caches.items()}
             for b in ("triton", "fused"):
                 torch.testing.assert_close(outs[b], outs["torch"], atol=1.6e-2, rtol=1.6e-2)
         for b, c in caches.items():
@@ -72,7 +85,7 @@ def test_write_path_never_syncs():
         tx = cache.begin_token(batch)
         for layer in range(4):
             q, k, v = _inputs(0, layer, 6, torch.float16)
-            cache.write_token_layer_rope(tx, layer, q, k, v, append_backend=backend)
+            rope_write(cache, tx, layer, q, k, v, backend)
         cache.abort_token(tx)
     torch.cuda.synchronize()
     for backend in BACKENDS:
@@ -83,10 +96,10 @@ def test_write_path_never_syncs():
         try:
             for layer, (q, k, v) in enumerate(inputs):
                 if backend == "fused" or layer % 2:
-                    cache.write_token_layer_rope(tx, layer, q, k, v, append_backend=backend)
+                    rope_write(cache, tx, layer, q, k, v, backend)
                 else:
                     plain = "torch" if backend == "torch" else "triton"
-                    cache.write_token_layer(tx, layer, k, v, append_backend=plain)
+                    plain_write(cache, tx, layer, k, v, plain)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         cache.commit_token(tx)
@@ -110,7 +123,7 @@ def test_host_overhead_of_a_token(capsys):
             tx = cache.begin_token(batch)
             t1 = time.perf_counter()
             for layer in range(32):
-                cache.write_token_layer_rope(tx, layer, q, k, k, append_backend=backend)
+                rope_write(cache, tx, layer, q, k, k, backend)
             t2 = time.perf_counter()
             cache.commit_token(tx)
             t3 = time.perf_counter()
