@@ -11,8 +11,10 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, cwd: Path = ROOT) -> str:
     try:
         return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -74,6 +76,92 @@ def environment() -> dict[str, Any]:
         "triton": module_version("triton"),
         "flashinfer": module_version("flashinfer"),
     }
+
+
+def use_interpreter_without_gpu() -> bool:
+    """``--smoke`` runs on a CPU-only machine go through Triton's interpreter; the variable must
+    be set before Triton is first imported. Returns whether a GPU is present."""
+    if torch.cuda.is_available():
+        return True
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return False
+
+
+def import_flashdec(root: str | None) -> tuple[Any, dict[str, str]]:
+    """Import ``flashdec`` from ``root`` (e.g. an unpacked copy of an earlier commit's package,
+    to measure before and after in one GPU session) or from this tree; returns the module and
+    where it came from (path, and the commit when ``root`` is a git checkout or
+    ``FLASHDEC_ROOT_COMMIT`` names it)."""
+    if "flashdec" in sys.modules:
+        raise RuntimeError("import_flashdec must run before anything imports flashdec")
+    if root:
+        sys.path.insert(0, str(Path(root).resolve()))
+    import flashdec
+
+    origin = Path(flashdec.__file__).resolve().parent.parent
+    if not root:
+        commit = git_commit()
+    elif os.environ.get("FLASHDEC_ROOT_COMMIT"):
+        commit = os.environ["FLASHDEC_ROOT_COMMIT"]
+    elif (origin / ".git").exists():
+        commit = _git("rev-parse", "--short=12", "HEAD", cwd=origin)
+    else:
+        commit = "unknown (set FLASHDEC_ROOT_COMMIT)"
+    return flashdec, {"path": str(origin), "commit": commit}
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_us_per_call(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    *,
+    calls: int = 200,
+    repeats: int = 7,
+    warmup: int = 20,
+    setup: Callable[[], Any] | None = None,
+) -> float:
+    """Wall time per call as a user sees it: ``calls`` back-to-back calls, synchronised once at
+    the end, divided by ``calls``; the median of ``repeats`` such runs. ``setup`` (untimed) runs
+    before the warm-up and before each repeat (e.g. to provide fresh tensors)."""
+    if setup is not None:
+        setup()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def host_us_per_call(
+    fn: Callable[[], Any], device: torch.device | str, *, calls: int = 2000, block: int = 50
+) -> float:
+    """Median host time of one call, with no synchronisation per call: calls are timed one by
+    one in blocks of ``block``, and the device is drained (untimed) between blocks so that the
+    launch queue never fills and blocks the host."""
+    for _ in range(min(block, calls)):
+        fn()
+    times = []
+    clock = time.perf_counter_ns
+    for _ in range(max(1, calls // block)):
+        sync(device)
+        for _ in range(block):
+            start = clock()
+            fn()
+            times.append(clock() - start)
+    sync(device)
+    return statistics.median(times) / 1000.0
 
 
 def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -173,6 +261,7 @@ def bar_plot(
     ylabel: str,
     title: str,
     hline: float | None = None,
+    log: bool = False,
 ) -> Path | None:
     """Grouped bar chart (matplotlib, Agg); returns None when matplotlib is missing."""
     try:
@@ -192,6 +281,8 @@ def bar_plot(
         ax.bar(xs, ys, width=width, label=name)
     if hline is not None:
         ax.axhline(hline, color="gray", linestyle="--", linewidth=1)
+    if log:
+        ax.set_yscale("log")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
@@ -202,6 +293,28 @@ def bar_plot(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def attach_before(
+    rows: list[dict[str, Any]],
+    before_path: str | Path | None,
+    key: Sequence[str],
+    fields: Sequence[str],
+) -> dict[str, Any] | None:
+    """Copy ``fields`` of the matching rows (same ``key`` values) of an earlier run's JSON into
+    ``rows`` as ``before_<field>``; returns that run's environment, its label and the commit of
+    the flashdec it measured (None without a file)."""
+    if not before_path:
+        return None
+    before = json.loads(Path(before_path).read_text())
+    index = {tuple(r.get(k) for k in key): r for r in before["rows"]}
+    for row in rows:
+        match = index.get(tuple(row.get(k) for k in key))
+        for field in fields:
+            row[f"before_{field}"] = match.get(field) if match else None
+    env = before.get("environment", {})
+    measured = before.get("flashdec", {}).get("commit", env.get("commit"))
+    return {**env, "label": before.get("label"), "commit": measured}
 
 
 def geomean(values: Sequence[float]) -> float | None:

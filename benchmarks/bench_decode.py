@@ -66,8 +66,8 @@ def cases() -> list[tuple[str, list[int]]]:
 class Case:
     """One problem: a random paged cache, its block table and FlashInfer's page arrays."""
 
-    def __init__(self, lens, hq, hkv, d, page, dtype, seed=0):
-        dev = torch.device("cuda")
+    def __init__(self, lens, hq, hkv, d, page, dtype, seed=0, device="cuda"):
+        dev = self.device = torch.device(device)
         torch.manual_seed(seed)
         self.lens_list = lens
         self.batch = len(lens)
@@ -99,7 +99,7 @@ class Case:
             self.page,
             self.max_len,
             self.dtype,
-            "cuda",
+            self.device,
             total_tokens=sum(self.lens_list),
             **overrides,
         )
@@ -144,7 +144,7 @@ class Case:
         length = idx.shape[1] * self.page
         mask = None
         if not uniform:
-            mask = torch.arange(length, device="cuda")[None, :] < self.lens[:, None]
+            mask = torch.arange(length, device=self.device)[None, :] < self.lens[:, None]
             mask = mask[:, None, None, :]
 
         def run():

@@ -120,7 +120,7 @@ def precompile(jobs: list[tuple], dtype_name: str, workers: int) -> None:
 
 def compiled_variants() -> list[dict]:
     """Registers, spills and shared memory of every compiled decode kernel variant."""
-    from flashdec.kernels.decode import _decode_kernel
+    from flashdec.kernels.paged_decode import _decode_kernel
 
     out = []
     for cache in getattr(_decode_kernel, "device_caches", {}).values():

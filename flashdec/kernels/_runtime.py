@@ -179,16 +179,16 @@ class Launcher:
             return
         device = _current_device()
         ptrs = [t.data_ptr() for t in tensors]
-        misaligned = 0
+        low_bits = 0  # all pointers 16-byte aligned (the common case) iff the OR is
         for ptr in ptrs:
-            misaligned |= ptr
+            low_bits |= ptr
         key = (
             device,
             constexprs,
             num_warps,
             num_stages,
             tuple([t.dtype for t in tensors]),
-            misaligned % 16 == 0 or tuple([p % 16 == 0 for p in ptrs]),
+            low_bits % 16 == 0 or tuple([p % 16 == 0 for p in ptrs]),
             scalars,
         )
         compiled = self._by_value.get(key)
@@ -227,7 +227,3 @@ class Launcher:
             self._by_class.clear()
         compiled = self._by_class[key] = _Compiled(kernel)
         return compiled, True
-
-    def clear(self) -> None:
-        self._by_class.clear()
-        self._by_value.clear()

@@ -206,7 +206,9 @@ def _fused_rope_kv_append_kernel(
 _KV_APPEND = Launcher(_kv_append_kernel)
 _FUSED = Launcher(_fused_rope_kv_append_kernel)
 _INV_FREQ: dict[tuple[torch.device, int, float], torch.Tensor] = {}
-_CONSTEXPRS: dict[tuple, tuple] = {}
+# constexprs per head configuration, built once (the launchers run once per layer per step)
+_APPEND_CONSTEXPRS: dict[tuple, tuple] = {}
+_FUSED_CONSTEXPRS: dict[tuple, tuple] = {}
 
 
 def _base_inv_freq(device: torch.device, rotary_dim: int, base: float) -> torch.Tensor:
@@ -233,9 +235,9 @@ def launch_kv_append(
     if batch == 0:
         return
     key = (num_kv_heads, head_dim)
-    consts = _CONSTEXPRS.get(key)
+    consts = _APPEND_CONSTEXPRS.get(key)
     if consts is None:
-        consts = _CONSTEXPRS[key] = (
+        consts = _APPEND_CONSTEXPRS[key] = (
             num_kv_heads,
             head_dim,
             next_power_of_2(num_kv_heads),
@@ -278,9 +280,9 @@ def launch_fused_rope_kv_append(
     if inv_freq is None:
         inv_freq = _base_inv_freq(q.device, rotary_dim, base)
     key = (num_q_heads, num_kv_heads, head_dim, rotary_dim)
-    consts = _CONSTEXPRS.get(key)
+    consts = _FUSED_CONSTEXPRS.get(key)
     if consts is None:
-        consts = _CONSTEXPRS[key] = (
+        consts = _FUSED_CONSTEXPRS[key] = (
             num_q_heads,
             num_kv_heads,
             head_dim,

@@ -32,7 +32,7 @@ from flashdec.kernels._runtime import Launcher, next_power_of_2
 
 # stands for "no value" in the min/max reductions (ids and lengths are far smaller)
 _BIG = tl.constexpr(2**62)
-_STATS_WIDTH = 8  # int64 slots per program in the stats output
+_STATS_WIDTH = tl.constexpr(8)  # int64 slots per program in the stats output
 _MAX_PROGRAMS = 16  # enough to spread a large table; few rows to read back and reduce
 _DECODE_TILE = 1024  # table entries per loop step of one program
 _APPEND_COLS = 64
@@ -78,7 +78,7 @@ def _decode_metadata_kernel(
             ids = tl.load(rows + offs_c[None, :] * stride_tn, mask=m, other=0).to(tl.int64)
             id_min = tl.minimum(id_min, tl.where(m, ids, _BIG))
             id_max = tl.maximum(id_max, tl.where(m, ids, -_BIG))
-    out = out_ptr + pid * 8
+    out = out_ptr + pid * _STATS_WIDTH
     tl.store(out, tl.min(len_min, 0))
     tl.store(out + 1, tl.max(len_max, 0))
     tl.store(out + 2, tl.sum(len_sum, 0))
@@ -133,7 +133,7 @@ def _append_metadata_kernel(
             same = same & valid_r[:, None] & valid_c[None, :]
             same = same & (offs_r[:, None] != offs_c[None, :])
             dups += tl.sum(same.to(tl.int32), 1)
-    out = out_ptr + pid * 8
+    out = out_ptr + pid * _STATS_WIDTH
     tl.store(out, tl.min(id_min, 0))
     tl.store(out + 1, tl.max(id_max, 0))
     tl.store(out + 2, tl.min(off_min, 0))
@@ -158,7 +158,7 @@ def decode_metadata_stats(
         return PagedDecodeStats(0, 0, 0, None, None)
     rows = _rows_per_program(dims.batch, 16)
     programs = min(triton.cdiv(dims.batch, rows), _MAX_PROGRAMS)
-    out = torch.empty(programs, _STATS_WIDTH, dtype=torch.int64, device=seq_lens.device)
+    out = torch.empty(programs, _STATS_WIDTH.value, dtype=torch.int64, device=seq_lens.device)
     _DECODE_METADATA(
         programs,
         (block_tables, seq_lens, out),
@@ -193,7 +193,7 @@ def append_metadata_stats(
     batch = block_ids.shape[0]
     rows = _rows_per_program(batch, 32)
     programs = min(triton.cdiv(batch, rows), _MAX_PROGRAMS)
-    out = torch.empty(programs, _STATS_WIDTH, dtype=torch.int64, device=block_ids.device)
+    out = torch.empty(programs, _STATS_WIDTH.value, dtype=torch.int64, device=block_ids.device)
     has_positions = positions is not None
     pos = positions if has_positions else block_ids  # a stand-in pointer, never read
     _APPEND_METADATA(

@@ -331,9 +331,7 @@ def test_gpu_repeated_calls_take_the_cached_launch_and_stay_correct():
     for splits in (1, 5):
         plan = plan_decode(3, 16, 4, 128, 16, 3000, dtype, "cuda", num_splits=splits)
         ws = plan.allocate_workspace()
-        decode(_q(3, 16, 128, dtype, "cuda"), k, v, tables, lens, workspace=ws)  # compiles
-        compiled = (len(paged_decode._DECODE._by_class), len(paged_decode._MERGE._by_class))
-        for seed in range(3):
+        for seed in range(4):
             # new q and out tensors each call (new pointers, passed as ints) and the workspace's
             # own buffers: the cached launch must see every one of them
             q = _q(3, 16, 128, dtype, "cuda", seed=seed + 2)
@@ -343,10 +341,10 @@ def test_gpu_repeated_calls_take_the_cached_launch_and_stay_correct():
             _assert_close(out, dense_decode_attention_ref(q, kd, vd, lens))
             _assert_close(decode(q, k, v, tables, lens, workspace=ws), out)
             _assert_close(decode(q, k, v, tables, lens), out)  # eager, no workspace
-        assert compiled == (
-            len(paged_decode._DECODE._by_class),
-            len(paged_decode._MERGE._by_class),
-        )  # no new compile-key entries
+            counts = (len(paged_decode._DECODE._by_class), len(paged_decode._MERGE._by_class))
+            if seed == 0:
+                compiled = counts  # everything is compiled by the first round
+        assert counts == compiled  # later rounds found their kernels in the launch cache
 
 
 @pytest.mark.gpu
