@@ -15,12 +15,13 @@ import torch
 
 
 class DeviceTables:
-    """Rows of device block tables handed out to requests; grows by doubling."""
+    """Rows of device block tables handed out to requests; grows by doubling. int64, like the
+    slot buffers, so writes and gathers need no index conversion."""
 
     def __init__(self, width: int, device: torch.device, rows: int = 16) -> None:
         self.width = width
         self.device = device
-        self.tensor = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.tensor = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self._free = list(range(rows - 1, -1, -1))
 
     @property
@@ -32,7 +33,7 @@ class DeviceTables:
         if not self._free:
             old = self.tensor
             rows = old.shape[0]
-            self.tensor = torch.zeros(2 * rows, self.width, dtype=torch.int32, device=self.device)
+            self.tensor = torch.zeros(2 * rows, self.width, dtype=torch.int64, device=self.device)
             self.tensor[:rows] = old
             self._free = list(range(2 * rows - 1, rows - 1, -1))
         return self._free.pop()
@@ -40,11 +41,10 @@ class DeviceTables:
     def release(self, row: int) -> None:
         self._free.append(row)
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
-        """``tensor[rows[i], cols[i]] = values[i]`` on the device (int32 index tensors)."""
-        if rows.numel():
-            self.tensor.index_put_((rows.long(), cols.long()), values)
+    def write(self, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+        """``tensor.view(-1)[flat_index[i]] = values[i]`` (``flat = row * width + column``)."""
+        self.tensor.view(-1).index_copy_(0, flat_index, values)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The rows ``rows`` (int32 or int64 indices) into ``out`` ``[len(rows), width]``."""
+        """The rows ``rows`` (int64 indices) into ``out`` ``[len(rows), width]``."""
         return torch.index_select(self.tensor, 0, rows, out=out)

@@ -47,6 +47,9 @@ T = TypeVar("T")
 LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
+_NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
     return ("request", request_id)
 
@@ -93,8 +96,8 @@ class _Reservation:
     def __init__(self, records: list[RequestRecord], counts: list[int]) -> None:
         self.records = records
         self.counts = counts
-        self.positions: np.ndarray | None = None  # [T] int32
-        self.block_ids: np.ndarray | None = None  # [T] int32
+        self.positions: np.ndarray | None = None  # [T] int64
+        self.block_ids: np.ndarray | None = None  # [T] int64
         self.reserved: dict[RequestId, list[int]] = {}
         # device-table writes (row, logical block, block id) and, per request, the view's
         # (committed table row, committed blocks, reserved blocks)
@@ -163,9 +166,10 @@ class PagedKVCache:
         self._dtype = dtype
 
         shape = (num_layers, max_blocks, num_kv_heads, block_size, head_dim)
-        # zero-filled so never-written slots hold finite numbers
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # one allocation for K and V (zero-filled so never-written slots hold finite numbers):
+        # the abort backup of a token's slots is then one gather over both
+        self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.k_cache, self.v_cache = self._kv[0], self._kv[1]
         self._device = self.k_cache.device
         self._layers = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
 
@@ -248,9 +252,9 @@ class PagedKVCache:
         tx = self._tx.open
         return None if tx is None else tx.transaction_id
 
-    def _slot_rows_view(self, storage: torch.Tensor) -> torch.Tensor:
-        """``[L, blocks * Hkv * block_size, D]`` view of a (contiguous) K or V storage tensor."""
-        return storage.view(self._num_layers, -1, self._head_dim)
+    def _slot_rows_view(self) -> torch.Tensor:
+        """``[2 * L, blocks * Hkv * block_size, D]``: K then V storage as rows of head_dim."""
+        return self._kv.view(2 * self._num_layers, -1, self._head_dim)
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[max_blocks, Hkv, block_size, D]`` of one layer's K and V."""
@@ -437,15 +441,15 @@ class PagedKVCache:
         except BaseException:
             self._release(plan.reserved)
             raise
-        plan.positions = np.asarray(positions, dtype=np.int32)
-        plan.block_ids = np.asarray(block_ids, dtype=np.int32)
+        plan.positions = np.asarray(positions, dtype=np.int64)
+        plan.block_ids = np.asarray(block_ids, dtype=np.int64)
 
     def _take_one_each(self, plan: _Reservation) -> None:
         """``_take`` for one token per request (the decode step's hot path)."""
         bs = self._block_size
         num = len(plan.records)
-        positions = np.empty(num, dtype=np.int32)
-        block_ids = np.empty(num, dtype=np.int32)
+        positions = np.empty(num, dtype=np.int64)
+        block_ids = np.empty(num, dtype=np.int64)
         allocate = self._allocator.allocate
         try:
             for i, rec in enumerate(plan.records):
@@ -482,29 +486,37 @@ class PagedKVCache:
         self._pending_updates = []
         return updates
 
+    def _flat_updates(self, updates: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Device-table writes ``(row, logical block, block id)`` as flat indices and values."""
+        if not updates:
+            return _NO_UPDATES
+        arr = np.asarray(updates, dtype=np.int64)
+        return arr[:, 0] * self._max_blocks_per_seq + arr[:, 1], arr[:, 2]
+
     def _fresh_slots(self, plan: _Reservation, with_tables: bool) -> TransactionSlots:
         """Device metadata in new tensors (prompt imports, legacy append)."""
         positions, block_ids = plan.positions, plan.block_ids
         bs, hkv = self._block_size, self._num_kv_heads
         offsets = positions % bs
-        starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int32)
-        after = starts + np.asarray(plan.counts, dtype=np.int32)
+        starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int64)
+        after = starts + np.asarray(plan.counts, dtype=np.int64)
         heads = np.arange(hkv, dtype=np.int64)
         slot_rows = (block_ids.astype(np.int64)[:, None] * hkv + heads) * bs + offsets[:, None]
-        updates = np.asarray(self._flush_updates(plan), dtype=np.int32).reshape(-1, 3)
-        rows = np.asarray([rec.row for rec in plan.records], dtype=np.int32)
-        t, b, u = positions.shape[0], starts.shape[0], updates.shape[0]
+        flat, values = self._flat_updates(self._flush_updates(plan))
+        rows = np.asarray([rec.row for rec in plan.records], dtype=np.int64)
+        t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
         host = np.concatenate(
-            [positions, block_ids, offsets, starts, after, rows, updates.T.reshape(-1),
-             slot_rows.reshape(-1).astype(np.int32)]
+            [positions, block_ids, offsets, starts, after, rows, flat, values,
+             slot_rows.reshape(-1)], dtype=np.int64,
         )  # fmt: skip
         dev = torch.from_numpy(host).to(self._device)
-        cuts = np.cumsum([t, t, t, b, b, b, u, u, u])
+        cuts = np.cumsum([t, t, t, b, b, b, u, u])
         parts = torch.tensor_split(dev, cuts.tolist())
-        self._tables.write(parts[6], parts[7], parts[8])
+        if u:
+            self._tables.write(parts[6], parts[7])
         tables = None
         if with_tables:
-            tables = torch.empty(b, self._max_blocks_per_seq, dtype=torch.int32, device=dev.device)
+            tables = torch.empty(b, self._max_blocks_per_seq, dtype=torch.int64, device=dev.device)
             self._tables.gather(parts[5], out=tables)
         return TransactionSlots(
             batch=b,
@@ -516,7 +528,7 @@ class PagedKVCache:
             offsets=parts[2],
             seq_lens=parts[3],
             seq_lens_after=parts[4],
-            slot_rows=parts[9],
+            slot_rows=parts[8],
             block_tables=tables,
         )
 
@@ -529,24 +541,21 @@ class PagedKVCache:
             buffers = self._slot_buffers = SlotBuffers(
                 capacity, self._num_kv_heads, self._max_blocks_per_seq, self._device, generation
             )
-        updates = self._flush_updates(plan)
-        if len(updates) > buffers.capacity:  # a long prefix attached since the last step
-            extra = torch.tensor(updates, dtype=torch.int32).T.to(self._device)
-            self._tables.write(extra[0], extra[1], extra[2])
-            updates = []
-        upd = np.asarray(updates, dtype=np.int32).reshape(-1, 3).T
-        rows = np.fromiter(
-            (rec.row for rec in plan.records), dtype=np.int32, count=len(plan.records)
-        )
-        buffers.upload(plan.positions, plan.block_ids, rows, (upd[0], upd[1], upd[2]),
-                       self._block_size, num_rows)  # fmt: skip
-        count = upd.shape[1]
-        self._tables.write(
-            buffers.region(buffers.UPDATE_ROWS, count),
-            buffers.region(buffers.UPDATE_COLS, count),
-            buffers.region(buffers.UPDATE_VALUES, count),
-        )
-        slots = buffers.slots(len(plan.records), num_rows)
+        flat, values = self._flat_updates(self._flush_updates(plan))
+        if flat.shape[0] > buffers.capacity:  # a long prefix attached since the last step
+            self._tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
+            flat, values = _NO_UPDATES
+        num = len(plan.records)
+        rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
+        buffers.upload(plan.positions, plan.block_ids, rows, (flat, values), self._block_size,
+                       num_rows)  # fmt: skip
+        count = flat.shape[0]
+        if count:
+            self._tables.write(
+                buffers.region(buffers.UPDATE_INDEX, count),
+                buffers.region(buffers.UPDATE_VALUE, count),
+            )
+        slots = buffers.slots(num, num_rows)
         self._tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
         return slots
 
@@ -647,10 +656,11 @@ class PagedKVCache:
         self, rids: list[RequestId], plan: _Reservation, slots: TransactionSlots
     ) -> TokenTransactionView:
         starts = np.fromiter((rec.seq_len for rec in plan.records), np.int32, len(plan.records))
+        positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
         host = {
-            "positions": plan.positions,
-            "block_ids": plan.block_ids,
-            "offsets": plan.positions % self._block_size,
+            "positions": positions,
+            "block_ids": plan.block_ids.astype(np.int32),
+            "offsets": positions % self._block_size,
             "seq_lens": starts,
             "seq_lens_after": starts + np.asarray(plan.counts, dtype=np.int32),
         }
@@ -658,9 +668,8 @@ class PagedKVCache:
             self._tx.next_id(), self._version + 1, tuple(rids), plan.counts, plan.reserved,
             slots, host, plan.table_rows,
         )  # fmt: skip
-        if self._restore_on_abort:  # [L, T * Hkv, D] old bytes of the reserved slots
-            tx.backup_k = self._slot_rows_view(self.k_cache).index_select(1, slots.slot_rows)
-            tx.backup_v = self._slot_rows_view(self.v_cache).index_select(1, slots.slot_rows)
+        if self._restore_on_abort:  # [2L, T * Hkv, D] old K and V bytes of the reserved slots
+            tx.backup = self._slot_rows_view().index_select(1, slots.slot_rows)
         view = tx.view(TransactionState.OPEN, tx.cache_version, self._max_blocks_per_seq,
                        self._device)  # fmt: skip
         self._tx.start(tx)
@@ -779,10 +788,8 @@ class PagedKVCache:
         version = self._version + 1
         view = open_tx.view(TransactionState.ABORTED, version, self._max_blocks_per_seq,
                             self._device)  # fmt: skip
-        if open_tx.backup_k is not None and open_tx.next_layer > 0:
-            rows = open_tx.slots.slot_rows.long()  # index_copy_ wants int64; abort is rare
-            self._slot_rows_view(self.k_cache).index_copy_(1, rows, open_tx.backup_k)
-            self._slot_rows_view(self.v_cache).index_copy_(1, rows, open_tx.backup_v)
+        if open_tx.backup is not None and open_tx.next_layer > 0:
+            self._slot_rows_view().index_copy_(1, open_tx.slots.slot_rows, open_tx.backup)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version

@@ -307,8 +307,7 @@ class OpenTransaction:
     """Everything the cache keeps for the one open transaction."""
 
     __slots__ = (
-        "backup_k",
-        "backup_v",
+        "backup",
         "cache_version",
         "counts",
         "host",
@@ -340,8 +339,7 @@ class OpenTransaction:
         self.host = host  # host copies of positions, block_ids, offsets, seq_lens, seq_lens_after
         self.table_rows = table_rows
         self.next_layer = 0  # layers [0, next_layer) are written
-        self.backup_k: torch.Tensor | None = None  # old bytes of the reserved slots, for abort
-        self.backup_v: torch.Tensor | None = None
+        self.backup: torch.Tensor | None = None  # old K and V bytes of the slots, for abort
 
     def view(
         self, state: TransactionState, cache_version: int, width: int, device: torch.device
