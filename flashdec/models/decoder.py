@@ -13,6 +13,7 @@ SiLU × up); elsewhere, and whenever ``fused_kernels=False``, it is transformers
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,31 @@ KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding ``linears``' rows back to back; each module's parameters
+    become views of it, so the model keeps working and no weight exists twice (each old tensor
+    is freed as soon as its rows are copied)."""
+    weights = [lin.weight for lin in linears]
+    out_rows = sum(w.shape[0] for w in weights)
+    fused = torch.empty(out_rows, weights[0].shape[1], dtype=weights[0].dtype,
+                        device=weights[0].device)  # fmt: skip
+    has_bias = [lin.bias is not None for lin in linears]
+    fused_bias = None
+    if any(has_bias):
+        fused_bias = torch.zeros(out_rows, dtype=weights[0].dtype, device=weights[0].device)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        with torch.no_grad():
+            fused[start : start + rows].copy_(lin.weight)
+            lin.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+            if fused_bias is not None and lin.bias is not None:
+                fused_bias[start : start + rows].copy_(lin.bias)
+                lin.bias = nn.Parameter(fused_bias[start : start + rows], requires_grad=False)
+        start += rows
+    return fused, fused_bias
+
+
 @dataclass(frozen=True)
 class _Layer:
     """References to one decoder layer's modules (the model's own parameters)."""
@@ -46,6 +72,18 @@ class _Layer:
     o_proj: nn.Linear
     post_norm: nn.Module
     mlp: nn.Module
+    # with fused weights: q|k|v and gate|up rows in one tensor each (the modules hold views)
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up_weight: torch.Tensor | None = None
+
+    def fused(self) -> _Layer:
+        """This layer with its q/k/v and gate/up weights fused (see :func:`_fuse_linears`)."""
+        if self.qkv_weight is not None:
+            return self
+        qkv, qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
+        gate_up, _ = _fuse_linears((self.mlp.gate_proj, self.mlp.up_proj))
+        return dataclasses.replace(self, qkv_weight=qkv, qkv_bias=qkv_bias, gate_up_weight=gate_up)
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Layer:
@@ -76,22 +114,38 @@ class DecoderAdapter:
             place: the adapter holds references to its modules, never copies of weights.
         fused_kernels: use FlashDec's Triton residual+RMSNorm and SiLU×up kernels. Default: on
             when the model is on CUDA. ``False`` runs transformers' own modules (the exact path).
+        fuse_weights: store each layer's q/k/v projections, and its gate/up projections, as one
+            tensor each (one GEMM instead of three and two) — the model's parameters are
+            re-pointed at views of them, so memory does not grow and the model still runs.
+            Default: on when the model is on CUDA (the CPU path keeps the layout untouched).
 
     Raises:
         TypeError: ``model`` is not a transformers model.
         ValueError: an unsupported architecture or feature, each one named.
     """
 
-    def __init__(self, model: PreTrainedModel, *, fused_kernels: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        fused_kernels: bool | None = None,
+        fuse_weights: bool | None = None,
+    ) -> None:
         self.spec: ModelSpec = model_spec(model)
-        if fused_kernels is None:
-            fused_kernels = self.spec.device.type == "cuda"
-        if not isinstance(fused_kernels, bool):
-            raise TypeError(f"fused_kernels must be a bool or None, got {fused_kernels!r}")
+        on_cuda = self.spec.device.type == "cuda"
+        fused_kernels = on_cuda if fused_kernels is None else fused_kernels
+        fuse_weights = on_cuda if fuse_weights is None else fuse_weights
+        for name, value in (("fused_kernels", fused_kernels), ("fuse_weights", fuse_weights)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {value!r}")
         self.model = model
         self.fused_kernels = fused_kernels
+        self.fuse_weights = fuse_weights
         self._embed = model.model.embed_tokens
-        self._layers = tuple(_Layer.of(layer) for layer in model.model.layers)
+        layers = [_Layer.of(layer) for layer in model.model.layers]
+        if fuse_weights:
+            layers = [layer.fused() for layer in layers]
+        self._layers = tuple(layers)
         self._final_norm = model.model.norm
         self._lm_head = model.lm_head
 
@@ -122,9 +176,16 @@ class DecoderAdapter:
         """Projections of normed ``x [N, hidden]`` to ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``
         (q/k normed per head for Qwen3), not rotated."""
         spec, n = self.spec, x.shape[0]
-        q = _linear(x, layer.q_proj).view(n, spec.num_q_heads, spec.head_dim)
-        k = _linear(x, layer.k_proj).view(n, spec.num_kv_heads, spec.head_dim)
-        v = _linear(x, layer.v_proj).view(n, spec.num_kv_heads, spec.head_dim)
+        hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+        if layer.qkv_weight is not None:  # one GEMM; q, k, v are strided views of its output
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q = qkv[:, : hq * d].view(n, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        else:
+            q = _linear(x, layer.q_proj).view(n, hq, d)
+            k = _linear(x, layer.k_proj).view(n, hkv, d)
+            v = _linear(x, layer.v_proj).view(n, hkv, d)
         if layer.q_norm is not None:
             q = self._head_norm(layer.q_norm, q)
             k = self._head_norm(layer.k_norm, k)
@@ -134,7 +195,10 @@ class DecoderAdapter:
         if not self.fused_kernels:
             return layer.mlp(x)
         mlp = layer.mlp
-        act = silu_and_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj))
+        if layer.gate_up_weight is not None:
+            act = silu_and_mul(F.linear(x, layer.gate_up_weight))
+        else:
+            act = silu_and_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj))
         return _linear(act, mlp.down_proj)
 
     def _layers_forward(

@@ -114,3 +114,23 @@ def test_llama_with_every_bias(fused):
     prompts = _prompts(config.vocab_size, lens=(5, 12))
     ours = flashdec_greedy(DecoderAdapter(model, fused_kernels=fused), prompts, 8)
     assert ours == hf_greedy(model, prompts, 8)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
+def test_fused_weights_keep_the_tokens_and_the_memory(name):
+    """q/k/v and gate/up fused into one tensor each: the model's own parameters become views of
+    them (no weight stored twice), transformers still runs the model, the tokens are unchanged."""
+    model = build_random_model(name, dtype=torch.float32, device="cpu", seed=0)
+    before = sum(p.numel() for p in model.parameters())
+    adapter = DecoderAdapter(model, fuse_weights=True)
+    layer = adapter._layers[0]
+    attn = model.model.layers[0].self_attn
+    storage = layer.qkv_weight.untyped_storage().data_ptr()
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == storage
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}  # fmt: skip
+    assert sum(storages.values()) == before * 4  # every parameter stored exactly once
+    prompts = _prompts(model.config.vocab_size)
+    assert flashdec_greedy(adapter, prompts, MAX_NEW_TOKENS) == _hf_tokens(name)
+    assert hf_greedy(model, prompts, MAX_NEW_TOKENS) == _hf_tokens(name)  # the model still works
