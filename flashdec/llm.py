@@ -273,12 +273,16 @@ class LLM:
         self.loop.submit(RequestSpec(rid, len(ids), max(1, max_new_tokens - 1), rid))
         return rid
 
-    def step(self) -> LoopStep:
-        """One serving-loop step: admit, import prompts, decode one token for the batch."""
+    def step(self) -> LoopStep | None:
+        """One serving-loop step: admit, import prompts, decode one token for the batch. When
+        nothing runs but the last step's tokens are still on their way, collect them (None)."""
+        if self.loop.idle:
+            self._runner.collect()
+            return None
         return self.loop.step()
 
     def has_unfinished(self) -> bool:
-        return not self.loop.idle
+        return not self.loop.idle or self._runner.pending is not None
 
     def output(self, request_id) -> list[int]:
         """The tokens generated so far for ``request_id`` (the prompt excluded)."""
@@ -339,8 +343,10 @@ class LLM:
             while not self.loop.idle:
                 self.loop.step()
                 steps += 1
+            self._runner.collect()
         finally:
             self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
+            self._runner.pending = None
             self._runner.set_sampling(SamplingParams())
         elapsed = _now(self.adapter.spec.device) - start
         requests = [self._runner.requests.pop(rid) for rid in rids]
@@ -383,29 +389,52 @@ def _now(device: torch.device | None = None) -> float:
 
 
 class _ModelRunner:
-    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling."""
+    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling.
+
+    Tokens stay on the device between steps: each request's last token sits in ``last_tokens``
+    at its cache request slot, the decode forward gathers its inputs from there (inside the
+    graph) and the step's choices are scattered back. The host reads a step's tokens only after
+    the *next* step is launched, so its bookkeeping (scheduling, the next ``begin_step``) overlaps
+    the GPU's work. A request that produced EOS is therefore seen one step late: the token
+    computed meanwhile is dropped.
+    """
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.engine = llm.engine
         self.adapter = llm.adapter
         self.spec = llm.adapter.spec
+        device = self.spec.device
         self.eos = frozenset(self.spec.eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self.sampling = SamplingParams()
         self.generator: torch.Generator | None = None
         self.graph_replays = 0
-        # CUDA graphs: buckets of batch sizes, their static inputs, warm-up marks and graphs
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self._ensure_slots()
+        # the step whose tokens are still on their way to the host: (batch, host view, event)
+        self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
+        pinned = device.type == "cuda"
+        self._host_tokens = [
+            torch.zeros(llm.max_batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)
+        ]
+        self._turn = 0
+        # CUDA graphs: buckets of batch sizes, warm-up marks and the captured steps
         sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
         self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
-        self.static_ids = None
-        self.graph_pool = None
+        self.graph_pool = torch.cuda.graph_pool_handle() if llm.cuda_graphs else None
         self.warm: set[tuple[int, int]] = set()
-        self.graphs: dict[int, tuple[int, CapturedStep]] = {}  # bucket -> (plan bucket, graph)
-        if llm.cuda_graphs:
-            self.static_ids = torch.zeros(self.buckets[-1], dtype=torch.long,
-                                          device=self.spec.device)  # fmt: skip
-            self.graph_pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
+
+    def _ensure_slots(self) -> None:
+        """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
+        read the old tensor are dropped)."""
+        needed = self.engine.cache.num_request_slots
+        if self.last_tokens.shape[0] < needed:
+            grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
+            grown[: self.last_tokens.shape[0]] = self.last_tokens
+            self.last_tokens = grown
+            self.graphs = {}
 
     def set_sampling(self, sampling: SamplingParams) -> None:
         self.sampling = sampling
@@ -416,12 +445,11 @@ class _ModelRunner:
                 self.generator.manual_seed(sampling.seed)
 
     # -- tokens -------------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None) -> list[int]:
-        """Next token per row of ``logits [B, V]`` (one device->host read)."""
+    def _choose(self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next token per row of ``logits [B, V]``, on the device."""
         s = self.sampling
         if s.greedy:
-            ids = greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
-            return ids.tolist()
+            return greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
         scores = logits.float() / s.temperature
         if s.top_k:
             kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
@@ -433,24 +461,51 @@ class _ModelRunner:
             sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
             scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
         probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).flatten().tolist()
+        return torch.multinomial(probs, 1, generator=self.generator).flatten()
 
     def _record(self, rid, token: int, now: float) -> bool:
-        """Append a generated token; True when the request is done."""
-        req = self.requests[rid]
+        """Append a generated token (ignored once the request has ended); True when it ends."""
+        req = self.requests.get(rid)
+        if req is None or req.finished_at is not None:
+            return False
         req.tokens.append(token)
         if req.first_token_at is None:
             req.first_token_at = now
-        done = len(req.tokens) >= req.max_new_tokens or (not req.ignore_eos and token in self.eos)
-        if done:
+        if len(req.tokens) >= req.max_new_tokens or (not req.ignore_eos and token in self.eos):
             req.finished_at = now
-        return done
+            return True
+        return False
+
+    def collect(self) -> set:
+        """Read the pending step's tokens (waits for that step only); the requests that ended."""
+        if self.pending is None:
+            return set()
+        batch, host, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        now = _now()
+        return {rid for rid, token in zip(batch, host.tolist(), strict=True)
+                if self._record(rid, token, now)}  # fmt: skip
+
+    def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
+        """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""
+        host = self._host_tokens[self._turn][: len(batch)]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (batch, host, event)
 
     # -- the loop's executor ------------------------------------------------------------------
     def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
-        """Each prompt in its own transaction; its first token comes from the prefill logits."""
+        """Each prompt in its own transaction; its first token comes from the prefill logits
+        (read at once: it is the request's time to first token)."""
         done = set()
         engine = self.engine
+        self._ensure_slots()
         for rid, num_tokens in requests:
             prompt = self.requests[rid].prompt
             tx = engine.begin_prefill([rid], [num_tokens])
@@ -458,73 +513,65 @@ class _ModelRunner:
                 logits = self.adapter.prefill(
                     prompt, lambda layer, k, v, tx=tx: engine.prefill_layer(tx, layer, k, v)
                 )
+                token = self._choose(logits[None])
+                self.last_tokens.index_copy_(
+                    0, engine.cache.transaction_slots(tx).request_slots, token
+                )
                 engine.commit_step(tx)
             except BaseException:
                 if engine.has_open_step:
                     engine.abort_step(tx)
                 raise
-            (token,) = self._choose(logits[None])
-            if self._record(rid, token, _now()):
+            if self._record(rid, int(token), _now()):
                 done.add(rid)
         return done
 
     def decode(self, batch: Sequence) -> set:
+        """Launch one step for ``batch``, then collect the previous step's tokens."""
         engine = self.engine
-        last = [self.requests[rid].tokens[-1] for rid in batch]
+        batch = list(batch)
         rows = len(batch)
+        bucket = rows
         if self.llm.cuda_graphs:
-            logits, greedy_ids = self._decode_graphed(batch, last)
-        else:
-            ids = torch.tensor(last, dtype=torch.long, device=self.spec.device)
-            tx = engine.begin_step(list(batch))
-            try:
-                logits = self.adapter.decode(ids, self._attention(tx))
-            except BaseException:
-                if engine.has_open_step:
-                    engine.abort_step(tx)
-                raise
-            engine.commit_step(tx)
-            greedy_ids = None
-        tokens = self._choose(logits[:rows], None if greedy_ids is None else greedy_ids[:rows])
-        now = _now()
-        return {
-            rid for rid, token in zip(batch, tokens, strict=True) if self._record(rid, token, now)
-        }
-
-    def _attention(self, tx):
-        engine = self.engine
-        return lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v)
-
-    def _decode_graphed(self, batch: Sequence, last: list[int]):
-        engine, rows = self.engine, len(batch)
-        bucket = next(b for b in self.buckets if b >= rows)
-        ids = self.static_ids[:bucket]
-        ids[:rows].copy_(torch.tensor(last, dtype=torch.long), non_blocking=True)
-        ids[rows:].zero_()
-        tx = engine.begin_step(list(batch), pad_to=bucket)
-        max_len = max(self.engine.cache.seq_len(rid) for rid in batch) + 1
-        plan = plan_bucket(engine.cache, max_len)
-        held = self.graphs.get(bucket)
+            bucket = next(b for b in self.buckets if b >= rows)
+        tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
         try:
-            if held is not None and held[0] == plan:
-                self.graph_replays += 1
-                logits, greedy_ids = engine.replay_step(tx, held[1])
-            elif (bucket, plan) in self.warm:  # kernels compiled for these shapes: capture
-                captured = engine.capture_step(
-                    tx, lambda: self._forward(ids, tx), pool=self.graph_pool
-                )
-                self.graphs[bucket] = (plan, captured)
-                logits, greedy_ids = captured.output
-            else:  # first use: run eagerly (compiles the kernels), capture next time
-                self.warm.add((bucket, plan))
-                logits, greedy_ids = self._forward(ids, tx)
+            slots = engine.cache.transaction_slots(tx)
+            if self.llm.cuda_graphs:
+                logits, greedy_ids = self._decode_graphed(tx, batch, bucket, slots)
+            else:
+                logits, greedy_ids = self._forward(tx, slots)
+            tokens = self._choose(logits[:rows], greedy_ids[:rows])
+            self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
         except BaseException:
             if engine.has_open_step:
                 engine.abort_step(tx)
             raise
         engine.commit_step(tx)
-        return logits, greedy_ids
+        ended = self.collect()
+        self._hand_off(batch, tokens)
+        return ended
 
-    def _forward(self, ids: torch.Tensor, tx):
+    def _attention(self, tx):
+        engine = self.engine
+        return lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v)
+
+    def _forward(self, tx, slots):
+        ids = self.last_tokens.index_select(0, slots.request_slots)  # [rows], on the device
         logits = self.adapter.decode(ids, self._attention(tx))
         return logits, torch.argmax(logits, dim=-1)
+
+    def _decode_graphed(self, tx, batch: list, bucket: int, slots):
+        engine = self.engine
+        max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
+        plan = plan_bucket(engine.cache, max_len)
+        held = self.graphs.get(bucket)
+        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]):
+            self.graph_replays += 1
+            return engine.replay_step(tx, held[2])
+        if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
+            self.warm.add((bucket, plan))
+            return self._forward(tx, slots)
+        captured = engine.capture_step(tx, lambda: self._forward(tx, slots), pool=self.graph_pool)
+        self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
+        return captured.output

@@ -239,6 +239,12 @@ class PagedKVCache:
         return elems * self.k_cache.element_size()
 
     @property
+    def num_request_slots(self) -> int:
+        """Upper bound (exclusive) of ``TransactionSlots.request_slots`` values; it grows (by
+        doubling) when more requests are active at once than ever before."""
+        return self._tables.num_rows
+
+    @property
     def version(self) -> int:
         """Bumps on every successful change of lengths, ownership, lifecycle or transactions."""
         return self._version
@@ -530,6 +536,7 @@ class PagedKVCache:
             seq_lens_after=parts[4],
             slot_rows=parts[8],
             block_tables=tables,
+            request_slots=parts[5],
         )
 
     def _fixed_slots(self, plan: _Reservation, num_rows: int) -> TransactionSlots:

@@ -162,9 +162,11 @@ class TransactionSlots:
     One row per reserved token (``positions``, ``block_ids``, ``offsets``; ``slot_rows`` has
     ``num_kv_heads`` rows per token: the token's rows in a layer viewed as
     ``[blocks * Hkv * block_size, D]``) and one row per request (``seq_lens``,
-    ``seq_lens_after``, ``block_tables``). ``num_rows`` >= batch counts padding rows (block id
-    ``PAD_BLOCK_ID``, length 0) that a CUDA graph captured for a bigger batch reads. These are the
-    cache's own tensors: read them, never write them.
+    ``seq_lens_after``, ``block_tables``, ``request_slots``: a stable index per active request,
+    below :attr:`PagedKVCache.num_request_slots`, that a caller can key per-request device state
+    on). ``num_rows`` >= batch counts padding rows (block id ``PAD_BLOCK_ID``, length 0, slot 0)
+    that a CUDA graph captured for a bigger batch reads. These are the cache's own tensors: read
+    them, never write them.
     """
 
     __slots__ = (
@@ -176,6 +178,7 @@ class TransactionSlots:
         "num_tokens",
         "offsets",
         "positions",
+        "request_slots",
         "seq_lens",
         "seq_lens_after",
         "slot_rows",
@@ -299,6 +302,7 @@ class SlotBuffers:
                 seq_lens_after=self.region(self.SEQ_LENS_AFTER, num_rows),
                 slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
                 block_tables=self.tables[:num_rows],
+                request_slots=self.region(self.TABLE_ROWS, num_rows),
             )
         return slots
 

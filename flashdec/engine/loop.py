@@ -147,13 +147,15 @@ class ServingLoop:
             decode_s = time.perf_counter() - t0
 
         finished = [rid for rid in decision.admit if rid in done_at_prefill]
-        for rid in finished:
-            engine.finish_request(rid)
         for rid in served:
             self.generated[rid] += 1
             if rid in done_early or self.generated[rid] >= engine.request_spec(rid).max_new_tokens:
-                engine.finish_request(rid)
                 finished.append(rid)
+        # an executor that reads tokens late may report a request that was not in this batch
+        finished += [rid for rid in done_early if rid in self._live and rid not in finished
+                     and rid not in victims]  # fmt: skip
+        for rid in finished:
+            engine.finish_request(rid)
         self._live.difference_update(finished)
         self._live.difference_update(victims)
         counters = advance_fairness_counters(

@@ -101,8 +101,9 @@ def run_serve_benchmark(llm, config: ServeBenchConfig | None = None) -> ServeBen
                 next_arrival += 1
             if llm.has_unfinished():
                 record = llm.step()
-                steps += 1
-                max_batch = max(max_batch, len(record.served))
+                if record is not None:
+                    steps += 1
+                    max_batch = max(max_batch, len(record.served))
             else:  # idle until the next arrival
                 time.sleep(max(0.0, arrivals[next_arrival][0] - now))
     finally:
