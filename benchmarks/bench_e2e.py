@@ -216,19 +216,27 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     return {"batch": batch, "context": context, "attention_us": attention_us}
 
 
-def kernel_profile(llm: LLM, batch: int) -> list[dict]:
-    """CUDA time by kernel class in one eager decode step (torch.profiler)."""
-    if not torch.cuda.is_available():
-        return []
+def _profile_classes(llm: LLM, prompts, new: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = prompts_for(batch, 64, llm.adapter.spec.vocab_size, 7)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, new, ignore_eos=True)
+    return {e.key: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            for e in prof.key_averages()}  # fmt: skip
+
+
+def kernel_profile(llm: LLM, batch: int, context: int, steps: int = 8) -> list[dict]:
+    """CUDA time by kernel class per eager decode step (torch.profiler): a run of ``steps + 1``
+    new tokens minus a run of 1 (same prompts), so the prefill cancels."""
+    if not torch.cuda.is_available():
+        return []
+    prompts = prompts_for(batch, context, llm.adapter.spec.vocab_size, 7)
     graphs = llm.cuda_graphs
     llm.cuda_graphs = False
     try:
         llm.generate(prompts, 2, ignore_eos=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts, 3, ignore_eos=True)
+        long = _profile_classes(llm, prompts, steps + 1)
+        short = _profile_classes(llm, prompts, 1)
     finally:
         llm.cuda_graphs = graphs
     classes = {
@@ -236,23 +244,37 @@ def kernel_profile(llm: LLM, batch: int) -> list[dict]:
         "GEMM (projections, MLP, lm_head)": ("gemm", "gemv", "sm90", "cutlass", "xmma", "Kernel2"),
         "RMSNorm (+residual)": ("rms_norm",),
         "SiLU x up": ("silu",),
-        "prefill attention (SDPA)": ("flash", "fmha", "attention"),
+        "argmax, sampling": ("argmax", "reduce"),
+        "embedding, token gather/scatter": ("index", "embedding", "gather", "scatter"),
+        "copies": ("copy", "memcpy", "memset"),
     }
     totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if not us:
+    for key, long_us in long.items():
+        us = (long_us - short.get(key, 0.0)) / steps
+        if us <= 0:
             continue
-        name = event.key.lower()
+        name = key.lower()
         label = next(
             (c for c, keys in classes.items() if any(k.lower() in name for k in keys)), "other"
         )
         totals[label] = totals.get(label, 0.0) + us
     total = sum(totals.values()) or 1.0
     return [
-        {"class": k, "us": v, "share_pct": 100 * v / total}
+        {"class": k, "us_per_step": v, "share_pct": 100 * v / total}
         for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
     ]
+
+
+def graph_replay_us(llm: LLM, batch: int) -> float | None:
+    """GPU time of the captured decode step of this batch's bucket, replayed alone (it rewrites
+    the last step's slots: a measurement, after the runs that used them)."""
+    if not torch.cuda.is_available():
+        return None
+    from benchmarks._common import bench_us
+
+    bucket = next(b for b in llm._runner.buckets if b >= batch)
+    held = llm._runner.graphs.get(bucket)
+    return bench_us(held[2].graph.replay) if held else None
 
 
 def main() -> None:
@@ -268,11 +290,12 @@ def main() -> None:
     max_batch = max(args.batches)
     total_len = args.prompt_len + args.new_tokens
     blocks = max_batch * -(-total_len // 16) + 64
+    copy_tbs = copy_ceiling_tbs() if on_gpu else None
     if on_gpu:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     llm = LLM(model, max_batch_size=max_batch, num_blocks=blocks, max_model_len=total_len + 64)
     pool_bytes = llm.engine.cache.bytes_per_block * blocks
-    copy_tbs = copy_ceiling_tbs() if on_gpu else None
     rows = []
     print(f"model {args.model}: {weight_bytes / 2**30:.2f} GiB weights, KV pool "
           f"{pool_bytes / 2**30:.2f} GiB", flush=True)  # fmt: skip
@@ -297,6 +320,8 @@ def main() -> None:
         kv_bytes = llm.adapter.spec.kv_bytes_per_token * batch * (total_len - args.new_tokens / 2)
         floor_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
         row["floor_ms"] = floor_ms
+        replay = graph_replay_us(llm, batch)
+        row["graph_replay_ms"] = None if replay is None else replay / 1e3
         if floor_ms:
             row["floor_fraction"] = floor_ms / row["flashdec"]["step_ms"]
         share = attention_share(llm, batch, args.prompt_len + args.new_tokens // 2)
@@ -307,11 +332,11 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    peak = torch.cuda.max_memory_allocated() if on_gpu else None  # before transformers' runs
     agree = agreement(llm, model, prompts_for(1, args.prompt_len, spec_vocab, 99)[0],
                       args.new_tokens)  # fmt: skip
     print("agreement:", json.dumps(agree), flush=True)
-    profile_rows = kernel_profile(llm, min(64, max_batch))
+    profile_rows = kernel_profile(llm, min(64, max_batch), args.prompt_len)
     serve = run_serve_benchmark(
         llm,
         ServeBenchConfig(
@@ -336,7 +361,7 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
         b = r["batch"]
         table_rows.append([
             b,
-            r["flashdec"]["tok_s"], r["flashdec"]["step_ms"],
+            r["flashdec"]["tok_s"], r["flashdec"]["step_ms"], r.get("graph_replay_ms"),
             r.get("flashdec_eager", {}).get("tok_s"),
             r.get("transformers", {}).get("tok_s"),
             vllm_rows.get(b, {}).get("decode_tok_s"), vllm_rows.get(b, {}).get("step_ms"),
@@ -344,7 +369,8 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
             None if not r.get("attention") else r["attention"].get("share_pct"),
         ])  # fmt: skip
     table = markdown_table(
-        ["B", "FlashDec tok/s", "FlashDec ms/step", "FlashDec no graphs tok/s",
+        ["B", "FlashDec tok/s", "FlashDec ms/step", "graph replay alone ms",
+         "FlashDec no graphs tok/s",
          "transformers tok/s", "vLLM tok/s", "vLLM ms/step", "floor ms/step", "% of floor",
          "attention % of step"],
         table_rows,
@@ -365,8 +391,9 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
         else "not measured (CPU)"
     )
     profile_table = markdown_table(
-        ["kernel class (eager step)", "µs", "share %"],
-        [[p["class"], p["us"], p["share_pct"]] for p in profile_rows],
+        [f"kernel class (eager decode step, B={min(64, max(r['batch'] for r in rows))})",
+         "µs per step", "share %"],
+        [[p["class"], p["us_per_step"], p["share_pct"]] for p in profile_rows],
     ) if profile_rows else "(no GPU profile)"  # fmt: skip
     lat = serve.as_dict()
     markdown = f"""# End to end: FlashDec `LLM` vs transformers and vLLM
