@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from flashdec.models import DecoderAdapter, build_random_model, model_spec
+from flashdec.models.reference import float32_logits
 from flashdec.reference import apply_rope_inv_freq
 from tests.models.greedy import DenseKV
 
 pytestmark = pytest.mark.gpu
 
-# bf16 through 32 random layers, with FlashDec's float32 RoPE and attention against
-# transformers' bf16 cos/sin and SDPA: per-step logits must stay this close (relative L2)
-BF16_LOGITS_RTOL = 3e-2
+# bf16 through 32 random layers drifts from the float32 result whoever computes it: FlashDec's
+# per-step logits must stay as close to a float32 run of the same model as transformers' own bf16
+# logits are (relative L2), with this much slack for a different but equally exact rounding order
+BF16_SLACK = 1.5
 
 
 def _max_rss_bytes() -> int:
@@ -64,21 +66,20 @@ def test_8b_shape_logits_within_bf16_tolerance(llama8b, fused):
     prompt = torch.randint(0, adapter.spec.vocab_size, (61,), generator=gen).cuda()
     steps = torch.randint(0, adapter.spec.vocab_size, (8,), generator=gen).tolist()
     store = DenseKV(adapter.spec, 1, 80)
-    ours = adapter.prefill(prompt, store.sink(0))
-    agree = []
-    with torch.no_grad():
-        out = model(prompt[None], use_cache=True)
-        cache = out.past_key_values
-        errors = [_rel_err(ours, out.logits[0, -1])]
-        agree.append(int(ours.argmax()) == int(out.logits[0, -1].argmax()))
-        for token in steps:
-            ours = adapter.decode(torch.tensor([token], device="cuda"), store.attention)[0]
-            store.seq_lens += 1
-            out = model(torch.tensor([[token]], device="cuda"), past_key_values=cache)
-            errors.append(_rel_err(ours, out.logits[0, -1]))
-            agree.append(int(ours.argmax()) == int(out.logits[0, -1].argmax()))
-    print(f"fused={fused} relative logit errors {errors}, top-1 agreement {agree}")
-    assert max(errors) < BF16_LOGITS_RTOL
+    ours = [adapter.prefill(prompt, store.sink(0))]
+    for token in steps[:-1]:
+        ours.append(adapter.decode(torch.tensor([token], device="cuda"), store.attention)[0])
+        store.seq_lens += 1
+    sequence = torch.cat([prompt, torch.tensor(steps[:-1], device="cuda")])[None]
+    with torch.no_grad():  # teacher-forced: every step's logits from one forward
+        hf_bf16 = model(sequence).logits[0, len(prompt) - 1 :]
+        reference = float32_logits(model, sequence[0])[len(prompt) - 1 :]
+    ours_err = [_rel_err(o, r) for o, r in zip(ours, reference, strict=True)]
+    hf_err = [_rel_err(h, r) for h, r in zip(hf_bf16, reference, strict=True)]
+    agree = [int(o.argmax()) == int(h.argmax()) for o, h in zip(ours, hf_bf16, strict=True)]
+    print(f"fused={fused} relative logit errors vs float32: FlashDec {ours_err}, "
+          f"transformers bf16 {hf_err}; top-1 agreement with transformers {agree}")  # fmt: skip
+    assert max(ours_err) <= BF16_SLACK * max(hf_err)
 
 
 class _GraphSafeDenseAttention:
