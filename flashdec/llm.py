@@ -422,7 +422,6 @@ class _ModelRunner:
         # CUDA graphs: buckets of batch sizes, warm-up marks and the captured steps
         sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
         self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
-        self.graph_pool = torch.cuda.graph_pool_handle() if llm.cuda_graphs else None
         self.warm: set[tuple[int, int]] = set()
         self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
 
@@ -572,6 +571,8 @@ class _ModelRunner:
         if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
             self.warm.add((bucket, plan))
             return self._forward(tx, slots)
-        captured = engine.capture_step(tx, lambda: self._forward(tx, slots), pool=self.graph_pool)
+        # each graph owns its memory pool: a replaced graph (new plan bucket) frees its pool with
+        # it, and a pool shared with a freed graph cannot be captured into again
+        captured = engine.capture_step(tx, lambda: self._forward(tx, slots))
         self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
         return captured.output
