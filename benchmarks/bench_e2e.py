@@ -188,9 +188,9 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     from flashdec import RequestSpec
 
     engine, spec = llm.engine, llm.adapter.spec
-    rids = [f"share{i}" for i in range(batch)]
+    rids = [f"share{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(rids):
-        engine.submit_request(RequestSpec(rid, context, 4, 10**9 + i))
+        engine.submit_request(RequestSpec(rid, context, 4, 10**9 + 1000 * batch + i))
     engine.apply_trusted_decision(llm.scheduler.plan(engine.scheduling_snapshot(0)))
     tx = engine.begin_prefill(rids, [context] * batch)
     kv = torch.randn(batch * context, spec.num_kv_heads, spec.head_dim, device="cuda")
