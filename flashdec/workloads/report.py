@@ -201,18 +201,25 @@ class ProgressLines:
     """The ``progress(done, total)`` callback for logs and pipes: one line per tenth of the work
     done, or after ``every_s`` seconds without a line, whichever comes first."""
 
-    def __init__(self, label: str, write: Callable[[str], None], every_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        label: str,
+        write: Callable[[str], None],
+        every_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.label = label
         self.write = write
         self.every_s = every_s
-        self.start = self.last = time.monotonic()
+        self.clock = clock
+        self.start = self.last = clock()
         self.next_tenth = 1
         self.finished = False
 
     def __call__(self, done: int, total: int) -> None:
         if self.finished or total <= 0:
             return
-        now = time.monotonic()
+        now = self.clock()
         tenth = done * 10 // total
         if tenth < self.next_tenth and now - self.last < self.every_s:
             return
