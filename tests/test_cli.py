@@ -244,11 +244,12 @@ class _StoppedEarly:
 
 
 def test_summary_notes_warmup_and_early_stop():
-    cold = run_synthetic_workload(num_requests=2, seed=1)
-    assert "warm-up" not in _render(engine_result_tables(cold))  # torch backends: no compiles
+    torch_backends = dict(device="cpu", append_backend="torch", decode_backend="torch")
+    cold = run_synthetic_workload(num_requests=2, seed=1, **torch_backends)
+    assert "warm-up" not in _render(engine_result_tables(cold))  # no Triton: nothing to say
     triton = engine_result_tables(dataclasses.replace(cold, decode_backend="triton"))
     assert "p90/p99 include Triton's first-use compiles" in _render(triton)
-    warm = run_synthetic_workload(num_requests=2, seed=1, warmup_run=True)
+    warm = run_synthetic_workload(num_requests=2, seed=1, warmup_run=True, **torch_backends)
     assert "exclude an untimed warm-up run" in _render(engine_result_tables(warm))
     text = _render(engine_result_tables(_StoppedEarly(cold)))
     assert "stopped early" in text and "yes (max_steps reached" in text

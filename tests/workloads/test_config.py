@@ -41,9 +41,9 @@ BAD_SYNTHETIC = [
     ({"arrivals_per_step": math.inf}, ValueError, "arrivals_per_step must be finite"),
     ({"arrivals_per_step": "fast"}, TypeError, "arrivals_per_step must be a number"),
     ({"arrivals_per_step": True}, TypeError, "arrivals_per_step must be a number"),
-    ({"dtype": "int8"}, ValueError, "dtype must be one of auto, float32"),
+    ({"dtype": "int8"}, ValueError, "dtype must be one of"),
     ({"dtype": torch.float16}, TypeError, "dtype must be a str"),
-    ({"device": "tpu"}, ValueError, "device must be one of auto, cpu, cuda"),
+    ({"device": "tpu"}, ValueError, "device must be one of"),
     ({"append_backend": "cuda"}, ValueError, "append_backend must be one of"),
     ({"decode_backend": "fused"}, ValueError, "decode_backend must be one of"),
     ({"seed": -1}, ValueError, "seed must be >= 0"),
@@ -100,7 +100,7 @@ def test_prefix_rules_apply_only_when_requests_can_hit_prefixes():
 
 
 def test_scheduler_workload_config_rejects():
-    with pytest.raises(ValueError, match="trace must be one of boundary"):
+    with pytest.raises(ValueError, match="trace must be one of"):
         SchedulerWorkloadConfig(trace="nope")
     with pytest.raises(ValueError, match="seed must be >= 0"):
         SchedulerWorkloadConfig(seed=-1)
