@@ -24,7 +24,6 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/ruff format --check .
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

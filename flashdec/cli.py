@@ -1,7 +1,13 @@
 """The ``flashdec`` command line: ``env``, ``demo`` and ``workload NAME``.
 
-Workload knobs are generated from the fields of each workload's frozen config dataclass, so the
-CLI and the Python API cannot drift apart.
+Workload knobs are generated from the fields of each workload's frozen config dataclass (their
+help, bounds and choices), so the CLI and the Python API cannot drift apart.
+
+Every error reaches the user as one line on stderr, ``flashdec: error: <what and why>``:
+- exit status 2 for a bad flag or configuration, found before any work starts (argparse, the
+  config's own checks, the ``--json`` path, the memory estimate against what is free);
+- exit status 1 for a failure during a run (the traceback only with ``-v``);
+- exit status 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -9,20 +15,37 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from flashdec import __version__
 from flashdec.runtime import environment_report, prepare_triton
 
 log = logging.getLogger("flashdec")
 
 
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every usage error is the one line ``flashdec: error: ...`` (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"flashdec: error: {_one_line(message)}\n")
+
+
 def _add_config_arguments(parser: argparse.ArgumentParser, config_cls) -> None:
-    """One ``--field-name`` option per dataclass field, typed and defaulted from the field."""
+    """One ``--field-name`` option per dataclass field, typed, defaulted and constrained by it."""
     for field in dataclasses.fields(config_cls):
         default = field.default
         flag = "--" + field.name.replace("_", "-")
@@ -32,15 +55,13 @@ def _add_config_arguments(parser: argparse.ArgumentParser, config_cls) -> None:
                 flag, default=default, action=argparse.BooleanOptionalAction, help=help_text
             )
         else:
-            kind = type(default) if default is not None else str
             parser.add_argument(
-                flag, type=kind, default=default, help=f"{help_text} (default: {default})"
+                flag,
+                type=type(default),
+                default=default,
+                choices=field.metadata.get("choices"),
+                help=f"{help_text} (default: {default})",
             )
-
-
-def _config_from_args(config_cls, args: argparse.Namespace):
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
-    return config_cls(**values)
 
 
 def _workloads() -> dict:
@@ -50,27 +71,41 @@ def _workloads() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flashdec",
         description="FlashDec: a correctness-first single-GPU LLM decode runtime "
         "(paged KV cache, Triton decode kernels, block-aware scheduler).",
+        epilog="Exit status: 0 success, 1 a run failed, 2 a bad flag or configuration "
+        "(nothing was run), 130 interrupted.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"flashdec {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks")
+    # -v after a subcommand too; SUPPRESS keeps a subcommand from resetting the top-level value
+    verbose = _Parser(add_help=False)
+    verbose.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("env", help="versions, GPU, and whether Triton runs natively or interpreted")
+    sub.add_parser(
+        "env",
+        parents=[verbose],
+        help="versions, GPU, and whether Triton runs natively or interpreted",
+    )
     demo = sub.add_parser(
         "demo",
+        parents=[verbose],
         help="the integrated workload on embedded defaults (CPU: small shapes, torch backends; "
-        "GPU: Triton)",
+        "GPU: Triton, latencies after an untimed warm-up run)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    workload = sub.add_parser("workload", help="run one named workload with its knobs")
-    names = sub_names = workload.add_subparsers(dest="workload", metavar="NAME")
+    workload = sub.add_parser(
+        "workload", parents=[verbose], help="run one named workload with its knobs"
+    )
+    names = workload.add_subparsers(dest="workload", metavar="NAME")
     for name, entry in _workloads().items():
-        p = sub_names.add_parser(name, help=entry.help, description=entry.help)
+        p = names.add_parser(name, parents=[verbose], help=entry.help, description=entry.help)
         _add_config_arguments(p, entry.config_cls)
         p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
-    del names
     return parser
 
 
@@ -84,18 +119,131 @@ def _print_env(console: Console) -> None:
     console.print(table)
 
 
+def _size(num_bytes: int) -> str:
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:,.1f} GiB"
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def _host_available_bytes() -> int | None:
+    """Memory the host can still give (MemAvailable; free pages where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(parser: argparse.ArgumentParser, config) -> None:
+    """Refuse a run whose estimated memory exceeds what the device or the host has free."""
+    if not hasattr(config, "memory_estimate"):
+        return  # the scheduler workload's traces are tiny and fixed
+    est = config.memory_estimate()
+    kv = (
+        f"KV cache {_size(est.kv_cache_bytes)} = 2 x {config.layers} layers x "
+        f"{config.num_blocks} blocks x {config.block_size} tokens x {config.num_kv_heads} KV "
+        f"heads x {config.head_dim} dims x {config.placement().element_bytes} bytes"
+    )
+    if est.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(est.device)
+        if est.device_bytes > free:
+            parser.error(
+                f"the run needs an estimated {_size(est.device_bytes)} of GPU memory ({kv}), "
+                f"more than the {_size(free)} free on {est.device}; lower --num-blocks, "
+                "--num-layers or --max-batch-size"
+            )
+    available = _host_available_bytes()
+    if available is not None and est.host_bytes > available:
+        on_cpu = f"{kv}, on the CPU; " if est.device.type == "cpu" else ""
+        parser.error(
+            f"the run needs an estimated {_size(est.host_bytes)} of host memory ({on_cpu}"
+            f"bookkeeping for {config.num_requests:,} requests), more than the "
+            f"{_size(available)} available; lower --num-requests, --num-blocks or --num-layers"
+        )
+
+
+def _check_json_path(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """``--json PATH`` must name a file we can write, checked before the run."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        parser.error(f"--json {path}: is a directory; give a file path")
+    if not folder.is_dir():
+        parser.error(f"--json {path}: directory {str(folder)!r} does not exist")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK)
+    if not writable:
+        parser.error(f"--json {path}: not writable")
+
+
+def _progress(console: Console) -> AbstractContextManager:
+    """A live bar on a terminal; plain lines (a tenth of the work, or a few seconds, each) on
+    pipes and logs, where a bar would be garbage."""
+    from flashdec.workloads.report import ProgressLines, progress_bar
+
+    if console.is_terminal:
+        return progress_bar("decoding")
+    return nullcontext(
+        ProgressLines("decoding", lambda line: console.print(line, markup=False, highlight=False))
+    )
+
+
 def _run_workload(console: Console, name: str, config, json_path: str | None = None) -> int:
     from flashdec.workloads import registry, result_to_json
 
     entry = registry()[name]
     console.print(f"[bold]workload[/bold] {name}: {config}")
-    result = entry.run(config, progress=console.is_terminal)
-    for table in entry.tables(result):
-        console.print(table)
+    with _progress(console) as progress:
+        result = entry.run(config, progress=progress)
+    for renderable in entry.tables(result):
+        console.print(renderable)
     if json_path:
         with open(json_path, "w") as fh:
             fh.write(result_to_json(result))
         console.print(f"wrote {json_path}")
+    return 0
+
+
+def _checked_config(parser: argparse.ArgumentParser, make):
+    try:
+        return make()
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console: Console) -> int:
+    if args.command == "env":
+        _print_env(console)
+        return 0
+    if args.command == "demo":
+        from flashdec.workloads import IntegratedWorkloadConfig
+
+        config = _checked_config(
+            parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
+        )
+        _check_memory(parser, config)
+        return _run_workload(console, "integrated", config)
+    if args.command == "workload":
+        workloads = _workloads()
+        if not args.workload:
+            parser.error(
+                f"workload needs a NAME, one of {', '.join(workloads)} "
+                "(flashdec workload NAME --help lists its knobs)"
+            )
+        config_cls = workloads[args.workload].config_cls
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+        config = _checked_config(parser, lambda: config_cls(**values))
+        _check_json_path(parser, args.json)
+        _check_memory(parser, config)
+        return _run_workload(console, args.workload, config, args.json)
+    parser.print_help()
     return 0
 
 
@@ -113,23 +261,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # piped output (CI logs, files) is not limited to rich's 80-column default
     console = Console(width=None if sys.stdout.isatty() else 120)
     log.debug("triton mode: %s", mode)
-    if args.command == "env":
-        _print_env(console)
-        return 0
-    if args.command == "demo":
-        from flashdec.workloads import IntegratedWorkloadConfig
-
-        config = IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
-        return _run_workload(console, "integrated", config)
-    if args.command == "workload":
-        if not args.workload:
-            parser.parse_args(["workload", "--help"])
-        entry = _workloads()[args.workload]
-        return _run_workload(
-            console, args.workload, _config_from_args(entry.config_cls, args), args.json
+    try:
+        return _dispatch(parser, args, console)
+    except KeyboardInterrupt:
+        print("flashdec: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (-v shows the traceback)"
+        print(
+            f"flashdec: error: the run failed: {type(exc).__name__}: {_one_line(exc)}{hint}",
+            file=sys.stderr,
         )
-    parser.print_help()
-    return 0
+        return 1
 
 
 if __name__ == "__main__":

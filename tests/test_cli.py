@@ -1,21 +1,68 @@
-"""The flashdec command line: --help, env, demo, workload knobs."""
+"""The flashdec command line: commands, knobs, one-line errors before any work, progress, tables.
 
+Most cases run ``main`` in-process (argparse and the configs decide them); a few go through
+``python -m flashdec`` to check what a user really sees: the exit status, one line on stderr, no
+traceback, no JSON written.
+"""
+
+import dataclasses
+import io
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
+from rich.console import Console
 
+import flashdec
+import flashdec.cli as cli
 from flashdec.cli import build_parser, main
+from flashdec.workloads import report, run_synthetic_workload
+from flashdec.workloads.report import ProgressLines, engine_result_tables
+
+HAS_CUDA = torch.cuda.is_available()
 
 
-def test_help_lists_commands(capsys):
+def _assert_one_error_line(out: str, err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("flashdec: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Replace the workload runners with recorders: a rejected command must call none."""
+    calls = []
+
+    def record(name):
+        def runner(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"{name} ran")
+
+        return runner
+
+    for name in ("run_synthetic_workload", "run_integrated_workload", "run_scheduler_workload"):
+        monkeypatch.setattr(report, name, record(name))
+    return calls
+
+
+def test_help_lists_commands_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("env", "demo", "workload"):
+    for command in ("env", "demo", "workload", "Exit status"):
         assert command in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flashdec {flashdec.__version__}"
 
 
 def test_workload_help_exposes_config_knobs(capsys):
@@ -26,35 +73,229 @@ def test_workload_help_exposes_config_knobs(capsys):
         assert knob in out
 
 
+@pytest.mark.parametrize(
+    ("argv", "verbose"),
+    [
+        (["workload", "synthetic"], False),
+        (["-v", "workload", "synthetic"], True),
+        (["workload", "synthetic", "-v"], True),
+        (["workload", "-v", "synthetic"], True),
+        (["demo", "--verbose"], True),
+        (["env", "-v"], True),
+    ],
+)
+def test_verbose_before_or_after_the_subcommand(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
 def test_env_reports_triton_mode(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "Triton kernels" in out and "torch" in out
 
 
-def test_synthetic_workload_via_cli_writes_json(tmp_path, capsys):
+BAD_COMMANDS = [
+    (["workload", "scheduler", "--trace", "nope"], "argument --trace: invalid choice: 'nope'"),
+    (["workload", "synthetic", "--seed", "-1"], "seed must be >= 0, got -1"),
+    (["workload", "synthetic", "--dtype", "banana"], "argument --dtype: invalid choice"),
+    (["workload", "synthetic", "--block-size", "99999999999999999999"], "block_size must be <="),
+    (["workload", "synthetic", "--num-kv-heads", "3"], "multiple of num_kv_heads (3)"),
+    (["workload", "synthetic", "--head-dim", "7"], "head_dim must be even"),
+    (["workload", "synthetic", "--num-requests", "many"], "invalid int value: 'many'"),
+    (["workload", "synthetic", "--min-context", "50"], "min_context (50) must not exceed"),
+    (["workload", "synthetic", "--decode-backend", "fused"], "argument --decode-backend"),
+    (["workload", "integrated", "--num-layers", "100000"], "num_layers must be <= 1024"),
+    (["workload", "integrated", "--failure-rate", "nan"], "failure_rate must be finite"),
+    (["workload", "synthetic", "--bogus"], "unrecognized arguments: --bogus"),
+    (["workload"], "workload needs a NAME, one of integrated, synthetic, scheduler"),
+    (["workload", "nope"], "argument NAME: invalid choice: 'nope'"),
+    (["demo", "--seed", "-1"], "seed must be >= 0"),
+    (["launch"], "invalid choice: 'launch'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_COMMANDS)
+def test_bad_flags_and_configs_are_one_line_before_any_work(argv, message, capsys, runs):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in _assert_one_error_line(out, err)
+    assert runs == []
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="needs a machine without a CUDA device")
+def test_cuda_without_a_gpu_is_a_usage_error(capsys, runs):
+    with pytest.raises(SystemExit) as exc:
+        main(["workload", "synthetic", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "no CUDA device" in _assert_one_error_line(*capsys.readouterr())
+    assert runs == []
+
+
+def test_json_path_is_checked_before_the_run(tmp_path, capsys, runs):
+    for path, message in (
+        (tmp_path / "missing" / "r.json", "does not exist"),
+        (tmp_path, "is a directory"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(["workload", "synthetic", "--json", str(path)])
+        assert exc.value.code == 2
+        assert message in _assert_one_error_line(*capsys.readouterr())
+    assert runs == [] and list(tmp_path.iterdir()) == []
+
+
+def test_runs_that_cannot_fit_in_host_memory_are_refused(monkeypatch, capsys, runs):
+    monkeypatch.setattr(cli, "_host_available_bytes", lambda: 8 * 2**30)
+    with pytest.raises(SystemExit) as exc:
+        main(["workload", "integrated", "--num-requests", "100000000"])
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    assert "of host memory" in line and "100,000,000 requests" in line
+    assert "8.0 GiB available" in line
+    assert runs == []
+
+
+def test_host_available_bytes_reads_the_machine():
+    available = cli._host_available_bytes()
+    assert available is None or available > 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom\nsecond line"), KeyboardInterrupt()])
+def test_a_failing_run_is_one_line_and_the_traceback_needs_v(monkeypatch, capsys, error):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(report, "run_synthetic_workload", fail)
+    code = main(["workload", "synthetic"])
+    line = _assert_one_error_line(*capsys.readouterr())
+    if isinstance(error, KeyboardInterrupt):
+        assert code == 130 and line == "flashdec: error: interrupted"
+        return
+    assert code == 1
+    assert line == (
+        "flashdec: error: the run failed: RuntimeError: boom second line (-v shows the traceback)"
+    )
+    assert main(["workload", "synthetic", "-v"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1].startswith("flashdec: error:")
+
+
+def test_synthetic_workload_via_cli_writes_json_with_progress_lines(tmp_path, capsys):
     path = tmp_path / "r.json"
     code = main(["workload", "synthetic", "--num-requests", "4", "--json", str(path)])
     assert code == 0
     assert json.loads(path.read_text())["finished"] == 4
-    assert "completion rate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "completion rate" in out
+    # stdout is not a terminal here: plain progress lines, the last one at 100%
+    lines = [line for line in out.splitlines() if line.startswith("decoding: ")]
+    assert lines and lines[-1].startswith("decoding: 4/4 requests done (100%")
 
 
-def test_scheduler_workload_via_cli(capsys):
+def test_scheduler_workload_via_cli_explains_its_columns(capsys):
     assert main(["workload", "scheduler", "--trace", "boundary"]) == 0
     out = capsys.readouterr().out
     assert "lifetime" in out and "greedy" in out
+    for column, meaning in report.SCHEDULER_COLUMNS:
+        assert any(
+            line.split() == [*column.split(), *meaning.split()] for line in out.splitlines()
+        ), column
 
 
-def test_bad_knob_is_a_usage_error():
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["workload", "synthetic", "--num-requests", "many"])
-    assert exc.value.code == 2
+def test_progress_lines_every_tenth_or_every_few_seconds():
+    now = [0.0]
+    lines = []
+    progress = ProgressLines("decoding", lines.append, every_s=5.0, clock=lambda: now[0])
+    for done in range(21):
+        progress(done, 20)
+    assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)]
+    assert lines[-1] == "decoding: 20/20 requests done (100%, 0.0 s)"
+    progress(20, 20)  # nothing after the last line
+    assert len(lines) == 10
+
+    lines.clear()
+    slow = ProgressLines("decoding", lines.append, every_s=5.0, clock=lambda: now[0])
+    slow(0, 1000)
+    now[0] = 6.0
+    slow(1, 1000)  # under a tenth, but 6 s without a line
+    slow(2, 1000)
+    assert lines == ["decoding: 1/1000 requests done (0%, 6.0 s)"]
+
+
+def _render(renderables) -> str:
+    console = Console(file=io.StringIO(), width=120)
+    for renderable in renderables:
+        console.print(renderable)
+    return console.file.getvalue()
+
+
+class _StoppedEarly:
+    """A result as the early-stopping runners report it."""
+
+    stopped_early = True
+    unfinished = 3
+
+    def __init__(self, result):
+        self._result = result
+
+    def __getattr__(self, name):
+        return getattr(self._result, name)
+
+
+def test_summary_notes_warmup_and_early_stop():
+    torch_backends = dict(device="cpu", append_backend="torch", decode_backend="torch")
+    cold = run_synthetic_workload(num_requests=2, seed=1, **torch_backends)
+    assert "warm-up" not in _render(engine_result_tables(cold))  # no Triton: nothing to say
+    triton = engine_result_tables(dataclasses.replace(cold, decode_backend="triton"))
+    assert "p90/p99 include Triton's first-use compiles" in _render(triton)
+    warm = run_synthetic_workload(num_requests=2, seed=1, warmup_run=True, **torch_backends)
+    assert "exclude an untimed warm-up run" in _render(engine_result_tables(warm))
+    text = _render(engine_result_tables(_StoppedEarly(cold)))
+    assert "stopped early" in text and "yes (max_steps reached" in text
+    assert any(
+        line.split()[-2:] == ["3", "│"] for line in text.splitlines() if "unfinished" in line
+    )
+
+
+def _flashdec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flashdec", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+# Native Triton cannot take CPU tensors: on a GPU machine that is the device case to check.
+DEVICE_CASE = (
+    ["--device", "cpu", "--decode-backend", "triton"] if HAS_CUDA else ["--device", "cuda"]
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["workload", "scheduler", "--trace", "nope"], "invalid choice: 'nope'"),
+        (["workload", "synthetic", "--num-kv-heads", "3"], "multiple of num_kv_heads"),
+        (["workload", "synthetic", *DEVICE_CASE], "TRITON_INTERPRET" if HAS_CUDA else "CUDA"),
+        (["workload", "integrated", "--num-blocks", "1073741824"], "memory"),
+    ],
+)
+def test_errors_as_a_user_sees_them(tmp_path, args, message):
+    path = tmp_path / "r.json"
+    proc = _flashdec(*args, "--json", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert message in _assert_one_error_line(proc.stdout, proc.stderr)
+    assert proc.stdout == "" and not path.exists()
+
+
+def test_workload_without_a_name_as_a_user_sees_it():
+    proc = _flashdec("workload")
+    assert proc.returncode == 2
+    assert "needs a NAME" in _assert_one_error_line(proc.stdout, proc.stderr)
 
 
 def test_demo_runs_as_a_module():
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashdec", "demo"], capture_output=True, text=True, timeout=300
-    )
+    proc = _flashdec("demo")
     assert proc.returncode == 0, proc.stderr
     assert "completion rate" in proc.stdout and "100.0%" in proc.stdout
+    assert "requests done (100%" in proc.stdout  # piped: progress lines, not a bar
+    assert "Traceback" not in proc.stderr

@@ -1,93 +1,321 @@
 """Workload configurations: the frozen knobs every workload and the CLI share.
 
-The CLI generates one ``--flag`` per field (with the field's ``help``), so a knob added here is a
-command-line option too. Every config validates itself in ``__post_init__``.
+The CLI generates one ``--flag`` per field (with the field's ``help``, bounds and choices), so a
+knob added here is a command-line option too. Every config checks the whole configuration in
+``__post_init__`` — types, bounds, cross-field rules, the device and the backends it can run —
+so a bad configuration fails before anything is allocated. ``memory_estimate()`` says what a run
+will hold, so a caller can refuse what cannot fit before starting it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from flashdec._checks import check_positive_int
+from flashdec.engine.backends import APPEND_BACKENDS, DECODE_BACKENDS
+from flashdec.runtime import triton_mode
+from flashdec.scheduler import SchedulerConfig
 from flashdec.workloads.scheduler_workload import TRACE_NAMES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICES = ("auto", "cpu", "cuda")
+TRITON_BACKENDS = ("triton", "fused")  # backends that launch Triton kernels
+
+INT32_MAX = 2**31 - 1  # block ids and sequence lengths live in int32 tensors
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+# Far above any real model: they catch typos and keep every product of sizes small.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_BLOCK_SIZE = 1024
+MAX_HEAD_DIM = 256  # the decode kernels' limit
+
+# Host bytes a run keeps per request (spec, arrival, loop, engine and cache bookkeeping; the
+# block-table row is counted apart) and per step (trajectory record, timings). tracemalloc on
+# run_synthetic_workload (CPU, torch backends) at d015b47 measured 1.07 KB per request and
+# 0.40 KB per step; these budget about twice that.
+HOST_BYTES_PER_REQUEST = 2048
+HOST_BYTES_PER_STEP = 800
 
 
-def _knob(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
+def _knob(
+    default,
+    help_text: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    why: str = "",
+    choices: tuple[str, ...] | None = None,
+):
+    """A config field; ``minimum``/``maximum`` (inclusive) and ``choices`` are checked in
+    ``__post_init__`` and shown by the CLI; ``why`` explains the maximum in error messages."""
+    metadata = {"help": help_text, "minimum": minimum, "maximum": maximum, "why": why}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    # TODO(lead): use _checks.check_choice
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_fields(config) -> None:
+    """Each field on its own: type, choices and bounds from its metadata."""
+    for f in fields(config):
+        name, value, meta = f.name, getattr(config, f.name), f.metadata
+        maximum = meta["maximum"]
+        if "choices" in meta:
+            _check_choice(name, value, meta["choices"])
+        elif isinstance(f.default, bool):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        elif isinstance(f.default, int):
+            check_positive_int(name, value, minimum=meta["minimum"])
+            if maximum is None:
+                maximum = INT32_MAX  # counts reach int32 tensors; nothing sane is larger
+        else:
+            _check_real(name, value)
+            if meta["minimum"] is not None and value < meta["minimum"]:
+                raise ValueError(f"{name} must be >= {meta['minimum']}, got {value}")
+        if maximum is not None and value > maximum:
+            why = f" ({meta['why']})" if meta["why"] else ""
+            raise ValueError(f"{name} must be <= {maximum}{why}, got {value}")
+
+
+def _check_min_max(config, low: str, high: str) -> None:
+    if getattr(config, low) > getattr(config, high):
+        raise ValueError(
+            f"{low} ({getattr(config, low)}) must not exceed {high} ({getattr(config, high)})"
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how an engine workload runs, every ``auto`` resolved."""
+
+    device: torch.device
+    dtype: torch.dtype
+    append_backend: str
+    decode_backend: str
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a run holds at its peak, estimated from the config before anything is allocated.
+
+    ``device_bytes`` (KV cache, one step's Q/K/V for every layer, prompt and prefix staging) live
+    on ``device``; ``host_bytes`` is the Python bookkeeping, plus ``device_bytes`` when the device
+    is the CPU. Kernel workspaces and allocator slack come on top.
+    """
+
+    device: torch.device
+    kv_cache_bytes: int
+    device_bytes: int
+    host_bytes: int
 
 
 @dataclass(frozen=True)
 class SyntheticWorkloadConfig:
     """Knobs of the single-layer dynamic workload (``auto`` = chosen from the device)."""
 
-    num_requests: int = _knob(16, "requests in the trace")
-    num_q_heads: int = _knob(8, "query heads")
-    num_kv_heads: int = _knob(2, "KV heads")
-    head_dim: int = _knob(32, "head dimension")
-    block_size: int = _knob(8, "tokens per KV block")
-    num_blocks: int = _knob(48, "blocks in the pool")
-    max_batch_size: int = _knob(8, "requests decoded per step at most")
-    max_active_requests: int = _knob(12, "requests resident in the cache at most")
-    reserve_blocks: int = _knob(0, "blocks kept out of every lifetime commitment")
-    aging_threshold: int = _knob(8, "overtakes before a waiting request blocks later ones")
-    arrivals_per_step: float = _knob(0.5, "mean request arrivals per step")
-    min_context: int = _knob(4, "shortest prompt (tokens)")
-    max_context: int = _knob(40, "longest prompt (tokens)")
-    min_new_tokens: int = _knob(4, "fewest tokens to generate")
-    max_new_tokens: int = _knob(24, "most tokens to generate")
-    dtype: str = _knob("auto", "float32 | float16 | bfloat16 | auto (fp32 CPU, bf16 GPU)")
-    device: str = _knob("auto", "cpu | cuda | auto")
-    append_backend: str = _knob("auto", "torch | triton | fused | auto (torch CPU, fused GPU)")
-    decode_backend: str = _knob("auto", "torch | triton | auto (torch CPU, triton GPU)")
-    seed: int = _knob(0, "random seed (arrivals, lengths, K/V values)")
-    max_steps: int = _knob(5000, "stop after this many steps")
+    num_requests: int = _knob(16, "requests in the trace", minimum=1)
+    num_q_heads: int = _knob(8, "query heads", minimum=1, maximum=MAX_HEADS)
+    num_kv_heads: int = _knob(2, "KV heads", minimum=1, maximum=MAX_HEADS)
+    head_dim: int = _knob(
+        32, "head dimension (even)", minimum=2, maximum=MAX_HEAD_DIM, why="the kernels' limit"
+    )
+    block_size: int = _knob(8, "tokens per KV block", minimum=1, maximum=MAX_BLOCK_SIZE)
+    num_blocks: int = _knob(
+        48, "blocks in the pool", minimum=1, maximum=INT32_MAX, why="block ids are int32"
+    )
+    max_batch_size: int = _knob(8, "requests decoded per step at most", minimum=1)
+    max_active_requests: int = _knob(12, "requests resident in the cache at most", minimum=1)
+    reserve_blocks: int = _knob(0, "blocks kept out of every lifetime commitment", minimum=0)
+    aging_threshold: int = _knob(
+        8, "overtakes before a waiting request blocks later ones", minimum=0
+    )
+    arrivals_per_step: float = _knob(0.5, "mean request arrivals per step (> 0)")
+    min_context: int = _knob(4, "shortest prompt (tokens)", minimum=0)
+    max_context: int = _knob(40, "longest prompt (tokens)", minimum=0)
+    min_new_tokens: int = _knob(4, "fewest tokens to generate", minimum=1)
+    max_new_tokens: int = _knob(24, "most tokens to generate", minimum=1)
+    dtype: str = _knob(
+        "auto", "KV and activation dtype (auto: fp32 CPU, bf16 GPU)", choices=("auto", *DTYPES)
+    )
+    device: str = _knob("auto", "where to run (auto: the GPU if there is one)", choices=DEVICES)
+    append_backend: str = _knob(
+        "auto", "KV append (auto: torch CPU, fused GPU)", choices=("auto", *APPEND_BACKENDS)
+    )
+    decode_backend: str = _knob(
+        "auto", "paged decode (auto: torch CPU, triton GPU)", choices=("auto", *DECODE_BACKENDS)
+    )
+    seed: int = _knob(0, "random seed (arrivals, lengths, K/V values)", minimum=0, maximum=SEED_MAX)
+    max_steps: int = _knob(5000, "stop after this many steps", minimum=1)
     check_invariants: bool = _knob(True, "validate the cache after every step")
     warmup_run: bool = _knob(
         False, "run the whole workload once untimed first (Triton compiles each new launch shape)"
     )
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(f.default, bool):
-                if not isinstance(value, bool):
-                    raise TypeError(f"{f.name} must be a bool, got {value!r}")
-            elif isinstance(f.default, int) and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise ValueError(f"{f.name} must be an int >= 0, got {value!r}")
-        if self.dtype not in (*DTYPES, "auto"):
-            raise ValueError(f"dtype must be one of {[*DTYPES, 'auto']}, got {self.dtype!r}")
-        if self.min_context > self.max_context or self.min_new_tokens > self.max_new_tokens:
-            raise ValueError("min_context/min_new_tokens must not exceed their max")
-        if self.min_new_tokens < 1 or self.num_requests < 1:
-            raise ValueError("num_requests and min_new_tokens must be >= 1")
+        _check_fields(self)
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim must be even (RoPE rotates pairs of dims), got {self.head_dim}"
+            )
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.reserve_blocks >= self.num_blocks:
+            raise ValueError(
+                f"reserve_blocks ({self.reserve_blocks}) must be below num_blocks "
+                f"({self.num_blocks}): no request could ever be admitted"
+            )
+        _check_min_max(self, "min_context", "max_context")
+        _check_min_max(self, "min_new_tokens", "max_new_tokens")
+        if self.max_context + self.max_new_tokens > INT32_MAX:
+            raise ValueError(
+                f"max_context + max_new_tokens must be <= {INT32_MAX} (sequence lengths are "
+                f"int32), got {self.max_context + self.max_new_tokens}"
+            )
         if not self.arrivals_per_step > 0:
             raise ValueError(f"arrivals_per_step must be > 0, got {self.arrivals_per_step}")
+        self.scheduler_config()  # its own rules, checked once, in one place
+        self.placement()
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_active_requests=self.max_active_requests,
+            max_batch_size=self.max_batch_size,
+            reserve_blocks=self.reserve_blocks,
+            aging_threshold=self.aging_threshold,
+        )
+
+    def placement(self) -> Placement:
+        """Device, dtype and backends with ``auto`` resolved; ValueError for a device that is
+        not there, or a Triton backend on CPU tensors without Triton's interpreter."""
+        cuda = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda:
+            raise ValueError(
+                "device 'cuda' was requested, but torch sees no CUDA device "
+                "(torch.cuda.is_available() is False); use device 'cpu' or 'auto'"
+            )
+        device = torch.device(("cuda" if cuda else "cpu") if self.device == "auto" else self.device)
+        on_gpu = device.type == "cuda"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+        append = self.append_backend
+        if append == "auto":
+            append = "fused" if on_gpu else "torch"
+        decode = self.decode_backend
+        if decode == "auto":
+            decode = "triton" if on_gpu else "torch"
+        if not on_gpu and triton_mode() != "interpreted":
+            for name, backend in (("append_backend", append), ("decode_backend", decode)):
+                if backend in TRITON_BACKENDS:
+                    raise ValueError(
+                        f"{name} {backend!r} launches Triton kernels, which run on CPU tensors "
+                        "only through Triton's interpreter: set TRITON_INTERPRET=1 before "
+                        "flashdec is imported (the flashdec command does so when there is no "
+                        "GPU), or use the torch backend"
+                    )
+        return Placement(device, DTYPES[dtype], append, decode)
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers the workload's cache holds."""
+        return 1
+
+    @property
+    def registered_prefix_blocks(self) -> int:
+        """Blocks of each shared prefix the run registers before the first request (0: none)."""
+        return 0
+
+    def memory_estimate(self) -> MemoryEstimate:
+        place = self.placement()
+        elt = place.element_bytes
+        token = self.num_kv_heads * self.head_dim  # elements of one token's K (or V), one layer
+        batch = min(self.max_batch_size, self.max_active_requests, self.num_requests)
+        admitted = min(self.max_active_requests, self.num_requests)
+        kv_cache = 2 * self.layers * self.num_blocks * self.block_size * token * elt
+        # one step's Q, K and V for every layer, held at once
+        step = self.layers * batch * (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+        # staged K/V of one step's admitted prompts (one layer) and of one prefix (all layers),
+        # drawn in fp32, then cast
+        prompts = 2 * admitted * self.max_context * token
+        prefix = 2 * self.layers * self.registered_prefix_blocks * self.block_size * token
+        device_bytes = kv_cache + step * elt + (prompts + prefix) * (4 + elt)
+        expected_steps = math.ceil(self.num_requests / self.arrivals_per_step) + (
+            self.num_requests * self.max_new_tokens
+        )
+        # each request also keeps an int32 host copy of its block-table row (num_blocks wide)
+        host = self.num_requests * (HOST_BYTES_PER_REQUEST + 4 * self.num_blocks)
+        host += min(self.max_steps, expected_steps) * HOST_BYTES_PER_STEP
+        if place.device.type == "cpu":
+            host += device_bytes
+        return MemoryEstimate(place.device, kv_cache, device_bytes, host)
 
 
 @dataclass(frozen=True)
 class IntegratedWorkloadConfig(SyntheticWorkloadConfig):
     """Knobs of the integrated workload: the synthetic ones plus layers, prefixes and faults."""
 
-    num_layers: int = _knob(4, "transformer layers (one token transaction spans all)")
-    num_prefixes: int = _knob(2, "shared prefixes registered before the first submission")
-    prefix_blocks: int = _knob(2, "full blocks per shared prefix")
-    prefix_hit_rate: float = _knob(0.5, "fraction of requests whose prompt is a shared prefix")
-    failure_rate: float = _knob(0.1, "fraction of steps hit by an injected failure (retried)")
+    num_layers: int = _knob(
+        4, "transformer layers (one token transaction spans all)", minimum=1, maximum=MAX_LAYERS
+    )
+    num_prefixes: int = _knob(
+        2, "shared prefixes registered before the first submission", minimum=0
+    )
+    prefix_blocks: int = _knob(2, "full blocks per shared prefix", minimum=0)
+    prefix_hit_rate: float = _knob(
+        0.5, "fraction of requests whose prompt is a shared prefix", minimum=0.0, maximum=1.0
+    )
+    failure_rate: float = _knob(
+        0.1, "fraction of steps hit by an injected failure (retried)", minimum=0.0, maximum=1.0
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_layers < 1:
-            raise ValueError("num_layers must be >= 1")
-        for name in ("prefix_hit_rate", "failure_rate"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        if self.prefix_hit_rate > 0 and (self.num_prefixes < 1 or self.prefix_blocks < 1):
-            raise ValueError("prefix hits need num_prefixes >= 1 and prefix_blocks >= 1")
+        if self.prefix_hit_rate > 0:
+            if self.num_prefixes < 1 or self.prefix_blocks < 1:
+                raise ValueError("prefix hits need num_prefixes >= 1 and prefix_blocks >= 1")
+            resident = self.num_prefixes * self.prefix_blocks
+            if resident >= self.num_blocks:
+                raise ValueError(
+                    f"num_prefixes x prefix_blocks ({resident}) must be below "
+                    f"num_blocks ({self.num_blocks}): resident prefixes would leave no block "
+                    "for requests"
+                )
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def registered_prefix_blocks(self) -> int:
+        # the workload registers prefixes only when requests can hit them
+        return self.prefix_blocks if self.prefix_hit_rate > 0 else 0
 
     @classmethod
     def demo_defaults(cls, seed: int = 0) -> IntegratedWorkloadConfig:
@@ -119,7 +347,10 @@ class IntegratedWorkloadConfig(SyntheticWorkloadConfig):
 class SchedulerWorkloadConfig:
     """CLI knobs of ``run_scheduler_workload`` (all policies are compared on one trace)."""
 
-    trace: str = field(default="boundary", metadata={"help": f"one of {', '.join(TRACE_NAMES)}"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    prefix_sharing: bool = field(default=True, metadata={"help": "share prefixes"})
-    check_invariants: bool = field(default=True, metadata={"help": "validate after each step"})
+    trace: str = _knob("boundary", "built-in trace", choices=TRACE_NAMES)
+    seed: int = _knob(0, "random seed (K/V values, the mixed trace)", minimum=0, maximum=SEED_MAX)
+    prefix_sharing: bool = _knob(True, "share prefixes")
+    check_invariants: bool = _knob(True, "validate the cache after each step")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)

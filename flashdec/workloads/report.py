@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from rich.console import RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from flashdec.workloads.config import (
+    TRITON_BACKENDS,
     IntegratedWorkloadConfig,
     SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
@@ -58,13 +62,22 @@ def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     return table
 
 
-def engine_result_tables(result: WorkloadResult) -> list[Table]:
+def engine_result_tables(result: WorkloadResult) -> list[RenderableType]:
     lat, sched = result.step_latency, result.schedule_latency
     rows = [
         ("device / dtype", f"{result.device} / {result.dtype}"),
         ("backends (append / decode)", f"{result.append_backend} / {result.decode_backend}"),
         ("requests finished", f"{result.finished}/{result.num_requests}"),
         ("requests rejected", str(result.rejected)),
+    ]
+    unfinished = getattr(result, "unfinished", None)
+    if unfinished is not None:
+        stopped = "yes (max_steps reached; the rest were cancelled)"
+        rows += [
+            ("stopped early", stopped if result.stopped_early else "no"),
+            ("requests unfinished", str(unfinished)),
+        ]
+    rows += [
         ("completion rate", f"{result.completion_rate:.1%}"),
         ("steps (with decode)", f"{result.steps} ({result.decode_steps})"),
         ("tokens decoded", str(result.tokens_decoded)),
@@ -100,18 +113,51 @@ def engine_result_tables(result: WorkloadResult) -> list[Table]:
                 f"{result.injected_failures} / {result.verified_rollbacks}",
             ),
         ]
-    return [_kv_table("FlashDec workload summary", rows)]
+    rendered: list[RenderableType] = [_kv_table("FlashDec workload summary", rows)]
+    note = _warmup_note(result)
+    if note:
+        rendered.append(Text(note, style="dim"))
+    return rendered
 
 
-def scheduler_result_tables(result: SchedulerWorkloadResult) -> list[Table]:
+def _warmup_note(result: WorkloadResult) -> str | None:
+    """What the latency percentiles say about Triton's first-use compiles (None: no Triton)."""
+    if result.config.warmup_run:
+        return (
+            "Latencies exclude an untimed warm-up run of the same workload (--warmup-run): "
+            "Triton's first-use compiles are not in p90/p99."
+        )
+    if result.decode_backend in TRITON_BACKENDS or result.append_backend in TRITON_BACKENDS:
+        return (
+            "p90/p99 include Triton's first-use compiles of each launch shape; --warmup-run "
+            "excludes them."
+        )
+    return None
+
+
+SCHEDULER_COLUMNS = (
+    ("policy", "admission policy"),
+    ("done", "completion rate: finished / requests"),
+    ("fin", "requests finished"),
+    ("canc", "requests cancelled to free blocks (cancel baseline)"),
+    ("rej", "requests rejected (can never fit)"),
+    ("stuck", "requests still active when the run stopped"),
+    ("deadlock", "the run stopped because no step changed anything any more"),
+    ("steps", "scheduler steps run"),
+    ("tokens", "tokens decoded (context import not counted)"),
+    ("svc wait", "longest an active runnable request went undecoded (steps)"),
+    ("wait", "longest a request waited from arrival to admission (steps)"),
+    ("Jain", "Jain index of tokens per step in the system (1 = perfectly fair)"),
+)
+
+
+def scheduler_result_tables(result: SchedulerWorkloadResult) -> list[RenderableType]:
     table = Table(
         title=f"scheduler workload: trace {result.trace!r} ({result.num_blocks} blocks of "
         f"{result.block_size}, aging {result.aging_threshold}, prefix sharing "
         f"{'on' if result.prefix_sharing else 'off'})"
     )
-    columns = ("policy", "done", "fin", "canc", "rej", "stuck", "deadlock", "steps", "tokens",
-               "svc wait", "wait", "Jain")  # fmt: skip
-    for col in columns:
+    for col, _ in SCHEDULER_COLUMNS:
         table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for run in result.runs:
         table.add_row(
@@ -128,12 +174,14 @@ def scheduler_result_tables(result: SchedulerWorkloadResult) -> list[Table]:
             str(run.max_waiting_steps),
             f"{run.jain_service_rate:.2f}",
         )
-    return [table]
+    width = max(len(col) for col, _ in SCHEDULER_COLUMNS)
+    legend = Text("\n".join(f"  {col:<{width}}  {meaning}" for col, meaning in SCHEDULER_COLUMNS))
+    return [table, legend]
 
 
 @contextmanager
-def progress_bar(label: str):
-    """A live bar for long runs; yields the ``progress(done, total)`` callback workloads take."""
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
+    """A live bar for a terminal; yields the ``progress(done, total)`` callback workloads take."""
     with Progress(
         TextColumn(label),
         BarColumn(),
@@ -149,21 +197,59 @@ def progress_bar(label: str):
         yield update
 
 
+class ProgressLines:
+    """The ``progress(done, total)`` callback for logs and pipes: one line per tenth of the work
+    done, or after ``every_s`` seconds without a line, whichever comes first."""
+
+    def __init__(
+        self,
+        label: str,
+        write: Callable[[str], None],
+        every_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label = label
+        self.write = write
+        self.every_s = every_s
+        self.clock = clock
+        self.start = self.last = clock()
+        self.next_tenth = 1
+        self.finished = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.finished or total <= 0:
+            return
+        now = self.clock()
+        tenth = done * 10 // total
+        if tenth < self.next_tenth and now - self.last < self.every_s:
+            return
+        self.next_tenth = tenth + 1
+        self.last = now
+        self.finished = done >= total
+        self.write(
+            f"{self.label}: {done}/{total} requests done ({done / total:.0%}, "
+            f"{now - self.start:.1f} s)"
+        )
+
+
 @dataclass(frozen=True)
 class WorkloadEntry:
+    """A named workload: its config class, runner and how its result is shown."""
+
     help: str
     config_cls: type
     runner: Callable
-    tables: Callable
+    tables: Callable  # result -> rich renderables (tables, legends, notes)
     takes_progress: bool
 
-    def run(self, config, progress: bool = False):
+    def run(self, config, progress: Callable[[int, int], None] | None = None):
+        """Run with ``config``; ``progress(done, total)`` is called as requests finish (for
+        runners that report progress)."""
         if self.config_cls is SchedulerWorkloadConfig:
             return self.runner(**dataclasses.asdict(config))
-        if not (progress and self.takes_progress):
+        if progress is None or not self.takes_progress:
             return self.runner(config)
-        with progress_bar("decoding") as update:
-            return self.runner(config, progress=update)
+        return self.runner(config, progress=progress)
 
 
 def registry() -> dict[str, WorkloadEntry]:

@@ -1,0 +1,204 @@
+"""Workload configs check the whole configuration at construction; estimates match the formulas."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from flashdec.scheduler import SchedulerConfig
+from flashdec.workloads import (
+    IntegratedWorkloadConfig,
+    SchedulerWorkloadConfig,
+    SyntheticWorkloadConfig,
+)
+from flashdec.workloads.config import HOST_BYTES_PER_REQUEST, HOST_BYTES_PER_STEP
+
+HAS_CUDA = torch.cuda.is_available()
+
+BAD_SYNTHETIC = [
+    ({"num_requests": 0}, ValueError, "num_requests must be >= 1"),
+    ({"num_requests": "3"}, TypeError, "num_requests must be an int"),
+    ({"num_requests": True}, TypeError, "num_requests must be an int"),
+    ({"num_requests": 2**31}, ValueError, "num_requests must be <= 2147483647"),
+    ({"num_q_heads": 2048, "num_kv_heads": 2}, ValueError, "num_q_heads must be <= 1024"),
+    ({"num_kv_heads": 3}, ValueError, "must be a multiple of num_kv_heads (3)"),
+    ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be >= 1"),
+    ({"head_dim": 7}, ValueError, "head_dim must be even"),
+    ({"head_dim": 0}, ValueError, "head_dim must be >= 2"),
+    ({"head_dim": 258}, ValueError, "head_dim must be <= 256 (the kernels' limit)"),
+    ({"block_size": 99999999999999999999}, ValueError, "block_size must be <= 1024"),
+    ({"num_blocks": 2**31}, ValueError, "block ids are int32"),
+    ({"reserve_blocks": 48}, ValueError, "reserve_blocks (48) must be below num_blocks (48)"),
+    ({"aging_threshold": -1}, ValueError, "aging_threshold must be >= 0"),
+    ({"min_context": 9, "max_context": 3}, ValueError, "min_context (9) must not exceed"),
+    ({"min_new_tokens": 9, "max_new_tokens": 3}, ValueError, "min_new_tokens (9) must not"),
+    ({"min_new_tokens": 0}, ValueError, "min_new_tokens must be >= 1"),
+    ({"max_context": 2**31 - 10}, ValueError, "max_context + max_new_tokens must be <="),
+    ({"arrivals_per_step": 0.0}, ValueError, "arrivals_per_step must be > 0"),
+    ({"arrivals_per_step": -1}, ValueError, "arrivals_per_step must be > 0"),
+    ({"arrivals_per_step": math.nan}, ValueError, "arrivals_per_step must be finite"),
+    ({"arrivals_per_step": math.inf}, ValueError, "arrivals_per_step must be finite"),
+    ({"arrivals_per_step": "fast"}, TypeError, "arrivals_per_step must be a number"),
+    ({"arrivals_per_step": True}, TypeError, "arrivals_per_step must be a number"),
+    ({"dtype": "int8"}, ValueError, "dtype must be one of"),
+    ({"dtype": torch.float16}, TypeError, "dtype must be a str"),
+    ({"device": "tpu"}, ValueError, "device must be one of"),
+    ({"append_backend": "cuda"}, ValueError, "append_backend must be one of"),
+    ({"decode_backend": "fused"}, ValueError, "decode_backend must be one of"),
+    ({"seed": -1}, ValueError, "seed must be >= 0"),
+    ({"seed": 2**63}, ValueError, "seed must be <= 9223372036854775807"),
+    ({"max_steps": 0}, ValueError, "max_steps must be >= 1"),
+    ({"check_invariants": "yes"}, TypeError, "check_invariants must be a bool"),
+    ({"warmup_run": 1}, TypeError, "warmup_run must be a bool"),
+]
+
+BAD_INTEGRATED = [
+    ({"num_layers": 0}, ValueError, "num_layers must be >= 1"),
+    ({"num_layers": 100000}, ValueError, "num_layers must be <= 1024"),
+    ({"failure_rate": 1.5}, ValueError, "failure_rate must be <= 1.0"),
+    ({"failure_rate": -0.1}, ValueError, "failure_rate must be >= 0.0"),
+    ({"prefix_hit_rate": math.nan}, ValueError, "prefix_hit_rate must be finite"),
+    ({"num_prefixes": 0}, ValueError, "prefix hits need num_prefixes >= 1"),
+    ({"prefix_blocks": 0}, ValueError, "prefix hits need num_prefixes >= 1"),
+    (
+        {"num_prefixes": 4, "prefix_blocks": 12},
+        ValueError,
+        "num_prefixes x prefix_blocks (48) must be below num_blocks (48)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), BAD_SYNTHETIC)
+def test_synthetic_config_rejects(overrides, error, message):
+    with pytest.raises(error) as exc:
+        SyntheticWorkloadConfig(**overrides)
+    assert message in str(exc.value)
+    # the integrated config inherits every rule
+    with pytest.raises(error):
+        IntegratedWorkloadConfig(**overrides)
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), BAD_INTEGRATED)
+def test_integrated_config_rejects(overrides, error, message):
+    with pytest.raises(error) as exc:
+        IntegratedWorkloadConfig(**overrides)
+    assert message in str(exc.value)
+
+
+def test_a_rejected_replace_leaves_the_config_as_it_was():
+    config = IntegratedWorkloadConfig(num_kv_heads=4, seed=5)
+    before = dataclasses.asdict(config)
+    with pytest.raises(ValueError):
+        dataclasses.replace(config, num_kv_heads=3)
+    assert dataclasses.asdict(config) == before
+
+
+def test_prefix_rules_apply_only_when_requests_can_hit_prefixes():
+    config = IntegratedWorkloadConfig(prefix_hit_rate=0.0, num_prefixes=0, prefix_blocks=500)
+    assert config.registered_prefix_blocks == 0
+
+
+def test_scheduler_workload_config_rejects():
+    with pytest.raises(ValueError, match="trace must be one of"):
+        SchedulerWorkloadConfig(trace="nope")
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        SchedulerWorkloadConfig(seed=-1)
+    with pytest.raises(TypeError, match="prefix_sharing must be a bool"):
+        SchedulerWorkloadConfig(prefix_sharing="no")
+
+
+def test_defaults_and_demo_defaults_are_valid():
+    for config in (
+        SyntheticWorkloadConfig(),
+        IntegratedWorkloadConfig(),
+        IntegratedWorkloadConfig.demo_defaults(seed=3),
+        SchedulerWorkloadConfig(),
+    ):
+        assert dataclasses.replace(config) == config
+
+
+def test_scheduler_config_carries_the_knobs():
+    config = SyntheticWorkloadConfig(max_active_requests=5, max_batch_size=3, reserve_blocks=2)
+    assert config.scheduler_config() == SchedulerConfig(
+        max_active_requests=5, max_batch_size=3, reserve_blocks=2, aging_threshold=8
+    )
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="needs a machine without a CUDA device")
+def test_cuda_requested_without_a_gpu():
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        SyntheticWorkloadConfig(device="cuda")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="auto resolves to the GPU there")
+def test_auto_placement_on_the_cpu():
+    place = SyntheticWorkloadConfig().placement()
+    assert place.device == torch.device("cpu")
+    assert (place.dtype, place.append_backend, place.decode_backend) == (
+        torch.float32,
+        "torch",
+        "torch",
+    )
+
+
+def test_explicit_placement():
+    place = SyntheticWorkloadConfig(
+        device="cpu", dtype="bfloat16", append_backend="torch", decode_backend="torch"
+    ).placement()
+    assert (place.device.type, place.dtype, place.element_bytes) == ("cpu", torch.bfloat16, 2)
+
+
+@pytest.mark.parametrize(
+    ("backend", "value"),
+    [("append_backend", "triton"), ("append_backend", "fused"), ("decode_backend", "triton")],
+)
+def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch, backend, value):
+    knobs = {"device": "cpu", backend: value}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    SyntheticWorkloadConfig(**knobs)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as exc:
+        SyntheticWorkloadConfig(**knobs)
+    assert f"{backend} {value!r}" in str(exc.value)
+
+
+def _cpu(**knobs):
+    return {"device": "cpu", "append_backend": "torch", "decode_backend": "torch", **knobs}
+
+
+def test_kv_cache_estimate_is_the_storage_formula():
+    config = IntegratedWorkloadConfig(
+        **_cpu(num_layers=3, num_blocks=50, block_size=4, num_kv_heads=2, head_dim=6)
+    )
+    est = config.memory_estimate()
+    assert est.device == torch.device("cpu")
+    assert est.kv_cache_bytes == 2 * 3 * 50 * 4 * 2 * 6 * 4
+    half = dataclasses.replace(config, dtype="float16").memory_estimate()
+    assert half.kv_cache_bytes * 2 == est.kv_cache_bytes
+    # on the CPU the device memory is host memory
+    assert est.kv_cache_bytes < est.device_bytes < est.host_bytes
+    synthetic = SyntheticWorkloadConfig(
+        **_cpu(num_blocks=50, block_size=4, num_kv_heads=2, head_dim=6)
+    )
+    assert synthetic.memory_estimate().kv_cache_bytes == 2 * 1 * 50 * 4 * 2 * 6 * 4
+
+
+def test_host_estimate_grows_per_request_and_per_step():
+    base = SyntheticWorkloadConfig(**_cpu(num_blocks=64, max_steps=10))  # steps capped at 10
+    more = dataclasses.replace(base, num_requests=base.num_requests + 100)
+    per_request = HOST_BYTES_PER_REQUEST + 4 * 64  # bookkeeping + int32 block-table row
+    delta = more.memory_estimate().host_bytes - base.memory_estimate().host_bytes
+    assert delta == 100 * per_request
+    longer = dataclasses.replace(base, max_steps=20)
+    delta = longer.memory_estimate().host_bytes - base.memory_estimate().host_bytes
+    assert delta == 10 * HOST_BYTES_PER_STEP
+    assert more.memory_estimate().device_bytes == base.memory_estimate().device_bytes
+
+
+def test_prefix_staging_counts_only_when_prefixes_are_registered():
+    hits = IntegratedWorkloadConfig(**_cpu(prefix_hit_rate=0.5))
+    none = dataclasses.replace(hits, prefix_hit_rate=0.0)
+    staged = 2 * hits.num_layers * hits.prefix_blocks * hits.block_size
+    staged *= hits.num_kv_heads * hits.head_dim * (4 + 4)
+    assert hits.memory_estimate().device_bytes - none.memory_estimate().device_bytes == staged
