@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from flashdec._checks import check_positive_int
-from flashdec.engine.backends import APPEND_BACKENDS, DECODE_BACKENDS
+from flashdec._checks import check_choice, check_positive_int
+from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS
 from flashdec.runtime import triton_mode
 from flashdec.scheduler import SchedulerConfig
 from flashdec.workloads.scheduler_workload import TRACE_NAMES
@@ -57,15 +57,6 @@ def _knob(
     return field(default=default, metadata=metadata)
 
 
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    # TODO(lead): use _checks.check_choice
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-    return value
-
-
 def _check_real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -80,7 +71,7 @@ def _check_fields(config) -> None:
         name, value, meta = f.name, getattr(config, f.name), f.metadata
         maximum = meta["maximum"]
         if "choices" in meta:
-            _check_choice(name, value, meta["choices"])
+            check_choice(name, value, meta["choices"])
         elif isinstance(f.default, bool):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

@@ -22,7 +22,7 @@ from flashdec.cache import PagedKVCache
 from flashdec.engine import DecodeEngine
 from flashdec.engine.loop import LoopStep, ServingLoop, run_loop
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
-from flashdec.workloads.config import DTYPES, IntegratedWorkloadConfig, SyntheticWorkloadConfig
+from flashdec.workloads.config import IntegratedWorkloadConfig, SyntheticWorkloadConfig
 from flashdec.workloads.stats import LatencyStats, jain_index, ratio, safe_rate
 
 
@@ -87,23 +87,6 @@ class IntegratedWorkloadResult(WorkloadResult):
     prefix_savings_bytes: int = 0
     injected_failures: int = 0
     verified_rollbacks: int = 0
-
-
-def _resolve(config: SyntheticWorkloadConfig) -> tuple[torch.device, torch.dtype, str, str]:
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu")
-        if config.device == "auto"
-        else config.device
-    )
-    on_gpu = device.type == "cuda"
-    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    append = config.append_backend
-    if append == "auto":
-        append = "fused" if on_gpu else "torch"
-    decode = config.decode_backend
-    if decode == "auto":
-        decode = "triton" if on_gpu else "torch"
-    return device, DTYPES[dtype_name], append, decode
 
 
 def _build_requests(config, rng: random.Random, prefix_ids, prefix_tokens):
@@ -223,7 +206,9 @@ class _EngineRun:
 
     def __init__(self, config: SyntheticWorkloadConfig, num_layers: int) -> None:
         self.config = config
-        self.device, self.dtype, append_backend, decode_backend = _resolve(config)
+        place = config.placement()
+        self.device, self.dtype = place.device, place.dtype
+        append_backend, decode_backend = place.append_backend, place.decode_backend
         self.num_layers = num_layers
         integrated = isinstance(config, IntegratedWorkloadConfig)
         uses_prefixes = integrated and config.prefix_hit_rate > 0
