@@ -49,7 +49,8 @@ from benchmarks._common import (
 )
 from flashdec import LLM
 from flashdec.models import build_random_model
-from flashdec.workloads.serving import ServeBenchConfig, run_serve_benchmark
+from flashdec.workloads.config import ServeConfig
+from flashdec.workloads.serving import run_serve_benchmark
 
 
 def parse_args() -> argparse.Namespace:
@@ -347,7 +348,9 @@ def main() -> None:
     profile_rows = kernel_profile(llm, min(64, max_batch), args.prompt_len)
     serve = run_serve_benchmark(
         llm,
-        ServeBenchConfig(
+        ServeConfig(
+            model=args.model,
+            max_batch_size=max_batch,
             num_requests=args.serve_requests,
             request_rate=args.serve_rate,
             min_prompt_len=max(1, args.prompt_len // 4),

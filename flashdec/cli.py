@@ -1,4 +1,5 @@
-"""The ``flashdec`` command line: ``env``, ``demo`` and ``workload NAME``.
+"""The ``flashdec`` command line: ``generate``, ``bench-serve``, ``env``, ``demo`` and
+``workload NAME``.
 
 Workload knobs are generated from the fields of each workload's frozen config dataclass (their
 help, bounds and choices), so the CLI and the Python API cannot drift apart.
@@ -86,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from flashdec.workloads.config import GenerateConfig, ServeConfig
+
+    generate = sub.add_parser(
+        "generate",
+        parents=[verbose],
+        help="generate with a model (a built-in random-weight shape or a local directory) and "
+        "report tokens/s, TTFT and TPOT",
+    )
+    _add_config_arguments(generate, GenerateConfig)
+    generate.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    serve = sub.add_parser(
+        "bench-serve",
+        parents=[verbose],
+        help="Poisson arrivals through the serving loop (continuous batching): TTFT and TPOT "
+        "percentiles, output tokens/s",
+    )
+    _add_config_arguments(serve, ServeConfig)
+    serve.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     sub.add_parser(
         "env",
         parents=[verbose],
@@ -94,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         parents=[verbose],
-        help="the integrated workload on embedded defaults (CPU: small shapes, torch backends; "
-        "GPU: Triton, latencies after an untimed warm-up run)",
+        help="a generation checked token for token against transformers (CPU: the tiny model; "
+        "GPU: the Llama-3-8B shape), then the integrated runtime workload",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     workload = sub.add_parser(
@@ -183,15 +202,17 @@ def _check_json_path(parser: argparse.ArgumentParser, path: str | None) -> None:
         parser.error(f"--json {path}: not writable")
 
 
-def _progress(console: Console) -> AbstractContextManager:
+def _progress(
+    console: Console, label: str = "decoding", unit: str = "requests done"
+) -> AbstractContextManager:
     """A live bar on a terminal; plain lines (a tenth of the work, or a few seconds, each) on
     pipes and logs, where a bar would be garbage."""
     from flashdec.workloads.report import ProgressLines, progress_bar
 
     if console.is_terminal:
-        return progress_bar("decoding")
+        return progress_bar(label, unit)
     return nullcontext(
-        ProgressLines("decoding", lambda line: console.print(line, markup=False, highlight=False))
+        ProgressLines(label, lambda line: console.print(line, markup=False, highlight=False), unit)
     )
 
 
@@ -211,6 +232,39 @@ def _run_workload(console: Console, name: str, config, json_path: str | None = N
     return 0
 
 
+def _run_generate(console: Console, config, json_path: str | None = None) -> int:
+    from flashdec.workloads import result_to_json
+    from flashdec.workloads.generation import load_llm, run_generate
+    from flashdec.workloads.report import _kv_table
+
+    console.print(f"[bold]generate[/bold] {config.model}: loading")
+    llm = load_llm(config)
+    with _progress(console, "generating", "tokens") as progress:
+        result = run_generate(config, llm=llm, progress=progress)
+    console.print(_kv_table("FlashDec generate", result.rows()))
+    if json_path:
+        Path(json_path).write_text(result_to_json(result))
+        console.print(f"wrote {json_path}")
+    return 0
+
+
+def _run_serve(console: Console, config, json_path: str | None = None) -> int:
+    from flashdec.workloads import result_to_json
+    from flashdec.workloads.generation import load_llm
+    from flashdec.workloads.report import _kv_table
+    from flashdec.workloads.serving import run_serve_benchmark
+
+    console.print(f"[bold]bench-serve[/bold] {config.model}: loading")
+    llm = load_llm(config)
+    with _progress(console, "serving", "requests done") as progress:
+        result = run_serve_benchmark(llm, config, progress=progress)
+    console.print(_kv_table("FlashDec bench-serve", result.rows))
+    if json_path:
+        Path(json_path).write_text(result_to_json(result))
+        console.print(f"wrote {json_path}")
+    return 0
+
+
 def _checked_config(parser: argparse.ArgumentParser, make):
     try:
         return make()
@@ -222,13 +276,25 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
     if args.command == "env":
         _print_env(console)
         return 0
+    if args.command in ("generate", "bench-serve"):
+        from flashdec.workloads.config import GenerateConfig, ServeConfig
+
+        config_cls = GenerateConfig if args.command == "generate" else ServeConfig
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+        config = _checked_config(parser, lambda: config_cls(**values))
+        _check_json_path(parser, args.json)
+        run = _run_generate if args.command == "generate" else _run_serve
+        return run(console, config, args.json)
     if args.command == "demo":
         from flashdec.workloads import IntegratedWorkloadConfig
+        from flashdec.workloads.config import GenerateConfig
 
+        generation = _checked_config(parser, lambda: GenerateConfig.demo_defaults(seed=args.seed))
         config = _checked_config(
             parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
         )
         _check_memory(parser, config)
+        _run_generate(console, generation)
         return _run_workload(console, "integrated", config)
     if args.command == "workload":
         workloads = _workloads()

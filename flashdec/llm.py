@@ -317,12 +317,14 @@ class LLM:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        progress=None,
     ) -> list[list[int]]:
         """Generate for every prompt; returns the generated ids only, one list per prompt, in
         order (a sequence stops after its EOS token unless ``ignore_eos``).
 
         Greedy by default (exactly transformers' greedy ``generate``); ``temperature > 0``
-        samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``).
+        samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``). ``progress(done,
+        total)`` is called after every step with the tokens generated so far.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -340,10 +342,15 @@ class LLM:
         try:
             rids = [self.add_request(ids, max_new_tokens, ignore_eos=ignore_eos) for ids in checked]
             steps = 0
+            total = max_new_tokens * len(rids)
             while not self.loop.idle:
                 self.loop.step()
                 steps += 1
+                if progress is not None:
+                    progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
             self._runner.collect()
+            if progress is not None:
+                progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
         finally:
             self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
             self._runner.pending = None

@@ -111,6 +111,15 @@ BAD_COMMANDS = [
     (["workload", "nope"], "argument NAME: invalid choice: 'nope'"),
     (["demo", "--seed", "-1"], "seed must be >= 0"),
     (["launch"], "invalid choice: 'launch'"),
+    (["generate", "--model", "nope"], "neither a built-in shape"),
+    (["generate", "--prompt-len", "-3"], "prompt_len must be >= 1"),
+    (["generate", "--prompt", "hello"], "needs the model's tokenizer"),
+    (["generate", "--temperature", "1", "--compare"], "compare needs greedy decoding"),
+    (["generate", "--prompt-len", "999999"], "prompt_len must be <= 131072"),
+    (["generate", "--prompt-len", "4000"], "exceeds the model's max_position_embeddings"),
+    (["generate", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
+    (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
 ]
 
 
@@ -293,9 +302,30 @@ def test_workload_without_a_name_as_a_user_sees_it():
     assert "needs a NAME" in _assert_one_error_line(proc.stdout, proc.stderr)
 
 
+def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):
+    path = tmp_path / "g.json"
+    argv = ["generate", "--batch", "2", "--prompt-len", "9", "--max-new-tokens", "6", "--compare",
+            "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2/2 prompts identical, 12/12 tokens (100.0%)" in out
+    assert "TTFT" in out and "tokens/s" in out
+    result = json.loads(path.read_text())
+    assert result["matches_transformers"] == 2 and len(result["generated"]) == 2
+
+
+def test_bench_serve_reports_latency_percentiles(capsys):
+    argv = ["bench-serve", "--num-requests", "4", "--request-rate", "200", "--max-prompt-len",
+            "20", "--max-new-tokens", "4"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50 / p99" in out and "TPOT p50 / p99" in out and "4/4 requests done" in out
+
+
 def test_demo_runs_as_a_module():
     proc = _flashdec("demo")
     assert proc.returncode == 0, proc.stderr
+    assert "agreement with transformers" in proc.stdout and "(100.0%)" in proc.stdout
     assert "completion rate" in proc.stdout and "100.0%" in proc.stdout
     assert "requests done (100%" in proc.stdout  # piped: progress lines, not a bar
     assert "Traceback" not in proc.stderr

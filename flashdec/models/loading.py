@@ -19,6 +19,13 @@ from flashdec.models.spec import check_supported, config_problems
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a saved tokenizer."""
+    return Path(directory).is_dir() and any(
+        (Path(directory) / name).is_file() for name in _TOKENIZER_FILES
+    )
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: PreTrainedModel  # eval mode, on its target device
@@ -75,7 +82,7 @@ def load_model(
     model = model.to(default_device() if device is None else device).eval()
     check_supported(model)
     tokenizer = None
-    if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+    if has_tokenizer(directory):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return LoadedModel(model, tokenizer, str(directory))
 

@@ -72,6 +72,9 @@ def _check_fields(config) -> None:
         maximum = meta["maximum"]
         if "choices" in meta:
             check_choice(name, value, meta["choices"])
+        elif isinstance(f.default, str):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
         elif isinstance(f.default, bool):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -345,3 +348,146 @@ class SchedulerWorkloadConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+
+
+CUDA_GRAPHS = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ModelRunConfig:
+    """Knobs shared by the commands that run a real model (``generate``, ``bench-serve``)."""
+
+    model: str = _knob(
+        "tiny", "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...) or a "
+        "local model directory"
+    )  # fmt: skip
+    dtype: str = _knob("auto", "the model's dtype (auto: the shape's or the checkpoint's)",
+                       choices=("auto", *DTYPES))  # fmt: skip
+    device: str = _knob("auto", "where the model runs (auto: the GPU when there is one)",
+                        choices=DEVICES)  # fmt: skip
+    cuda_graphs: str = _knob("auto", "capture decode steps in CUDA graphs (auto: on a GPU)",
+                             choices=CUDA_GRAPHS)  # fmt: skip
+    max_batch_size: int = _knob(64, "requests decoded per step at most", minimum=1,
+                                maximum=1024)  # fmt: skip
+    seed: int = _knob(0, "random seed (weights of a built-in shape, prompts)", minimum=0,
+                      maximum=SEED_MAX)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "device 'cuda' was requested, but torch sees no CUDA device; use 'cpu' or 'auto'"
+            )
+        if self.cuda_graphs == "on" and not self.on_gpu:
+            raise ValueError("cuda_graphs 'on' needs a GPU (use 'auto' or 'off')")
+        self.check_model()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda" if self.on_gpu else "cpu")
+
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def graphs(self) -> bool | None:
+        return {"auto": None, "on": True, "off": False}[self.cuda_graphs]
+
+    def check_model(self) -> int:
+        """The model's own limits, read from its config alone (no weights): a known built-in
+        shape or a directory holding a supported config. Returns its max positions."""
+        from pathlib import Path
+
+        from flashdec.models import BUILTIN_SHAPES, config_problems
+
+        if self.model in BUILTIN_SHAPES:
+            config = BUILTIN_SHAPES[self.model].make_config()
+        elif Path(self.model).is_dir():
+            from transformers import AutoConfig
+
+            if not (Path(self.model) / "config.json").is_file():
+                raise ValueError(f"model directory {self.model!r} has no config.json")
+            config = AutoConfig.from_pretrained(self.model, local_files_only=True)
+            problems = config_problems(config)
+            if problems:
+                raise ValueError(f"model {self.model!r}: unsupported " + "; ".join(problems))
+        else:
+            raise ValueError(
+                f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) "
+                "nor a local model directory"
+            )
+        return int(config.max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class GenerateConfig(ModelRunConfig):
+    """Knobs of ``flashdec generate``."""
+
+    prompt: str = _knob("", "a text prompt (needs the model's tokenizer); empty: random token ids")
+    prompt_len: int = _knob(32, "tokens of each random prompt", minimum=1, maximum=131072)
+    batch: int = _knob(4, "random prompts generated together", minimum=1, maximum=1024)
+    max_new_tokens: int = _knob(32, "tokens to generate per prompt", minimum=1, maximum=131072)
+    temperature: float = _knob(0.0, "sampling temperature (0: greedy)", minimum=0.0,
+                               maximum=100.0)  # fmt: skip
+    top_k: int = _knob(0, "sample among the k most likely tokens (0: all)", minimum=0)
+    top_p: float = _knob(1.0, "sample within this probability nucleus", minimum=0.0, maximum=1.0)
+    ignore_eos: bool = _knob(False, "generate max-new-tokens even after EOS")
+    compare: bool = _knob(False, "also run transformers' greedy generate: report agreement")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_p <= 0:
+            raise ValueError(f"top_p must be > 0, got {self.top_p}")
+        if self.compare and self.temperature > 0:
+            raise ValueError("compare needs greedy decoding (temperature 0)")
+        if self.prompt and self.batch != 1 and self.batch != GenerateConfig.batch:
+            raise ValueError("a text prompt is one request: drop --batch")
+        from flashdec.models.loading import has_tokenizer
+
+        if self.prompt and not has_tokenizer(self.model):
+            raise ValueError(
+                f"a text prompt needs the model's tokenizer, and {self.model!r} has none (a "
+                "built-in shape, or a directory without tokenizer files): use --prompt-len"
+            )
+        limit = self.check_model()
+        length = (0 if self.prompt else self.prompt_len) + self.max_new_tokens
+        if length > limit:
+            raise ValueError(
+                f"prompt_len + max_new_tokens ({length}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    @classmethod
+    def demo_defaults(cls, seed: int = 0) -> GenerateConfig:
+        """What ``flashdec demo`` generates: the tiny model on the CPU, the Llama-3-8B shape on a
+        GPU, each checked token for token against transformers."""
+        if torch.cuda.is_available():
+            return cls(model="llama3-8b-shape", batch=8, prompt_len=512, max_new_tokens=64,
+                       compare=True, ignore_eos=True, seed=seed)  # fmt: skip
+        return cls(model="tiny", batch=4, prompt_len=32, max_new_tokens=32, compare=True,
+                   ignore_eos=True, seed=seed)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServeConfig(ModelRunConfig):
+    """Knobs of ``flashdec bench-serve``: Poisson arrivals through the serving loop."""
+
+    num_requests: int = _knob(64, "requests in the run", minimum=1, maximum=1_000_000)
+    request_rate: float = _knob(8.0, "mean arrivals per second (Poisson)", minimum=0.001,
+                                maximum=1e6)  # fmt: skip
+    min_prompt_len: int = _knob(16, "shortest prompt (tokens)", minimum=1, maximum=131072)
+    max_prompt_len: int = _knob(128, "longest prompt (tokens)", minimum=1, maximum=131072)
+    max_new_tokens: int = _knob(32, "tokens per request (EOS ignored)", minimum=1,
+                                maximum=131072)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_min_max(self, "min_prompt_len", "max_prompt_len")
+        limit = self.check_model()
+        if self.max_prompt_len + self.max_new_tokens > limit:
+            raise ValueError(
+                f"max_prompt_len + max_new_tokens ({self.max_prompt_len + self.max_new_tokens}) "
+                f"exceeds the model's max_position_embeddings ({limit})"
+            )

@@ -180,13 +180,13 @@ def scheduler_result_tables(result: SchedulerWorkloadResult) -> list[RenderableT
 
 
 @contextmanager
-def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
+def progress_bar(label: str, unit: str = "requests done") -> Iterator[Callable[[int, int], None]]:
     """A live bar for a terminal; yields the ``progress(done, total)`` callback workloads take."""
     with Progress(
         TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("requests done"),
+        TextColumn(unit),
         TimeElapsedColumn(),
     ) as bar:
         task = bar.add_task(label, total=None)
@@ -205,10 +205,12 @@ class ProgressLines:
         self,
         label: str,
         write: Callable[[str], None],
+        unit: str = "requests done",
         every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.label = label
+        self.unit = unit
         self.write = write
         self.every_s = every_s
         self.clock = clock
@@ -227,7 +229,7 @@ class ProgressLines:
         self.last = now
         self.finished = done >= total
         self.write(
-            f"{self.label}: {done}/{total} requests done ({done / total:.0%}, "
+            f"{self.label}: {done}/{total} {self.unit} ({done / total:.0%}, "
             f"{now - self.start:.1f} s)"
         )
 

@@ -10,46 +10,16 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from flashdec._checks import check_positive_int
+from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.stats import LatencyStats
-
-
-def _knob(default, help_text: str):
-    return field(default=default, metadata={"help": help_text})
-
-
-@dataclass(frozen=True)
-class ServeBenchConfig:
-    """Knobs of the Poisson-arrival serving benchmark."""
-
-    num_requests: int = _knob(64, "requests in the run")
-    request_rate: float = _knob(8.0, "mean arrivals per second (Poisson)")
-    min_prompt_len: int = _knob(16, "shortest prompt (tokens)")
-    max_prompt_len: int = _knob(128, "longest prompt (tokens)")
-    max_new_tokens: int = _knob(32, "tokens to generate per request (EOS ignored)")
-    seed: int = _knob(0, "random seed (arrivals, prompt lengths and ids)")
-
-    def __post_init__(self) -> None:
-        check_positive_int("num_requests", self.num_requests)
-        check_positive_int("min_prompt_len", self.min_prompt_len)
-        check_positive_int("max_prompt_len", self.max_prompt_len)
-        check_positive_int("max_new_tokens", self.max_new_tokens)
-        check_positive_int("seed", self.seed, minimum=0)
-        if self.min_prompt_len > self.max_prompt_len:
-            raise ValueError(
-                f"min_prompt_len ({self.min_prompt_len}) must not exceed max_prompt_len "
-                f"({self.max_prompt_len})"
-            )
-        rate = self.request_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1e9:
-            raise ValueError(f"request_rate must be a positive number, got {rate!r}")
 
 
 @dataclass(frozen=True)
 class ServeBenchResult:
-    config: ServeBenchConfig
+    config: ServeConfig
     ttft: LatencyStats
     tpot: LatencyStats
     elapsed_s: float
@@ -60,6 +30,16 @@ class ServeBenchResult:
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("requests", f"{self.config.num_requests} at {self.config.request_rate}/s (Poisson)"),
+            ("TTFT p50 / p99", f"{self.ttft.p50_ms:.1f} / {self.ttft.p99_ms:.1f} ms"),
+            ("TPOT p50 / p99", f"{self.tpot.p50_ms:.2f} / {self.tpot.p99_ms:.2f} ms"),
+            ("output tokens/s", f"{self.output_tok_s:,.0f}"),
+            ("steps, largest batch", f"{self.steps}, {self.max_batch}"),
+        ]
 
     def as_dict(self) -> dict:
         return {
@@ -75,9 +55,11 @@ class ServeBenchResult:
         }
 
 
-def run_serve_benchmark(llm, config: ServeBenchConfig | None = None) -> ServeBenchResult:
-    """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`)."""
-    config = config or ServeBenchConfig()
+def run_serve_benchmark(
+    llm, config: ServeConfig, progress: Callable[[int, int], None] | None = None
+) -> ServeBenchResult:
+    """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`);
+    ``progress(done, total)`` after every step."""
     rng = random.Random(config.seed)
     vocab = llm.adapter.spec.vocab_size
     clock, arrivals = 0.0, []
@@ -104,6 +86,9 @@ def run_serve_benchmark(llm, config: ServeBenchConfig | None = None) -> ServeBen
                 if record is not None:
                     steps += 1
                     max_batch = max(max_batch, len(record.served))
+                if progress is not None:
+                    done = sum(llm.request_timing(r).finished_at is not None for r in rids)
+                    progress(done, config.num_requests)
             else:  # idle until the next arrival
                 time.sleep(max(0.0, arrivals[next_arrival][0] - now))
     finally:
