@@ -59,7 +59,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="runs per timing (FlashDec)")
+    p.add_argument(
+        "--baseline-reps",
+        type=int,
+        default=1,
+        help="runs per timing of transformers and FlashDec without graphs",
+    )
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers runs")
     p.add_argument("--no-eager", action="store_true", help="skip FlashDec without CUDA graphs")
     p.add_argument("--vllm-json", help="vllm_anchor.py's --json output of the same lease")
@@ -317,14 +323,16 @@ def main() -> None:
         row["flashdec"] = decode_rate(flashdec_run, batch, args.new_tokens, args.reps)
         if on_gpu and not args.no_eager:
             llm._runner.llm.cuda_graphs = False
-            row["flashdec_eager"] = decode_rate(flashdec_run, batch, args.new_tokens, args.reps)
+            row["flashdec_eager"] = decode_rate(
+                flashdec_run, batch, args.new_tokens, args.baseline_reps
+            )
             llm._runner.llm.cuda_graphs = True
         if not args.no_transformers:
             row["transformers"] = decode_rate(
                 lambda b, n: hf_generate(model, prompts_for(b, args.prompt_len, spec_vocab, b), n),
                 batch,
                 args.new_tokens,
-                args.reps,
+                args.baseline_reps,
             )
         kv_bytes = llm.adapter.spec.kv_bytes_per_token * batch * (total_len - args.new_tokens / 2)
         floor_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
@@ -415,7 +423,8 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
   {args.new_tokens} new tokens, greedy, EOS ignored; KV pool {pool_bytes / 2**30:.2f} GiB
 - copy bandwidth {fmt(copy_tbs, 2)} TB/s
 
-Decode tok/s = B × (N − 1) / (t(N new) − t(1 new)), medians of {args.reps}. The floor is the
+Decode tok/s = B × (N − 1) / (t(N new) − t(1 new)), medians of {args.reps} runs for FlashDec
+({args.baseline_reps} for transformers and FlashDec without graphs). The floor is the
 bytes one step must read (weights + that step's KV) over the copy bandwidth.
 
 {table}
