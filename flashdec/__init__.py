@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "DecodePlan": "flashdec.kernels",
     "DecodeWorkspace": "flashdec.kernels",
     "kv_append": "flashdec.kernels",
+    "clear_validation_cache": "flashdec.kernels",
     "fused_rope_kv_append": "flashdec.kernels",
     # cache
     "PagedKVCache": "flashdec.cache",

@@ -87,6 +87,7 @@ class _OpenStep:
         "kv_shape",
         "max_len_after",
         "num_rows",
+        "outputs",
         "positions",
         "q_shape",
         "request_ids",
@@ -105,6 +106,7 @@ class _OpenStep:
         self.seq_lens_after = lens_after
         self.max_len_after = max(lens_after)
         self.decode: DecodeState | None = None
+        self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
         self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
         self.kv_shape = (slots.num_rows if kind == "decode" else slots.num_tokens, 0, 0)
 
@@ -168,6 +170,8 @@ class DecodeEngine:
         self.cache = cache
         self.append_backend = append_backend
         self.decode_backend = decode_backend
+        self._fused_triton = (append_backend, decode_backend) == ("fused", "triton")
+        self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
@@ -470,6 +474,8 @@ class DecodeEngine:
                     "step_layer is being captured in a CUDA graph outside capture_step: the "
                     "engine would count layers the graph has not run yet; use capture_step"
                 )
+            if self._fused_triton:
+                return self._fast_layer(step, layer_idx, q, k, v)
             backend, rope = self.append_backend, self.rope
             q_rot = self.cache.write_token_layer_with(
                 step.transaction_id,
@@ -699,6 +705,40 @@ class DecodeEngine:
             )
         step.q_shape, step.kv_shape = q.shape, k.shape
 
+    def _fast_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
+        """Fused RoPE + append and Triton decode as two bound launches (the common path):
+        per layer only the layer's tensors are read, every other argument was bound once."""
+        state = self._decode_state_of(step, q.shape[1])
+        outputs = step.outputs
+        if outputs is None:  # one allocation per step for every layer's output
+            outputs = step.outputs = torch.empty(
+                (self.cache.num_layers, *q.shape), dtype=q.dtype, device=q.device
+            )
+        out = outputs[layer_idx]
+        k_layer, v_layer = self._layer_views[layer_idx]
+        append, decode = state.bound(self.rope, step.slots, self.sm_scale, q, k, v, k_layer,
+                                     v_layer, out)  # fmt: skip
+        q_rot = state.q_rot
+        self.cache.write_token_layer_with(
+            step.transaction_id,
+            layer_idx,
+            lambda k_cache, v_cache, slots: append(q, k, v, k_cache, v_cache, q_rot),
+        )
+        return decode(q_rot, k_layer, v_layer, out)
+
+    def _decode_state_of(self, step: _OpenStep, num_heads: int) -> DecodeState:
+        state = step.decode
+        if state is None:
+            state = self._decode_state
+            if state is None or not state.fits(
+                self.cache, step.num_rows, num_heads, step.max_len_after
+            ):
+                state = self._decode_state = DecodeState(
+                    self.cache, step.num_rows, num_heads, step.max_len_after
+                )
+            step.decode = state
+        return state
+
     def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
         k_layer, v_layer = self.cache.layer_kv(layer_idx)
         slots = step.slots
@@ -712,16 +752,6 @@ class DecodeEngine:
                 step.max_len_after,
                 self.sm_scale,
             )
-        state = step.decode
-        if state is None:
-            state = self._decode_state
-            num_heads = q_rot.shape[1]
-            if state is None or not state.fits(
-                self.cache, step.num_rows, num_heads, step.max_len_after
-            ):
-                state = self._decode_state = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after
-                )
-            step.decode = state
+        state = self._decode_state_of(step, q_rot.shape[1])
         # each layer's output outlives the shared workspace
         return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))

@@ -24,6 +24,8 @@ from flashdec._checks import (
 from flashdec.cache import PagedKVCache, TransactionSlots
 from flashdec.cache.paged_kv_cache import torch_scatter
 from flashdec.kernels import (
+    BoundDecode,
+    BoundFusedRopeKVAppend,
     DecodeWorkspace,
     launch_decode,
     launch_fused_rope_kv_append,
@@ -167,7 +169,7 @@ class DecodeState:
     well chosen). Reused while the step has the same rows, head count and bucket.
     """
 
-    __slots__ = ("num_q_heads", "num_rows", "planned_len", "workspace")  # planned_len: the bucket
+    __slots__ = ("_bound", "num_q_heads", "num_rows", "planned_len", "q_rot", "workspace")
 
     def __init__(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int):
         planned = plan_bucket(cache, max_len)
@@ -185,7 +187,11 @@ class DecodeState:
         self.workspace = DecodeWorkspace.allocate(plan)
         self.num_rows = num_rows
         self.num_q_heads = num_q_heads
-        self.planned_len = planned
+        self.planned_len = planned  # the bucket this plan serves
+        # rotated q of the layer in flight: written by the fused append, read by decode
+        self.q_rot = torch.empty(num_rows, num_q_heads, cache.head_dim, dtype=cache.dtype,
+                                 device=cache.device)  # fmt: skip
+        self._bound: dict[tuple, tuple] = {}
 
     def fits(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int) -> bool:
         return (
@@ -193,6 +199,37 @@ class DecodeState:
             and num_q_heads == self.num_q_heads
             and plan_bucket(cache, max_len) == self.planned_len
         )
+
+    def bound(
+        self,
+        rope: Rope,
+        slots: TransactionSlots,
+        sm_scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        out: torch.Tensor,
+    ) -> tuple[BoundFusedRopeKVAppend, BoundDecode]:
+        """The fused append and the decode of this plan bound to ``slots`` (fixed-address for a
+        batch shape) and to these inputs' strides: a layer then costs two direct launches."""
+        key = (id(slots), q.stride(), k.stride(), v.stride(), out.stride())
+        pair = self._bound.get(key)
+        if pair is None:
+            if len(self._bound) > 16:
+                self._bound.clear()
+            ws, q_rot = self.workspace, self.q_rot
+            append = BoundFusedRopeKVAppend(
+                q, k, v, k_layer, v_layer, slots.block_ids, slots.offsets, slots.positions,
+                rope.rotary_dim, rope.base, q_rot, rope.inv_freq,
+            )  # fmt: skip
+            decode = BoundDecode(
+                q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale,
+                ws.plan, out, ws.partial_out, ws.partial_lse, slots.num_rows,
+            )  # fmt: skip
+            pair = self._bound[key] = (append, decode, slots)  # slots kept: the id stays unique
+        return pair[0], pair[1]
 
     def decode(
         self,

@@ -2,16 +2,24 @@
 
 from flashdec.kernels._runtime import triton_runs_on
 from flashdec.kernels.append import (
+    BoundFusedRopeKVAppend,
     fused_rope_kv_append,
     kv_append,
     launch_fused_rope_kv_append,
     launch_kv_append,
 )
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, KernelConfig, plan_decode
-from flashdec.kernels.paged_decode import decode, launch_decode, paged_decode_attention
+from flashdec.kernels.paged_decode import (
+    BoundDecode,
+    decode,
+    launch_decode,
+    paged_decode_attention,
+)
 from flashdec.kernels.validation import clear_validation_cache
 
 __all__ = [
+    "BoundDecode",
+    "BoundFusedRopeKVAppend",
     "DecodePlan",
     "DecodeWorkspace",
     "KernelConfig",

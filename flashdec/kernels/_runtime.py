@@ -179,18 +179,7 @@ class Launcher:
             return
         device = _current_device()
         ptrs = [t.data_ptr() for t in tensors]
-        low_bits = 0  # all pointers 16-byte aligned (the common case) iff the OR is
-        for ptr in ptrs:
-            low_bits |= ptr
-        key = (
-            device,
-            constexprs,
-            num_warps,
-            num_stages,
-            tuple([t.dtype for t in tensors]),
-            low_bits % 16 == 0 or tuple([p % 16 == 0 for p in ptrs]),
-            scalars,
-        )
+        key = self._value_key(device, tensors, ptrs, scalars, constexprs, num_warps, num_stages)
         compiled = self._by_value.get(key)
         if compiled is None:
             compiled, launched = self._lookup(
@@ -210,6 +199,36 @@ class Launcher:
         else:
             compiled.kernel[(grid, 1, 1)](*tensors, *scalars, *constexprs)
 
+    @staticmethod
+    def _value_key(device, tensors, ptrs, scalars, constexprs, num_warps, num_stages) -> tuple:
+        low_bits = 0  # all pointers 16-byte aligned (the common case) iff the OR is
+        for ptr in ptrs:
+            low_bits |= ptr
+        return (
+            device,
+            constexprs,
+            num_warps,
+            num_stages,
+            tuple([t.dtype for t in tensors]),
+            low_bits % 16 == 0 or tuple([p % 16 == 0 for p in ptrs]),
+            scalars,
+        )
+
+    def bind(
+        self,
+        grid: int,
+        tensors: tuple[torch.Tensor, ...],
+        scalars: tuple[object, ...],
+        constexprs: tuple[object, ...],
+        num_warps: int,
+        num_stages: int | None = None,
+        *,
+        dynamic: tuple[int, ...],
+    ) -> BoundLaunch:
+        """A launch with every argument fixed but the tensors at positions ``dynamic``, which
+        the caller passes per call — with the dtypes and strides of the ones given here."""
+        return BoundLaunch(self, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic)
+
     def _lookup(
         self, grid, tensors, scalars, constexprs, num_warps, num_stages
     ) -> tuple[_Compiled, bool]:
@@ -227,3 +246,60 @@ class Launcher:
             self._by_class.clear()
         compiled = self._by_class[key] = _Compiled(kernel)
         return compiled, True
+
+
+class BoundLaunch:
+    """One kernel launched over and over with the same arguments except a few tensors (the
+    engine: one layer after another, one step after another, of a batch). Per call it reads those
+    tensors' pointers and calls the compiled launcher directly — no key, no argument tuple
+    rebuilt. The caller guarantees each dynamic tensor has the dtype and strides of the one
+    bound (only the 16-byte alignment is checked); anything else takes :class:`Launcher`'s path.
+    """
+
+    __slots__ = ("_args", "_compiled", "_device", "_launcher", "_spec", "aligned", "dynamic")
+
+    def __init__(self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages,
+                 dynamic) -> None:  # fmt: skip
+        self._launcher = launcher
+        self._spec = (grid, tuple(tensors), tuple(scalars), tuple(constexprs), num_warps,
+                      num_stages)  # fmt: skip
+        self.dynamic = tuple(dynamic)
+        self.aligned = tuple(tensors[i].data_ptr() % 16 == 0 for i in self.dynamic)
+        self._compiled: _Compiled | None = None
+        self._args: list | None = None  # pointers, scalars and constexprs, in order
+        self._device = 0
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        args = self._args
+        if args is not None and not _hooks_active():
+            args = args.copy()
+            for index, aligned, tensor in zip(self.dynamic, self.aligned, tensors, strict=True):
+                ptr = tensor.data_ptr()
+                if (ptr % 16 == 0) is not aligned:
+                    return self._slow(tensors)
+                args[index] = ptr
+            c = self._compiled
+            cooperative, pdl = c.mode
+            c.launch(
+                self._spec[0], 1, 1, _current_stream(self._device), c.function, cooperative,
+                pdl, None, None, c.metadata, None, None, None, *args,
+            )  # fmt: skip
+            return None
+        return self._slow(tensors)
+
+    def _slow(self, dynamic: tuple[torch.Tensor, ...]) -> None:
+        grid, tensors, scalars, constexprs, num_warps, num_stages = self._spec
+        tensors = list(tensors)
+        for index, tensor in zip(self.dynamic, dynamic, strict=True):
+            tensors[index] = tensor
+        self._launcher(grid, tuple(tensors), scalars, constexprs, num_warps, num_stages)
+        if FAST_LAUNCH and self._args is None:
+            device = _current_device()
+            ptrs = [t.data_ptr() for t in tensors]
+            key = self._launcher._value_key(device, tensors, ptrs, scalars, constexprs,
+                                            num_warps, num_stages)  # fmt: skip
+            compiled = self._launcher._by_value.get(key)
+            if compiled is not None and compiled.direct:
+                self._compiled, self._device = compiled, device
+                self.aligned = tuple(ptrs[i] % 16 == 0 for i in self.dynamic)
+                self._args = [*ptrs, *scalars, *constexprs]

@@ -252,6 +252,41 @@ def launch_kv_append(
     )
 
 
+def _fused_launch(
+    q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out, inv_freq
+) -> tuple:
+    """The arguments of one fused RoPE + append launch."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if inv_freq is None:
+        inv_freq = _base_inv_freq(q.device, rotary_dim, base)
+    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim)
+    consts = _FUSED_CONSTEXPRS.get(key)
+    if consts is None:
+        consts = _FUSED_CONSTEXPRS[key] = (
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            rotary_dim,
+            next_power_of_2(num_q_heads),
+            next_power_of_2(num_kv_heads),
+            next_power_of_2(head_dim),
+            not INTERPRET,
+        )
+    return (
+        batch,
+        (q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out),
+        (
+            *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+            *q_out.stride(), inv_freq.stride(0),
+        ),
+        consts,
+        4,
+    )  # fmt: skip
+
+
 def launch_fused_rope_kv_append(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,40 +304,31 @@ def launch_fused_rope_kv_append(
     """Trusted fused RoPE + append: no checks, no host sync; returns the rotated q. Rows with a
     negative block id rotate q but write nothing to the cache. ``inv_freq`` (float32
     ``[rotary_dim // 2]``) replaces the table derived from ``base``."""
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if rotary_dim is None:
-        rotary_dim = head_dim
     if q_out is None:
         q_out = torch.empty_like(q)
-    if batch == 0:
+    if q.shape[0] == 0:
         return q_out
-    if inv_freq is None:
-        inv_freq = _base_inv_freq(q.device, rotary_dim, base)
-    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim)
-    consts = _FUSED_CONSTEXPRS.get(key)
-    if consts is None:
-        consts = _FUSED_CONSTEXPRS[key] = (
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            rotary_dim,
-            next_power_of_2(num_q_heads),
-            next_power_of_2(num_kv_heads),
-            next_power_of_2(head_dim),
-            not INTERPRET,
-        )
-    _FUSED(
-        batch,
-        (q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out),
-        (
-            *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-            *q_out.stride(), inv_freq.stride(0),
-        ),
-        consts,
-        4,
-    )  # fmt: skip
+    _FUSED(*_fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
+                          base, q_out, inv_freq))  # fmt: skip
     return q_out
+
+
+class BoundFusedRopeKVAppend:
+    """:func:`launch_fused_rope_kv_append` bound to one step's slots and RoPE table: a call takes
+    the layer's ``q, k, v, k_cache, v_cache, q_out`` — with the dtypes and strides of the ones it
+    was bound with — and launches with no per-call argument building."""
+
+    __slots__ = ("_launch",)
+
+    def __init__(self, q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
+                 base, q_out, inv_freq=None) -> None:  # fmt: skip
+        args = _fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions,
+                             rotary_dim, base, q_out, inv_freq)  # fmt: skip
+        self._launch = _FUSED.bind(*args, dynamic=(0, 1, 2, 3, 4, 9))
+
+    def __call__(self, q, k, v, k_cache, v_cache, q_out) -> torch.Tensor:
+        self._launch(q, k, v, k_cache, v_cache, q_out)
+        return q_out
 
 
 def _check_append_inputs(

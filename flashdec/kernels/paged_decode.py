@@ -461,6 +461,52 @@ def _plan_constants(plan: DecodePlan) -> _PlanConstants:
     return consts
 
 
+def _decode_launches(
+    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out, partial_lse,
+    batch,
+) -> tuple[tuple, tuple | None]:  # fmt: skip
+    """The arguments of the decode launch and, with splits, of the merge launch."""
+    consts = _plan_constants(plan)
+    skb, skh, sk2, sk3 = k_cache.stride()
+    svb, svh, sv2, sv3 = v_cache.stride()
+    if consts.swap_kv:
+        sk2, sk3, sv2, sv3 = sk3, sk2, sv3, sv2
+    splits = plan.num_splits
+    if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
+        grid = batch * plan.num_kv_heads
+        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out)
+        partial_strides = (0, 0, 0, 0, 0, 0, 0)
+    else:
+        grid = plan.num_programs
+        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse)
+        partial_strides = (*partial_out.stride(), *partial_lse.stride())
+    decode_args = (
+        grid,
+        tensors,
+        (
+            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid,
+            *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
+            *block_tables.stride(), *out.stride(), *partial_strides,
+        ),
+        consts.decode,
+        plan.num_warps,
+        plan.num_stages,
+    )  # fmt: skip
+    merge_args = None
+    if splits > 1:
+        merge_args = (
+            batch * plan.num_q_heads,
+            (partial_out, partial_lse, seq_lens, out),
+            (
+                plan.tokens_per_split, splits,
+                *partial_out.stride(), *partial_lse.stride(), *out.stride(),
+            ),
+            consts.merge,
+            4,
+        )  # fmt: skip
+    return decode_args, merge_args
+
+
 def launch_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -477,44 +523,44 @@ def launch_decode(
     """Trusted launcher: no checks, no allocation, no host sync (inputs already validated)."""
     if batch == 0:
         return out
-    consts = _plan_constants(plan)
-    skb, skh, sk2, sk3 = k_cache.stride()
-    svb, svh, sv2, sv3 = v_cache.stride()
-    if consts.swap_kv:
-        sk2, sk3, sv2, sv3 = sk3, sk2, sv3, sv2
-    splits = plan.num_splits
-    if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
-        grid = batch * plan.num_kv_heads
-        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out)
-        partial_strides = (0, 0, 0, 0, 0, 0, 0)
-    else:
-        grid = plan.num_programs
-        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse)
-        partial_strides = (*partial_out.stride(), *partial_lse.stride())
-    _DECODE(
-        grid,
-        tensors,
-        (
-            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid,
-            *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
-            *block_tables.stride(), *out.stride(), *partial_strides,
-        ),
-        consts.decode,
-        plan.num_warps,
-        plan.num_stages,
+    decode_args, merge_args = _decode_launches(
+        q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
+        partial_lse, batch,
     )  # fmt: skip
-    if splits > 1:
-        _MERGE(
-            batch * plan.num_q_heads,
-            (partial_out, partial_lse, seq_lens, out),
-            (
-                plan.tokens_per_split, splits,
-                *partial_out.stride(), *partial_lse.stride(), *out.stride(),
-            ),
-            consts.merge,
-            4,
-        )  # fmt: skip
+    _DECODE(*decode_args)
+    if merge_args is not None:
+        _MERGE(*merge_args)
     return out
+
+
+class BoundDecode:
+    """:func:`launch_decode` bound to one step's metadata, plan and workspace: a call takes the
+    layer's ``q, k_cache, v_cache, out`` — with the dtypes and strides of the ones it was bound
+    with (a caller that cannot promise that binds again) — and launches with no per-call
+    argument building."""
+
+    __slots__ = ("_decode", "_merge")
+
+    def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
+                 partial_out, partial_lse, batch) -> None:  # fmt: skip
+        decode_args, merge_args = _decode_launches(
+            q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
+            partial_lse, batch,
+        )  # fmt: skip
+        if merge_args is None:  # out also stands in for the two partial buffers
+            self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
+            self._merge = None
+        else:
+            self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
+            self._merge = _MERGE.bind(*merge_args, dynamic=(3,))
+
+    def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
+        if self._merge is None:
+            self._decode(q, k_cache, v_cache, out, out, out)
+        else:
+            self._decode(q, k_cache, v_cache, out)
+            self._merge(out)
+        return out
 
 
 def decode(

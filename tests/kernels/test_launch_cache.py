@@ -209,3 +209,40 @@ def test_tensor_classes_match_native_specialization():
         same_triton = _triton_spec(a) == _triton_spec(b)
         same_ours = _runtime.specialization_key((a,), ()) == _runtime.specialization_key((b,), ())
         assert same_ours == same_triton, (a.dtype, a.data_ptr() % 16, b.dtype, b.data_ptr() % 16)
+
+
+def test_bound_launch_swaps_only_the_dynamic_pointers(fast_launch):
+    kernel = _Kernel()
+    launcher = _runtime.Launcher(kernel)
+    x, y = _tensors()
+    bound = launcher.bind(5, (x, y), (3, 0.5), (16,), 4, dynamic=(0,))
+    base = torch.zeros(64)
+    x2 = base[32:40]  # another 16-byte aligned tensor of x's dtype and strides
+    bound(x)  # first call: compiled and launched through Triton, then bound
+    bound(x2)
+    assert kernel.kinds() == ["jit", "direct"]
+    direct = kernel.log[1][1]
+    assert direct[:4] == (5, 1, 1, STREAM)
+    assert direct[13:] == (x2.data_ptr(), y.data_ptr(), 3, 0.5, 16)
+    bound(x)  # the bound argument list itself is never modified
+    assert kernel.log[2][1][13:] == (x.data_ptr(), y.data_ptr(), 3, 0.5, 16)
+
+
+def test_bound_launch_falls_back_when_alignment_changes(fast_launch):
+    kernel = _Kernel()
+    launcher = _runtime.Launcher(kernel)
+    x, y = _tensors()
+    bound = launcher.bind(5, (x, y), (3, 0.5), (16,), 4, dynamic=(0,))
+    bound(x)
+    bound(x[1:])  # 4-byte aligned: another specialisation, through the Launcher
+    assert kernel.kinds() == ["jit", "jit"]
+
+
+def test_bound_launch_without_fast_launch_substitutes_through_triton(monkeypatch):
+    monkeypatch.setattr(_runtime, "FAST_LAUNCH", False)
+    kernel = _Kernel()
+    x, y = _tensors()
+    x2 = torch.zeros(8)
+    bound = _runtime.Launcher(kernel).bind(5, (x, y), (3,), (16,), 4, dynamic=(0,))
+    bound(x2)
+    assert kernel.log[0][2] == (x2, y, 3, 16)
