@@ -71,18 +71,19 @@ def select_batch(
     until it is served.
     """
     waiting = snapshot.waiting_view
+    # (-service wait, submission order): submission orders are unique, so ids are never compared
     candidates = [
-        (r.service_wait_steps, r.spec.submission_order, r.request_id)
+        (-r.service_wait_steps, r.spec.submission_order, r.request_id)
         for r in snapshot.active
-        if r.runnable
+        if r.committed_tokens < r.spec.total_tokens  # runnable
     ]
     for rid in admit:
         row = waiting.get(rid)
         if row is None:
             raise ValueError(f"admit names {rid!r}, which is not waiting")
         candidates.append((0, row.spec.submission_order, rid))
-    candidates.sort(key=lambda c: (-c[0], c[1]))
-    return tuple(rid for _, _, rid in candidates[: config.max_batch_size])
+    candidates.sort()
+    return tuple([c[2] for c in candidates[: config.max_batch_size]])
 
 
 class BaseScheduler(ABC):

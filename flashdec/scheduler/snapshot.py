@@ -71,12 +71,17 @@ class SchedulingSnapshot:
                     f"prefix {p.prefix_id!r} must hold full blocks: num_tokens {p.num_tokens} "
                     f"!= num_blocks {p.num_blocks} * block_size {self.block_size}"
                 )
+        geometry = self.geometry
         if is_view:
-            self._check_waiting_view(self.waiting)  # type: ignore[arg-type]
+            self._check_waiting_view(self.waiting, geometry)  # type: ignore[arg-type]
         else:
             self._check_waiting_tuple(prefixes)
         for r in self.active:
-            self._check_active(r, prefixes)
+            # A row's consistency depends only on the geometry, and callers reuse unchanged rows
+            # from one snapshot to the next: check each row once per geometry.
+            if r.__dict__.get(_CHECKED_UNDER) != geometry:
+                self._check_active(r, prefixes)
+                object.__setattr__(r, _CHECKED_UNDER, geometry)  # a memo, not a field
         used = self.resident_prefix_blocks + sum(r.committed_private_blocks for r in self.active)
         if self.free_blocks + used > self.total_blocks:
             raise ValueError(
@@ -102,17 +107,17 @@ class SchedulingSnapshot:
                     f"{r.lifetime_private_blocks} != {expected} derived from its spec"
                 )
 
-    def _check_waiting_view(self, view: WaitingView) -> None:
-        if view.geometry is not None and view.geometry != self.geometry:
+    def _check_waiting_view(self, view: WaitingView, geometry: Geometry) -> None:
+        if view.geometry is not None and view.geometry != geometry:
             raise ValueError(
                 f"waiting requests were derived with block size and prefixes {view.geometry}, "
-                f"but this snapshot has {self.geometry}"
+                f"but this snapshot has {geometry}"
             )
         ids = {r.request_id for r in self.active}
-        if len(ids) != len(self.active) or any(view.has_id(rid) for rid in ids):
+        if len(ids) != len(self.active) or view.has_any_id(ids):
             raise ValueError(_REPEATED_ID)
         orders = {r.spec.submission_order for r in self.active}
-        if len(orders) != len(self.active) or any(view.has_submission_order(o) for o in orders):
+        if len(orders) != len(self.active) or view.has_any_submission_order(orders):
             raise ValueError(_REPEATED_ORDER)
 
     def _check_tuple(self, name: str, kind: type, alternative: str = "") -> None:
@@ -186,5 +191,6 @@ class SchedulingSnapshot:
         return tuple(r.request_id for r in self.waiting)
 
 
+_CHECKED_UNDER = "_checked_under_geometry"
 _REPEATED_ID = "a request id appears twice among active and waiting requests"
 _REPEATED_ORDER = "submission_order must be unique among active and waiting requests"

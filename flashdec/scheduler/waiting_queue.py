@@ -199,6 +199,23 @@ class WaitingView(Sequence[WaitingRequest]):
         O(log n) on an older one."""
         return self._order_of(request_id) is not None
 
+    def has_any_id(self, request_ids: Iterable[RequestId]) -> bool:
+        """Whether any of ``request_ids`` is waiting in this view."""
+        live = self._current()
+        if live is None:
+            return any(self.has_id(rid) for rid in request_ids)
+        request_ids = tuple(request_ids)
+        if live.by_id.keys().isdisjoint(request_ids):  # the usual answer, at C speed
+            return False
+        return any(_is_request_id(rid) and rid in live.by_id for rid in request_ids)
+
+    def has_any_submission_order(self, orders: Iterable[int]) -> bool:
+        """Whether a request with any of these submission orders is waiting in this view."""
+        live = self._current()
+        if live is not None:
+            return not live.by_order.keys().isdisjoint(orders)
+        return any(self.has_submission_order(o) for o in orders)
+
     def has_submission_order(self, submission_order: int) -> bool:
         """Whether a request with this submission order is waiting in this view."""
         live = self._current()

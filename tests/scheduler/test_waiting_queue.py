@@ -125,6 +125,10 @@ def test_old_views_answer_lookups_from_their_own_state():
             with pytest.raises(ValueError):
                 view.position(rid)
         assert not view.has_id(True) and not view.has_id(1.0) and not view.has_id(None)
+        assert view.has_any_id(["zz", present[-1]]) and not view.has_any_id(["zz", True, 99])
+        orders = [r.spec.submission_order for r in rows.values()]
+        assert view.has_any_submission_order([500, orders[0]])
+        assert not view.has_any_submission_order([500, 100 if view is old else 101])
     assert not old.has_submission_order(100) and new.has_submission_order(100)
 
 
