@@ -110,11 +110,12 @@ class BaseScheduler(ABC):
         config = self._config
         waiting = snapshot.waiting_view
         # exactly the requests rejection_reason names, found through the view's aggregates
-        rejected = frozenset(
-            waiting.unrunnable(empty_pool_capacity(snapshot, config), snapshot.max_blocks_per_seq)
+        rejected = waiting.unrunnable(
+            empty_pool_capacity(snapshot, config), snapshot.max_blocks_per_seq
         )
-        reject = tuple(waiting[i].request_id for i in sorted(rejected))
-        admit = tuple(waiting[i].request_id for i in self._admit(snapshot, waiting, rejected))
+        reject = tuple(waiting[i].request_id for i in rejected)
+        admitted = self._admit(snapshot, waiting, frozenset(rejected))
+        admit = tuple(waiting[i].request_id for i in admitted)
         batch = select_batch(snapshot, admit, config)
         return SchedulerDecision(
             admit=admit, reject=reject, batch=batch, snapshot=snapshot, config=config
