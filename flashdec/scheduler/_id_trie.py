@@ -71,7 +71,7 @@ def delete(node: Trie, request_id: Any) -> Trie:
 def _delete(node: Trie, h: int, request_id: Any, shift: int) -> Trie:
     if isinstance(node, Bucket):
         pairs = tuple(p for p in node.pairs if p[0] != request_id)
-        return Bucket(h, pairs) if pairs else None
+        return Bucket(node.hash, pairs) if pairs else None
     assert node is not None, "delete: id absent"
     i = (h >> shift) & (_WIDTH - 1)
     new = (*node[:i], _delete(node[i], h, request_id, shift + _BITS), *node[i + 1 :])
