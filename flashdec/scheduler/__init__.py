@@ -1,7 +1,9 @@
 """Block-aware scheduling: specs, K/V-free snapshots, the lifetime policy and its baselines.
 
 ``plan(snapshot)`` is pure; the cache (via ``snapshot_from_cache``) is the source of truth and the
-caller (engine or workload) applies decisions and advances the fairness counters.
+caller (engine or workload) applies decisions and advances the fairness counters. A
+``WaitingQueue`` holds the waiting requests and their counters persistently, so a snapshot of it
+and a plan on it cost O(log n) in the queue's length, not O(n).
 """
 
 from flashdec.scheduler.base import (
@@ -22,6 +24,7 @@ from flashdec.scheduler.snapshot import (
     lifetime_private_blocks,
 )
 from flashdec.scheduler.spec import PrefixId, RequestId, RequestSpec, SchedulerConfig
+from flashdec.scheduler.waiting_queue import WaitingQueue, WaitingView
 
 POLICIES: dict[str, type[BaseScheduler]] = {
     cls.name: cls for cls in (BlockAwareScheduler, CancelScheduler, GreedyScheduler)
@@ -51,7 +54,9 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerDecision",
     "SchedulingSnapshot",
+    "WaitingQueue",
     "WaitingRequest",
+    "WaitingView",
     "advance_fairness_counters",
     "blocks_needed_now",
     "counters_of",

@@ -3,17 +3,22 @@
 A policy only decides *which waiting requests to admit*; everything else — which requests can
 never run, which runnable requests are decoded when there are more than the batch holds — is the
 same for all policies, so the comparison between them measures admission alone.
+
+Planning never scans the waiting queue: it asks the snapshot's ``WaitingView`` for the requests
+that can never run and for the next candidates, so a plan costs
+O((admitted + rejected) · log n + active) whatever the queue's length.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Set
 from typing import ClassVar
 
 from flashdec.scheduler.decision import SchedulerDecision
 from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
 from flashdec.scheduler.spec import RequestId, SchedulerConfig
+from flashdec.scheduler.waiting_queue import WaitingView
 
 
 def rejection_reason(
@@ -60,19 +65,25 @@ def select_batch(
 ) -> tuple[RequestId, ...]:
     """Runnable requests to decode this step, at most ``max_batch_size``.
 
-    Runnable = active with a token left to decode, plus the requests admitted now. Those waiting
-    longest for service go first (a newly admitted request has waited 0 steps), ties by
-    submission order — so a request left out of a full batch rises until it is served.
+    Runnable = active with a token left to decode, plus the requests admitted now (``admit``:
+    waiting ids). Those waiting longest for service go first (a newly admitted request has
+    waited 0 steps), ties by submission order — so a request left out of a full batch rises
+    until it is served.
     """
-    order = {r.request_id: r.spec.submission_order for r in snapshot.waiting}
+    waiting = snapshot.waiting_view
+    # (-service wait, submission order): submission orders are unique, so ids are never compared
     candidates = [
-        (r.service_wait_steps, r.spec.submission_order, r.request_id)
+        (-r.service_wait_steps, r.spec.submission_order, r.request_id)
         for r in snapshot.active
-        if r.runnable
+        if r.committed_tokens < r.spec.total_tokens  # runnable
     ]
-    candidates += [(0, order[rid], rid) for rid in admit]
-    candidates.sort(key=lambda c: (-c[0], c[1]))
-    return tuple(rid for _, _, rid in candidates[: config.max_batch_size])
+    for rid in admit:
+        row = waiting.get(rid)
+        if row is None:
+            raise ValueError(f"admit names {rid!r}, which is not waiting")
+        candidates.append((0, row.spec.submission_order, rid))
+    candidates.sort()
+    return tuple([c[2] for c in candidates[: config.max_batch_size]])
 
 
 class BaseScheduler(ABC):
@@ -97,14 +108,14 @@ class BaseScheduler(ABC):
         if not isinstance(snapshot, SchedulingSnapshot):
             raise TypeError(f"snapshot must be a SchedulingSnapshot, got {type(snapshot).__name__}")
         config = self._config
-        reject = tuple(
-            r.request_id
-            for r in snapshot.waiting
-            if rejection_reason(r, snapshot, config) is not None
+        waiting = snapshot.waiting_view
+        # exactly the requests rejection_reason names, found through the view's aggregates
+        rejected = waiting.unrunnable(
+            empty_pool_capacity(snapshot, config), snapshot.max_blocks_per_seq
         )
-        rejected = set(reject)
-        candidates = tuple(r for r in snapshot.waiting if r.request_id not in rejected)
-        admit = self._admit(snapshot, candidates)
+        reject = tuple(waiting[i].request_id for i in rejected)
+        admitted = self._admit(snapshot, waiting, frozenset(rejected))
+        admit = tuple(waiting[i].request_id for i in admitted)
         batch = select_batch(snapshot, admit, config)
         return SchedulerDecision(
             admit=admit, reject=reject, batch=batch, snapshot=snapshot, config=config
@@ -112,9 +123,10 @@ class BaseScheduler(ABC):
 
     @abstractmethod
     def _admit(
-        self, snapshot: SchedulingSnapshot, candidates: tuple[WaitingRequest, ...]
-    ) -> tuple[RequestId, ...]:
-        """Ids to admit, chosen from ``candidates`` (waiting, not rejected, submission order)."""
+        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
+    ) -> list[int]:
+        """Positions in ``waiting`` to admit, ascending. The candidates are the waiting requests
+        whose positions are not in ``rejected``, in submission order."""
 
     def select_victims(
         self, snapshot: SchedulingSnapshot, needing_block: Collection[RequestId]
@@ -125,3 +137,14 @@ class BaseScheduler(ABC):
         nothing: the short requests stay stuck until blocks free up.
         """
         return ()
+
+
+def next_candidate(
+    find: Callable[[int, int], int | None], start: int, bound: int, rejected: Set[int]
+) -> int | None:
+    """The first position ``find(start, bound)`` returns from ``start`` on that is not rejected
+    (each rejected hit costs one more search)."""
+    found = find(start, bound)
+    while found is not None and found in rejected:
+        found = find(found + 1, bound)
+    return found

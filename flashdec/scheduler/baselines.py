@@ -11,11 +11,12 @@ least work invested), each cancellation releasing that request's private blocks 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Set
 
 from flashdec.scheduler.base import BaseScheduler
 from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
 from flashdec.scheduler.spec import RequestId, ceil_div
+from flashdec.scheduler.waiting_queue import WaitingView
 
 
 def blocks_needed_now(request: WaitingRequest, snapshot: SchedulingSnapshot) -> int:
@@ -34,19 +35,23 @@ class GreedyScheduler(BaseScheduler):
     name = "greedy"
 
     def _admit(
-        self, snapshot: SchedulingSnapshot, candidates: tuple[WaitingRequest, ...]
-    ) -> tuple[RequestId, ...]:
+        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
+    ) -> list[int]:
         available = snapshot.free_blocks - self.config.reserve_blocks
         slots = self.config.max_active_requests - len(snapshot.active)
-        admit: list[RequestId] = []
-        for request in candidates:
-            need = blocks_needed_now(request, snapshot)
-            if slots <= 0 or need > available:
+        admit: list[int] = []
+        for i in range(len(waiting)):
+            if slots <= 0:
+                break
+            if i in rejected:
+                continue
+            need = blocks_needed_now(waiting[i], snapshot)
+            if need > available:
                 break  # strict FIFO: nobody overtakes the head of the queue
-            admit.append(request.request_id)
+            admit.append(i)
             available -= need
             slots -= 1
-        return tuple(admit)
+        return admit
 
 
 class CancelScheduler(GreedyScheduler):

@@ -35,16 +35,15 @@ class SchedulerDecision:
             )
         if not isinstance(self.config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(self.config).__name__}")
-        waiting = set(self.snapshot.waiting_ids)
-        active = set(self.snapshot.active_ids)
-        for name, ids, allowed in (
-            ("admit", self.admit, waiting),
-            ("reject", self.reject, waiting),
-            ("batch", self.batch, active | set(self.admit)),
-        ):
-            unknown = [rid for rid in ids if rid not in allowed]
+        waiting = self.snapshot.waiting_view  # membership by id, without listing the queue
+        for name, ids in (("admit", self.admit), ("reject", self.reject)):
+            unknown = [rid for rid in ids if not waiting.has_id(rid)]
             if unknown:
                 raise ValueError(f"{name} names ids the snapshot does not allow there: {unknown!r}")
+        allowed = set(self.snapshot.active_ids) | set(self.admit)
+        unknown = [rid for rid in self.batch if rid not in allowed]
+        if unknown:
+            raise ValueError(f"batch names ids the snapshot does not allow there: {unknown!r}")
         both = set(self.admit) & set(self.reject)
         if both:
             raise ValueError(f"ids both admitted and rejected: {sorted(both, key=repr)!r}")

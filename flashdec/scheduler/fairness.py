@@ -1,7 +1,9 @@
 """Fairness counters: how long each request has waited, and how often it was overtaken.
 
 They are caller state (a policy only reads them from the snapshot); ``advance_fairness_counters``
-is the one place that says how a step moves them, so the engine and every workload agree.
+is the one place that says how a step moves them, so the engine and every workload agree. It
+rebuilds every counter (O(n)); ``WaitingQueue.advance`` applies the same rule to the waiting
+requests' counters in O(log n), and the tests hold the two equal.
 """
 
 from __future__ import annotations

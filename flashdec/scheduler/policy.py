@@ -12,9 +12,11 @@ blocks every later arrival until it is admitted, which bounds its wait.
 
 from __future__ import annotations
 
-from flashdec.scheduler.base import BaseScheduler
-from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
-from flashdec.scheduler.spec import RequestId
+from collections.abc import Set
+
+from flashdec.scheduler.base import BaseScheduler, next_candidate
+from flashdec.scheduler.snapshot import SchedulingSnapshot
+from flashdec.scheduler.waiting_queue import WaitingView
 
 
 def lifetime_headroom(snapshot: SchedulingSnapshot, reserve_blocks: int) -> int:
@@ -45,22 +47,32 @@ class BlockAwareScheduler(BaseScheduler):
     name = "lifetime"
 
     def _admit(
-        self, snapshot: SchedulingSnapshot, candidates: tuple[WaitingRequest, ...]
-    ) -> tuple[RequestId, ...]:
+        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
+    ) -> list[int]:
+        # Walking the candidates in order, each either fits the headroom left (admitted), or is
+        # aged and does not fit (nobody submitted after it may take the blocks it is waiting
+        # for: stop), or is passed over. So jump from one fitting candidate to the next, and stop
+        # at an aged candidate that comes before it.
         config = self.config
+        threshold = config.aging_threshold
         headroom = lifetime_headroom(snapshot, config.reserve_blocks)
         slots = config.max_active_requests - len(snapshot.active)
-        admit: list[RequestId] = []
-        for request in candidates:
-            if slots <= 0:
+        admit: list[int] = []
+        start = 0
+        none_aged = len(waiting)
+        aged = -1  # first aged candidate at or after ``start`` (``none_aged``: none); -1: unknown
+        while slots > 0:
+            fit = next_candidate(waiting.first_fitting, start, headroom, rejected)
+            if fit is None:
                 break
-            if request.lifetime_private_blocks <= headroom:
-                admit.append(request.request_id)
-                headroom -= request.lifetime_private_blocks
-                slots -= 1
-            elif config.aging_threshold is not None and (
-                request.skip_count >= config.aging_threshold
-            ):
-                # aged: nobody submitted after it may take the blocks it is waiting for
-                break
-        return tuple(admit)
+            if threshold is not None:
+                if aged < start:
+                    found = next_candidate(waiting.first_aged, start, threshold, rejected)
+                    aged = none_aged if found is None else found
+                if aged < fit:
+                    break
+            admit.append(fit)
+            headroom -= waiting[fit].lifetime_private_blocks
+            slots -= 1
+            start = fit + 1
+        return admit

@@ -1,8 +1,9 @@
 """``SchedulingSnapshot``: the K/V-free view of the cache a policy plans from.
 
-It is a tree of small frozen dataclasses and tuples, so two snapshots built from the same state
-compare equal field by field and a policy cannot mutate what it reads. Derived fields (lifetime
-blocks) are checked against their definition here, so an inconsistent snapshot cannot exist.
+It is a tree of small frozen dataclasses and tuples (or an immutable ``WaitingView`` for the
+waiting queue), so two snapshots built from the same state compare equal field by field and a
+policy cannot mutate what it reads. Derived fields (lifetime blocks) are checked against their
+definition here, so an inconsistent snapshot cannot exist.
 """
 
 from __future__ import annotations
@@ -10,132 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashdec._checks import check_positive_int
-from flashdec.scheduler.spec import (
-    PrefixId,
-    RequestId,
-    RequestSpec,
-    ceil_div,
-    check_request_id,
+from flashdec.scheduler.rows import (
+    ActiveRequest,
+    Geometry,
+    PrefixInfo,
+    WaitingRequest,
+    geometry_of,
+    lifetime_private_blocks,
 )
+from flashdec.scheduler.spec import PrefixId, RequestId, ceil_div
+from flashdec.scheduler.waiting_queue import WaitingView
 
-
-@dataclass(frozen=True)
-class PrefixInfo:
-    """A resident shared prefix: its full blocks occupy the pool once, whoever uses them."""
-
-    prefix_id: PrefixId
-    num_blocks: int
-    num_tokens: int
-    refcount: int  # active requests attached to it
-
-    def __post_init__(self) -> None:
-        check_request_id("prefix_id", self.prefix_id)
-        check_positive_int("num_blocks", self.num_blocks, minimum=0)
-        check_positive_int("num_tokens", self.num_tokens, minimum=0)
-        check_positive_int("refcount", self.refcount, minimum=0)
-
-
-@dataclass(frozen=True)
-class ActiveRequest:
-    """A request resident in the cache (admitted, not yet finished or cancelled)."""
-
-    request_id: RequestId
-    spec: RequestSpec
-    committed_tokens: int  # the cache's seq_len (shared prefix tokens included)
-    committed_blocks: int  # blocks in its table (shared prefix blocks included)
-    committed_private_blocks: int  # of those, the blocks it owns alone
-    lifetime_private_blocks: int  # private blocks it will hold at full length
-    service_wait_steps: int = 0  # consecutive steps it was runnable but not decoded
-
-    def __post_init__(self) -> None:
-        check_request_id("request_id", self.request_id)
-        if not isinstance(self.spec, RequestSpec):
-            raise TypeError(f"spec must be a RequestSpec, got {type(self.spec).__name__}")
-        if self.spec.request_id != self.request_id:
-            raise ValueError(
-                f"spec.request_id {self.spec.request_id!r} must equal request_id "
-                f"{self.request_id!r}"
-            )
-        for name in (
-            "committed_tokens",
-            "committed_blocks",
-            "committed_private_blocks",
-            "lifetime_private_blocks",
-            "service_wait_steps",
-        ):
-            check_positive_int(name, getattr(self, name), minimum=0)
-        if self.committed_tokens > self.spec.total_tokens:
-            raise ValueError(
-                f"request {self.request_id!r} holds {self.committed_tokens} tokens, more than "
-                f"its lifetime of {self.spec.total_tokens} (context + max_new_tokens)"
-            )
-        if self.committed_private_blocks > self.committed_blocks:
-            raise ValueError(
-                f"request {self.request_id!r}: committed_private_blocks "
-                f"({self.committed_private_blocks}) must be <= committed_blocks "
-                f"({self.committed_blocks})"
-            )
-        if self.committed_private_blocks > self.lifetime_private_blocks:
-            raise ValueError(
-                f"request {self.request_id!r} holds {self.committed_private_blocks} private "
-                f"blocks, more than its lifetime commitment of {self.lifetime_private_blocks}"
-            )
-
-    @property
-    def remaining_private_blocks(self) -> int:
-        """Private blocks it may still take before it finishes."""
-        return self.lifetime_private_blocks - self.committed_private_blocks
-
-    @property
-    def runnable(self) -> bool:
-        """It still has a token to decode."""
-        return self.committed_tokens < self.spec.total_tokens
-
-
-@dataclass(frozen=True)
-class WaitingRequest:
-    """A submitted request not yet admitted to the cache."""
-
-    request_id: RequestId
-    spec: RequestSpec
-    lifetime_private_blocks: int  # private blocks it would hold at full length
-    wait_steps: int = 0  # steps spent waiting so far
-    skip_count: int = 0  # times a later submission was admitted while it waited
-
-    def __post_init__(self) -> None:
-        check_request_id("request_id", self.request_id)
-        if not isinstance(self.spec, RequestSpec):
-            raise TypeError(f"spec must be a RequestSpec, got {type(self.spec).__name__}")
-        if self.spec.request_id != self.request_id:
-            raise ValueError(
-                f"spec.request_id {self.spec.request_id!r} must equal request_id "
-                f"{self.request_id!r}"
-            )
-        for name in ("lifetime_private_blocks", "wait_steps", "skip_count"):
-            check_positive_int(name, getattr(self, name), minimum=0)
-
-
-def lifetime_private_blocks(
-    spec: RequestSpec, block_size: int, prefixes: dict[PrefixId, PrefixInfo]
-) -> int:
-    """Private blocks ``spec`` needs at full length.
-
-    Its shared prefix's blocks are subtracted only when that prefix is resident and covers the
-    context exactly (they are counted once, globally, as resident prefix blocks); otherwise the
-    request would need every block privately.
-    """
-    total = spec.lifetime_blocks(block_size)
-    prefix = prefixes.get(spec.prefix_id) if spec.prefix_id is not None else None
-    if prefix is not None and prefix.num_tokens == spec.initial_context_tokens:
-        return total - prefix.num_blocks
-    return total
+__all__ = [
+    "ActiveRequest",
+    "PrefixInfo",
+    "SchedulingSnapshot",
+    "WaitingRequest",
+    "lifetime_private_blocks",
+]
 
 
 @dataclass(frozen=True)
 class SchedulingSnapshot:
     """Everything a policy may read, at one cache version.
 
-    ``waiting`` is in submission order; ``active`` in the order the caller listed it.
+    ``waiting`` is in submission order — a tuple, or a ``WaitingView`` of a ``WaitingQueue``
+    (then checking it costs O(active + prefixes): its rows were derived at submission, and only
+    its geometry is compared with this snapshot's); ``active`` in the order the caller listed it.
     """
 
     step: int
@@ -146,7 +48,7 @@ class SchedulingSnapshot:
     max_blocks_per_seq: int  # longest block table a request may have
     prefixes: tuple[PrefixInfo, ...] = ()
     active: tuple[ActiveRequest, ...] = ()
-    waiting: tuple[WaitingRequest, ...] = ()
+    waiting: tuple[WaitingRequest, ...] | WaitingView = ()
 
     def __post_init__(self) -> None:
         check_positive_int("step", self.step, minimum=0)
@@ -157,7 +59,9 @@ class SchedulingSnapshot:
         check_positive_int("max_blocks_per_seq", self.max_blocks_per_seq, minimum=1)
         self._check_tuple("prefixes", PrefixInfo)
         self._check_tuple("active", ActiveRequest)
-        self._check_tuple("waiting", WaitingRequest)
+        is_view = isinstance(self.waiting, WaitingView)
+        if not is_view:
+            self._check_tuple("waiting", WaitingRequest, " or a WaitingView")
         prefixes = self.prefix_map
         if len(prefixes) != len(self.prefixes):
             raise ValueError("prefixes must not repeat a prefix_id")
@@ -167,24 +71,17 @@ class SchedulingSnapshot:
                     f"prefix {p.prefix_id!r} must hold full blocks: num_tokens {p.num_tokens} "
                     f"!= num_blocks {p.num_blocks} * block_size {self.block_size}"
                 )
-        ids = [r.request_id for r in self.active] + [r.request_id for r in self.waiting]
-        if len(set(ids)) != len(ids):
-            raise ValueError("a request id appears twice among active and waiting requests")
-        orders = [r.spec.submission_order for r in self.active + self.waiting]  # type: ignore[operator]
-        if len(set(orders)) != len(orders):
-            raise ValueError("submission_order must be unique among active and waiting requests")
-        waiting_orders = [r.spec.submission_order for r in self.waiting]
-        if waiting_orders != sorted(waiting_orders):
-            raise ValueError(f"waiting must be in submission order, got {waiting_orders}")
+        geometry = self.geometry
+        if is_view:
+            self._check_waiting_view(self.waiting, geometry)  # type: ignore[arg-type]
+        else:
+            self._check_waiting_tuple(prefixes)
         for r in self.active:
-            self._check_active(r, prefixes)
-        for r in self.waiting:
-            expected = lifetime_private_blocks(r.spec, self.block_size, prefixes)
-            if r.lifetime_private_blocks != expected:
-                raise ValueError(
-                    f"waiting request {r.request_id!r}: lifetime_private_blocks "
-                    f"{r.lifetime_private_blocks} != {expected} derived from its spec"
-                )
+            # A row's consistency depends only on the geometry, and callers reuse unchanged rows
+            # from one snapshot to the next: check each row once per geometry.
+            if r.__dict__.get(_CHECKED_UNDER) != geometry:
+                self._check_active(r, prefixes)
+                object.__setattr__(r, _CHECKED_UNDER, geometry)  # a memo, not a field
         used = self.resident_prefix_blocks + sum(r.committed_private_blocks for r in self.active)
         if self.free_blocks + used > self.total_blocks:
             raise ValueError(
@@ -192,10 +89,41 @@ class SchedulingSnapshot:
                 f"exceed total_blocks ({self.total_blocks})"
             )
 
-    def _check_tuple(self, name: str, kind: type) -> None:
+    def _check_waiting_tuple(self, prefixes: dict[PrefixId, PrefixInfo]) -> None:
+        ids = [r.request_id for r in self.active] + [r.request_id for r in self.waiting]
+        if len(set(ids)) != len(ids):
+            raise ValueError(_REPEATED_ID)
+        orders = [r.spec.submission_order for r in self.active + self.waiting]  # type: ignore[operator]
+        if len(set(orders)) != len(orders):
+            raise ValueError(_REPEATED_ORDER)
+        waiting_orders = [r.spec.submission_order for r in self.waiting]
+        if waiting_orders != sorted(waiting_orders):
+            raise ValueError(f"waiting must be in submission order, got {waiting_orders}")
+        for r in self.waiting:
+            expected = lifetime_private_blocks(r.spec, self.block_size, prefixes)
+            if r.lifetime_private_blocks != expected:
+                raise ValueError(
+                    f"waiting request {r.request_id!r}: lifetime_private_blocks "
+                    f"{r.lifetime_private_blocks} != {expected} derived from its spec"
+                )
+
+    def _check_waiting_view(self, view: WaitingView, geometry: Geometry) -> None:
+        if view.geometry is not None and view.geometry != geometry:
+            raise ValueError(
+                f"waiting requests were derived with block size and prefixes {view.geometry}, "
+                f"but this snapshot has {geometry}"
+            )
+        ids = {r.request_id for r in self.active}
+        if len(ids) != len(self.active) or view.has_any_id(ids):
+            raise ValueError(_REPEATED_ID)
+        orders = {r.spec.submission_order for r in self.active}
+        if len(orders) != len(self.active) or view.has_any_submission_order(orders):
+            raise ValueError(_REPEATED_ORDER)
+
+    def _check_tuple(self, name: str, kind: type, alternative: str = "") -> None:
         value = getattr(self, name)
         if not isinstance(value, tuple) or not all(isinstance(v, kind) for v in value):
-            raise TypeError(f"{name} must be a tuple of {kind.__name__}")
+            raise TypeError(f"{name} must be a tuple of {kind.__name__}{alternative}")
 
     def _check_active(self, r: ActiveRequest, prefixes: dict[PrefixId, PrefixInfo]) -> None:
         prefix_blocks = 0
@@ -231,9 +159,25 @@ class SchedulingSnapshot:
         return {p.prefix_id: p for p in self.prefixes}
 
     @property
+    def geometry(self) -> Geometry:
+        """What waiting requests' lifetime blocks are derived from (see ``geometry_of``)."""
+        return geometry_of(self.block_size, self.prefixes)
+
+    @property
     def resident_prefix_blocks(self) -> int:
         """Blocks held by resident prefixes, counted once however many requests share them."""
         return sum(p.num_blocks for p in self.prefixes)
+
+    @property
+    def waiting_view(self) -> WaitingView:
+        """``waiting`` as a ``WaitingView`` (a tuple is wrapped once, in O(n), and kept)."""
+        if isinstance(self.waiting, WaitingView):
+            return self.waiting
+        view = self.__dict__.get("_waiting_view")
+        if view is None:
+            view = WaitingView._wrap(self.waiting, self.block_size, self.prefixes)
+            object.__setattr__(self, "_waiting_view", view)  # a cache, not a field
+        return view
 
     @property
     def active_ids(self) -> tuple[RequestId, ...]:
@@ -241,4 +185,12 @@ class SchedulingSnapshot:
 
     @property
     def waiting_ids(self) -> tuple[RequestId, ...]:
+        """Waiting ids in submission order (O(n))."""
+        if isinstance(self.waiting, WaitingView):
+            return self.waiting.request_ids()
         return tuple(r.request_id for r in self.waiting)
+
+
+_CHECKED_UNDER = "_checked_under_geometry"
+_REPEATED_ID = "a request id appears twice among active and waiting requests"
+_REPEATED_ORDER = "submission_order must be unique among active and waiting requests"

@@ -16,6 +16,7 @@ from flashdec.scheduler import (
     make_scheduler,
 )
 from flashdec.scheduler.spec import ceil_div
+from tests.scheduler.reference_policy import reference_plan
 from tests.scheduler.sim import simulate
 from tests.scheduler.strategies import configs, snapshots
 
@@ -54,6 +55,12 @@ def test_plan_is_pure_and_deterministic(snapshot, config, policy):
     assert repr(snapshot) == repr(before_snapshot)
     assert scheduler.plan(snapshot) == first
     assert make_scheduler(policy, before_config).plan(before_snapshot) == first
+
+
+@SETTINGS
+@given(snapshots(), configs, st.sampled_from(sorted(POLICIES)))
+def test_plan_equals_the_scanning_oracle(snapshot, config, policy):
+    assert make_scheduler(policy, config).plan(snapshot) == reference_plan(policy, snapshot, config)
 
 
 @SETTINGS

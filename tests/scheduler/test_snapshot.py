@@ -128,3 +128,23 @@ def test_waiting_request_validation():
         WaitingRequest("r0", _spec(0), 2, skip_count=-1)
     with pytest.raises(TypeError):
         WaitingRequest("r0", None, 2)  # type: ignore[arg-type]
+
+
+def test_a_reused_active_row_is_checked_again_under_another_geometry():
+    row = make_snapshot(prefixes=(P,), active=[(_spec(0, 8, 4, "sys"), 9)]).active[0]
+
+    def snapshot(block_size, prefixes):
+        return SchedulingSnapshot(
+            **_base(block_size=block_size, free_blocks=4), prefixes=prefixes, active=(row,)
+        )
+
+    ok = snapshot(4, (P,))
+    assert dataclasses.replace(ok, step=1).active[0] is row
+    assert snapshot(4, (P, PrefixInfo("x", 1, 4, 0))).active == (row,)  # still consistent
+    for block_size, prefixes in (
+        (4, ()),  # its prefix is gone
+        (4, (PrefixInfo("sys", 1, 4, 1),)),  # another size
+        (2, (PrefixInfo("sys", 4, 8, 1),)),  # the same prefix in 2-token blocks
+    ):
+        with pytest.raises(ValueError):
+            snapshot(block_size, prefixes)
