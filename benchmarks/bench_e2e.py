@@ -451,7 +451,8 @@ FlashDec max {agree["max_rel_err_flashdec_vs_fp32"]:.4f} / mean
 {agree["mean_rel_err_transformers_bf16_vs_fp32"]:.4f}; {agree["argmax_equal_teacher_forced"]} of
 {agree["steps"]} argmaxes agree with transformers'.
 
-Memory (FlashDec: weights + KV pool + the most a run allocated on top, CUDA graphs included): {memory}.
+Memory (FlashDec: weights + KV pool + the most a run allocated on top, CUDA graphs
+included): {memory}.
 
 Poisson arrivals through the serving loop ({serve.config.num_requests} requests at
 {serve.config.request_rate}/s, prompts {serve.config.min_prompt_len}–{serve.config.max_prompt_len},

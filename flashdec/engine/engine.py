@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,11 +36,16 @@ from flashdec.engine.layer_ops import (
 from flashdec.engine.snapshot import snapshot_from_cache
 from flashdec.kernels import triton_runs_on
 from flashdec.scheduler import (
+    ActiveRequest,
     BlockAwareScheduler,
+    PrefixInfo,
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
+    WaitingQueue,
+    WaitingView,
     counters_of,
+    lifetime_private_blocks,
 )
 
 log = logging.getLogger("flashdec")
@@ -179,12 +184,14 @@ class DecodeEngine:
         self._waiting: dict[Any, RequestSpec | None] = {}  # insertion order
         self._closed: dict[Any, EngineRequestState] = {}  # rejected / cancelled while waiting
         self._specs: dict[Any, RequestSpec] = {}  # every scheduler-managed request
-        self._orders: set[int] = set()
         self._mode: str | None = None  # "unscheduled" or "scheduled", fixed by the first request
-        # fairness counters, advanced only by the serving loop (zero for manual scheduling)
-        self._wait_steps: dict[Any, int] = {}
-        self._skip_counts: dict[Any, int] = {}
+        self._orders: set[int] = set()  # submission orders ever used (never reused, like ids)
+        # scheduler-managed waiting requests with their wait/skip counters (a persistent
+        # structure: a snapshot takes an O(1) view) and the active ones' service-wait counters;
+        # both stay zero unless a ServingLoop advances them (advance_fairness)
+        self._queue = WaitingQueue()
         self._service_wait: dict[Any, int] = {}
+        self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
 
     @property
     def rotary_dim(self) -> int:
@@ -255,6 +262,7 @@ class DecodeEngine:
         self._require_state(request_id, EngineRequestState.ACTIVE, "finish")
         self.cache.finish_request(request_id)
         self._service_wait.pop(request_id, None)
+        self._active_rows.pop(request_id, None)
 
     def cancel_request(self, request_id: object) -> None:
         """Cancel a waiting or active request."""
@@ -263,6 +271,7 @@ class DecodeEngine:
         if state is EngineRequestState.ACTIVE:
             self.cache.cancel_request(request_id)
             self._service_wait.pop(request_id, None)
+            self._active_rows.pop(request_id, None)
         elif state is EngineRequestState.WAITING:
             self._leave_queue(request_id, EngineRequestState.CANCELLED)
         else:
@@ -273,10 +282,8 @@ class DecodeEngine:
 
     def _leave_queue(self, request_id, state: EngineRequestState | None) -> None:
         spec = self._waiting.pop(request_id)
-        self._wait_steps.pop(request_id, None)
-        self._skip_counts.pop(request_id, None)
         if spec is not None:
-            self._orders.discard(spec.submission_order)
+            self._queue.remove(request_id)
         if state is not None:
             self._closed[request_id] = state
 
@@ -303,6 +310,9 @@ class DecodeEngine:
                 )
         if spec.submission_order in self._orders:
             raise ValueError(f"submission_order {spec.submission_order} is already used")
+        # the queue checks the order against every waiting request and takes the lifetime
+        # geometry of the resident prefixes (which cannot change while anything waits)
+        self._queue.submit(spec, block_size=self.cache.block_size, prefixes=self._prefix_infos())
         self._mode = "scheduled"
         self._orders.add(spec.submission_order)
         self._specs[spec.request_id] = spec
@@ -324,23 +334,73 @@ class DecodeEngine:
     ) -> SchedulingSnapshot:
         """K/V-free metadata for the scheduler, read from the live cache.
 
-        Fairness counters not given are the engine's own: zero unless a :class:`ServingLoop`
-        advances them.
+        Without counter arguments the snapshot carries the engine's own counters (zero unless a
+        :class:`ServingLoop` advances them) and costs O(active requests): the waiting queue is
+        an O(1) view of a persistent structure. Explicit counters build every row (O(waiting)).
         """
         self._require_no_open_step("scheduling_snapshot")
+        if (
+            waiting_wait_steps is None
+            and waiting_skip_counts is None
+            and (active_service_wait_steps is None)
+        ):
+            return self._own_snapshot(step)
         return snapshot_from_cache(
             self.cache,
             step=step,
             specs=self._specs,
             waiting_ids=[rid for rid, spec in self._waiting.items() if spec is not None],
             active_ids=self._scheduled_active_ids(),
-            waiting_wait_steps=self._wait_steps if waiting_wait_steps is None
-            else waiting_wait_steps,
-            waiting_skip_counts=self._skip_counts if waiting_skip_counts is None
-            else waiting_skip_counts,
-            active_service_wait_steps=self._service_wait if active_service_wait_steps is None
-            else active_service_wait_steps,
-        )  # fmt: skip
+            waiting_wait_steps=waiting_wait_steps,
+            waiting_skip_counts=waiting_skip_counts,
+            active_service_wait_steps=active_service_wait_steps,
+        )
+
+    def _prefix_infos(self) -> tuple[PrefixInfo, ...]:
+        cache = self.cache
+        states = (cache.prefix_state(pid) for pid in cache.prefix_ids())
+        return tuple(PrefixInfo(p.prefix_id, p.num_blocks, p.num_tokens, p.refcount)
+                     for p in states)  # fmt: skip
+
+    def _own_snapshot(self, step: int) -> SchedulingSnapshot:
+        """The snapshot with the engine's counters, in O(active): rows of unchanged active
+        requests are reused (equal snapshots then compare element by identity)."""
+        cache = self.cache
+        prefixes = self._prefix_infos()
+        prefix_map = {p.prefix_id: p for p in prefixes}
+        rows, cached = [], self._active_rows
+        for rid in self._scheduled_active_ids():
+            tokens = cache.seq_len(rid)
+            wait = self._service_wait.get(rid, 0)
+            row = cached.get(rid)
+            if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
+                spec = self._specs[rid]
+                blocks = len(cache.request_block_ids(rid))
+                attached = spec.prefix_id
+                shared = prefix_map[attached].num_blocks if attached is not None else 0
+                row = cached[rid] = ActiveRequest(
+                    request_id=rid,
+                    spec=spec,
+                    committed_tokens=tokens,
+                    committed_blocks=blocks,
+                    committed_private_blocks=blocks - shared,
+                    lifetime_private_blocks=lifetime_private_blocks(
+                        spec, cache.block_size, prefix_map
+                    ),
+                    service_wait_steps=wait,
+                )
+            rows.append(row)
+        return SchedulingSnapshot(
+            step=step,
+            cache_version=cache.version,
+            block_size=cache.block_size,
+            total_blocks=cache.max_blocks,
+            free_blocks=cache.num_free_blocks,
+            max_blocks_per_seq=cache.max_blocks_per_seq,
+            prefixes=prefixes,
+            active=tuple(rows),
+            waiting=self._queue.view(),
+        )
 
     def _scheduled_active_ids(self) -> list:
         if self._mode != "scheduled":
@@ -377,7 +437,10 @@ class DecodeEngine:
             raise ValueError(
                 f"decision was planned with {decision.config}, the scheduler has {scheduler.config}"
             )
-        live = self.scheduling_snapshot(snapshot.step, **counters_of(snapshot).as_kwargs())
+        if isinstance(snapshot.waiting, WaitingView):  # built from this engine's own counters
+            live = self.scheduling_snapshot(snapshot.step)
+        else:
+            live = self.scheduling_snapshot(snapshot.step, **counters_of(snapshot).as_kwargs())
         if live != snapshot:
             raise RuntimeError(
                 "stale scheduler decision: the engine changed since the snapshot was taken "
@@ -408,13 +471,26 @@ class DecodeEngine:
         for rid in decision.reject:
             self._leave_queue(rid, EngineRequestState.REJECTED)
 
-    def set_fairness_counters(
-        self, wait_steps: Mapping, skip_counts: Mapping, service_wait: Mapping
+    def advance_fairness(
+        self, decision: SchedulerDecision, served: Collection, departed: Collection
     ) -> None:
-        """The counters the next snapshot starts from (the serving loop advances them)."""
-        self._wait_steps = dict(wait_steps)
-        self._skip_counts = dict(skip_counts)
-        self._service_wait = dict(service_wait)
+        """Move the counters past the step ``decision`` planned (after it was applied): every
+        request still waiting waits one step more and counts a skip if a later submission was
+        admitted; a served active request's service wait resets, any other's grows. O(log n +
+        active). The serving loop calls this; manual scheduling leaves the counters at zero."""
+        admitted = decision.admit
+        newest = max((self._specs[rid].submission_order for rid in admitted), default=None)
+        self._queue.advance(newest)
+        service = self._service_wait
+        for rid in departed:
+            service.pop(rid, None)
+            self._active_rows.pop(rid, None)
+        for rid in self._scheduled_active_ids():
+            service[rid] = 0 if rid in served else service.get(rid, 0) + 1
+
+    def max_service_wait(self) -> int:
+        """The longest any active request has gone undecoded (steps), as the loop counts."""
+        return max(self._service_wait.values(), default=0)
 
     # ------------------------------------------------------------------ single-layer step
     def step(

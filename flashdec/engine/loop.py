@@ -26,7 +26,6 @@ from flashdec.scheduler import (
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
-    advance_fairness_counters,
 )
 
 
@@ -158,10 +157,7 @@ class ServingLoop:
             engine.finish_request(rid)
         self._live.difference_update(finished)
         self._live.difference_update(victims)
-        counters = advance_fairness_counters(
-            snapshot, decision, served_ids=served, departed_ids=[*finished, *victims]
-        )
-        engine.set_fairness_counters(**_counter_maps(counters))
+        engine.advance_fairness(decision, served=set(served), departed=[*finished, *victims])
         if self.check_invariants:
             cache.validate_invariants()
         self.step_index += 1
@@ -178,7 +174,7 @@ class ServingLoop:
             waiting=len(snapshot.waiting) - len(decision.admit) - len(decision.reject),
             active=active,
             free_blocks=cache.num_free_blocks,
-            max_service_wait=max((n for _, n in counters.active_service_wait_steps), default=0),
+            max_service_wait=engine.max_service_wait(),
             schedule_s=scheduled - start,
             prefill_s=prefilled - scheduled,
             decode_s=decode_s,
@@ -218,14 +214,6 @@ class ServingLoop:
             self.engine.cancel_request(rid)
         self._live.clear()
         return tuple(active), tuple(waiting)
-
-
-def _counter_maps(counters) -> dict:
-    return {
-        "wait_steps": dict(counters.waiting_wait_steps),
-        "skip_counts": dict(counters.waiting_skip_counts),
-        "service_wait": dict(counters.active_service_wait_steps),
-    }
 
 
 @dataclass(frozen=True)
