@@ -232,33 +232,24 @@ def _run_workload(console: Console, name: str, config, json_path: str | None = N
     return 0
 
 
-def _run_generate(console: Console, config, json_path: str | None = None) -> int:
+def _run_model(console: Console, title: str, config, json_path: str | None = None) -> int:
+    """``generate`` or ``bench-serve``: load the model, run with progress, print, write JSON."""
     from flashdec.workloads import result_to_json
     from flashdec.workloads.generation import load_llm, run_generate
     from flashdec.workloads.report import _kv_table
-
-    console.print(f"[bold]generate[/bold] {config.model}: loading")
-    llm = load_llm(config)
-    with _progress(console, "generating", "tokens") as progress:
-        result = run_generate(config, llm=llm, progress=progress)
-    console.print(_kv_table("FlashDec generate", result.rows()))
-    if json_path:
-        Path(json_path).write_text(result_to_json(result))
-        console.print(f"wrote {json_path}")
-    return 0
-
-
-def _run_serve(console: Console, config, json_path: str | None = None) -> int:
-    from flashdec.workloads import result_to_json
-    from flashdec.workloads.generation import load_llm
-    from flashdec.workloads.report import _kv_table
     from flashdec.workloads.serving import run_serve_benchmark
 
-    console.print(f"[bold]bench-serve[/bold] {config.model}: loading")
+    console.print(f"[bold]{title}[/bold] {config.model}: loading")
     llm = load_llm(config)
-    with _progress(console, "serving", "requests done") as progress:
-        result = run_serve_benchmark(llm, config, progress=progress)
-    console.print(_kv_table("FlashDec bench-serve", result.rows))
+    if title == "generate":
+        label, unit = "generating", "tokens"
+        run = lambda progress: run_generate(config, llm=llm, progress=progress)  # noqa: E731
+    else:
+        label, unit = "serving", "requests done"
+        run = lambda progress: run_serve_benchmark(llm, config, progress=progress)  # noqa: E731
+    with _progress(console, label, unit) as progress:
+        result = run(progress)
+    console.print(_kv_table(f"FlashDec {title}", result.rows()))
     if json_path:
         Path(json_path).write_text(result_to_json(result))
         console.print(f"wrote {json_path}")
@@ -283,8 +274,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
         config = _checked_config(parser, lambda: config_cls(**values))
         _check_json_path(parser, args.json)
-        run = _run_generate if args.command == "generate" else _run_serve
-        return run(console, config, args.json)
+        return _run_model(console, args.command, config, args.json)
     if args.command == "demo":
         from flashdec.workloads import IntegratedWorkloadConfig
         from flashdec.workloads.config import GenerateConfig
@@ -294,7 +284,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
             parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
         )
         _check_memory(parser, config)
-        _run_generate(console, generation)
+        _run_model(console, "generate", generation)
         return _run_workload(console, "integrated", config)
     if args.command == "workload":
         workloads = _workloads()

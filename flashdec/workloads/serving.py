@@ -31,7 +31,6 @@ class ServeBenchResult:
     def output_tok_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    @property
     def rows(self) -> list[tuple[str, str]]:
         return [
             ("requests", f"{self.config.num_requests} at {self.config.request_rate}/s (Poisson)"),
