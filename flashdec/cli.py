@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdec import __version__
-from flashdec.runtime import environment_report, prepare_triton
+from flashdec.runtime import available_host_bytes, environment_report, prepare_triton
 
 log = logging.getLogger("flashdec")
 
@@ -144,21 +144,6 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
-def _host_available_bytes() -> int | None:
-    """Memory the host can still give (MemAvailable; free pages where there is no /proc)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _check_memory(parser: argparse.ArgumentParser, config) -> None:
     """Refuse a run whose estimated memory exceeds what the device or the host has free."""
     if not hasattr(config, "memory_estimate"):
@@ -177,7 +162,7 @@ def _check_memory(parser: argparse.ArgumentParser, config) -> None:
                 f"more than the {_size(free)} free on {est.device}; lower --num-blocks, "
                 "--num-layers or --max-batch-size"
             )
-    available = _host_available_bytes()
+    available = available_host_bytes()
     if available is not None and est.host_bytes > available:
         on_cpu = f"{kv}, on the CPU; " if est.device.type == "cpu" else ""
         parser.error(

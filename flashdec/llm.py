@@ -26,6 +26,7 @@ from flashdec.engine import CapturedStep, DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
 from flashdec.engine.loop import LoopStep, ServingLoop
 from flashdec.models import DecoderAdapter, load_model
+from flashdec.runtime import available_host_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 
 log = logging.getLogger("flashdec")
@@ -216,7 +217,7 @@ class LLM:
             used = torch.cuda.memory_allocated(spec.device)
             budget = fraction * total - used - _ACTIVATION_RESERVE
         else:
-            budget = min(_available_host_bytes() / 4, 4 * 2**30)
+            budget = min((available_host_bytes() or 0) / 4, 4 * 2**30)
         affordable = int(budget // per_block)
         if affordable < 1:
             raise ValueError(
@@ -374,17 +375,6 @@ def _tpot(request: _Request) -> float:
     if len(request.tokens) < 2 or request.first_token_at is None:
         return 0.0
     return (request.finished_at - request.first_token_at) / (len(request.tokens) - 1)
-
-
-def _available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _now(device: torch.device | None = None) -> float:

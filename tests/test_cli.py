@@ -155,7 +155,7 @@ def test_json_path_is_checked_before_the_run(tmp_path, capsys, runs):
 
 
 def test_runs_that_cannot_fit_in_host_memory_are_refused(monkeypatch, capsys, runs):
-    monkeypatch.setattr(cli, "_host_available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(cli, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(SystemExit) as exc:
         main(["workload", "integrated", "--num-requests", "100000000"])
     assert exc.value.code == 2
@@ -166,7 +166,7 @@ def test_runs_that_cannot_fit_in_host_memory_are_refused(monkeypatch, capsys, ru
 
 
 def test_host_available_bytes_reads_the_machine():
-    available = cli._host_available_bytes()
+    available = cli.available_host_bytes()
     assert available is None or available > 0
 
 
