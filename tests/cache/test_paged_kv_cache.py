@@ -54,6 +54,10 @@ def test_storage_geometry_and_layer_views():
         ({"prefix_cache_capacity_blocks": -1}, ValueError),
         ({"max_blocks_per_seq": 0}, ValueError),
         ({"restore_on_abort": 1}, TypeError),
+        ({"head_dim": 7}, ValueError),  # RoPE rotates pairs: caught here, not at the first step
+        ({"prefix_cache_capacity_blocks": 9, "max_blocks": 8}, ValueError),
+        ({"max_blocks_per_seq": 9, "max_blocks": 8}, ValueError),
+        ({"device": "cuda:99"}, ValueError),  # no such device (or no CUDA at all)
     ],
 )
 def test_constructor_rejects_bad_arguments(overrides, exc):
