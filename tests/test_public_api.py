@@ -83,3 +83,17 @@ def test_signatures_follow_the_spec():
 def test_request_state_values():
     assert {s.value for s in flashdec.RequestState} == {"active", "finished", "cancelled"}
     assert flashdec.RequestState("active") == "active"
+
+
+def test_llm_signatures_follow_the_spec():
+    assert _params(flashdec.LLM)[:8] == [
+        "model", "dtype", "device", "block_size", "num_blocks", "max_batch_size", "cuda_graphs",
+        "tokenizer",
+    ]  # fmt: skip
+    params = inspect.signature(flashdec.LLM).parameters
+    assert params["block_size"].default == 16 and params["max_batch_size"].default == 64
+    assert all(params[n].default is None for n in ("dtype", "device", "num_blocks", "cuda_graphs"))
+    generate = inspect.signature(flashdec.LLM.generate).parameters
+    assert list(generate)[:4] == ["self", "prompts", "max_new_tokens", "ignore_eos"]
+    assert generate["max_new_tokens"].default == 32 and generate["ignore_eos"].default is False
+    assert generate["ignore_eos"].kind is inspect.Parameter.KEYWORD_ONLY
