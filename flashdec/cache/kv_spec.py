@@ -115,7 +115,7 @@ def parse_kv_spec(spec: str) -> tuple[KVGroupSpec, ...]:
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     if not spec.strip():
         raise ValueError(
-            f"KV spec group 0 {spec!r}: the spec is empty; expected groups of the form "
+            "KV spec group 0 '': the spec is empty; expected groups of the form "
             f"{_GROUP_FORM} separated by ';'"
         )
     texts = spec.split(";")
