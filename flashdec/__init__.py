@@ -32,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "PrefixState": "flashdec.cache",
     "TokenTransaction": "flashdec.cache",
     "TokenTransactionView": "flashdec.cache",
+    "KVGroupSpec": "flashdec.cache",
+    "parse_kv_spec": "flashdec.cache",
+    "format_kv_spec": "flashdec.cache",
     "rope_paged_kv_append": "flashdec.engine",
     "RopeAppendResult": "flashdec.engine",
     # scheduler

@@ -25,6 +25,9 @@ SPEC_NAMES = [
     "run_synthetic_workload",
     "run_scheduler_workload",
     "run_integrated_workload",
+    "KVGroupSpec",
+    "parse_kv_spec",
+    "format_kv_spec",
 ]
 
 
@@ -97,3 +100,15 @@ def test_llm_signatures_follow_the_spec():
     assert list(generate)[:4] == ["self", "prompts", "max_new_tokens", "ignore_eos"]
     assert generate["max_new_tokens"].default == 32 and generate["ignore_eos"].default is False
     assert generate["ignore_eos"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_kv_spec_names_follow_the_spec():
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(flashdec.KVGroupSpec)]
+    assert fields == [
+        "kv_size", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype",
+        "layer_count", "window",
+    ]  # fmt: skip
+    example = "(2,1024,16,8,128):bfloat16:30;(2,1024,16,2,64):bfloat16:2:window=4096"
+    assert flashdec.format_kv_spec(flashdec.parse_kv_spec(example)) == example

@@ -3,6 +3,7 @@
 from typing import Any
 
 from flashdec.cache.allocator import BlockAllocator
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
 from flashdec.cache.paged_kv_cache import PagedKVCache
 from flashdec.cache.prefix_registry import PrefixRegistry
 from flashdec.cache.state import PrefixState, RequestState
@@ -15,6 +16,7 @@ from flashdec.cache.transaction import (
 
 __all__ = [
     "BlockAllocator",
+    "KVGroupSpec",
     "PagedKVCache",
     "PrefixRegistry",
     "PrefixState",
@@ -23,6 +25,8 @@ __all__ = [
     "TokenTransactionView",
     "TransactionSlots",
     "TransactionState",
+    "format_kv_spec",
+    "parse_kv_spec",
 ]
 
 # Names that moved to the engine (they join the cache and the kernels); the old import path
