@@ -1,4 +1,4 @@
-"""The ``flashdec`` command line: ``generate``, ``bench-serve``, ``env``, ``demo`` and
+"""The ``flashdec`` command line: ``generate``, ``bench-serve``, ``env``, ``spec``, ``demo`` and
 ``workload NAME``.
 
 Workload knobs are generated from the fields of each workload's frozen config dataclass (their
@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[verbose],
         help="versions, GPU, and whether Triton runs natively or interpreted",
     )
+    spec = sub.add_parser(
+        "spec",
+        parents=[verbose],
+        help="parse a KV layer-group spec and print its groups, layers and memory per group",
+        description="Parse a KV layer-group spec, e.g. "
+        "'(2,1024,16,8,128):bfloat16:30;(2,1024,16,2,64):bfloat16:2:window=4096', and print "
+        "each group's geometry, layer indices, blocks and memory, and the canonical form.",
+    )
+    spec.add_argument("spec", metavar="SPEC", help="the spec text (quote it for the shell)")
     demo = sub.add_parser(
         "demo",
         parents=[verbose],
@@ -138,10 +147,44 @@ def _print_env(console: Console) -> None:
     console.print(table)
 
 
+def _print_spec(console: Console, groups) -> None:
+    from flashdec.cache import format_kv_spec
+
+    table = Table(title="KV layer groups")
+    for column in ("group", "layers", "kv", "heads x dim", "block", "dtype", "window", "blocks"):
+        table.add_column(column, justify="right")
+    table.add_column("memory", justify="right")
+    first_layer = 0
+    for index, group in enumerate(groups):
+        last_layer = first_layer + group.layer_count - 1
+        layers = f"{first_layer}-{last_layer}" if last_layer > first_layer else str(first_layer)
+        table.add_row(
+            str(index),
+            f"{layers} ({group.layer_count})",
+            "K,V" if group.kv_size == 2 else "KV",
+            f"{group.num_kv_heads} x {group.head_dim}",
+            str(group.block_size),
+            str(group.dtype).removeprefix("torch."),
+            "full" if group.window is None else f"{group.window:,}",
+            f"{group.num_blocks:,}",
+            _size(group.nbytes),
+        )
+        first_layer = last_layer + 1
+    console.print(table)
+    total = sum(group.nbytes for group in groups)
+    layers = "1 layer" if first_layer == 1 else f"{first_layer} layers"
+    console.print(f"{layers}, {_size(total)} of KV storage")
+    console.print(f"canonical: {format_kv_spec(groups)}", markup=False, highlight=False)
+
+
 def _size(num_bytes: int) -> str:
     if num_bytes >= 2**30:
         return f"{num_bytes / 2**30:,.1f} GiB"
-    return f"{num_bytes / 2**20:,.1f} MiB"
+    if num_bytes >= 2**20:
+        return f"{num_bytes / 2**20:,.1f} MiB"
+    if num_bytes >= 2**10:
+        return f"{num_bytes / 2**10:,.1f} KiB"
+    return f"{num_bytes} B"
 
 
 def _check_memory(parser: argparse.ArgumentParser, config) -> None:
@@ -251,6 +294,11 @@ def _checked_config(parser: argparse.ArgumentParser, make):
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console: Console) -> int:
     if args.command == "env":
         _print_env(console)
+        return 0
+    if args.command == "spec":
+        from flashdec.cache import parse_kv_spec
+
+        _print_spec(console, _checked_config(parser, lambda: parse_kv_spec(args.spec)))
         return 0
     if args.command in ("generate", "bench-serve"):
         from flashdec.workloads.config import GenerateConfig, ServeConfig

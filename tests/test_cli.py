@@ -54,7 +54,7 @@ def test_help_lists_commands_and_exit_codes(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("env", "demo", "workload", "Exit status"):
+    for command in ("env", "spec", "demo", "workload", "generate", "bench-serve", "Exit status"):
         assert command in out
 
 
@@ -329,3 +329,33 @@ def test_demo_runs_as_a_module():
     assert "completion rate" in proc.stdout and "100.0%" in proc.stdout
     assert "requests done (100%" in proc.stdout  # piped: progress lines, not a bar
     assert "Traceback" not in proc.stderr
+
+
+def test_spec_prints_groups_layers_memory_and_the_canonical_form(capsys):
+    text = "(2,1024,16,8,128):bfloat16:30; ( 2 , 1024,16,2,64 ):BFloat16:2:window = 4096"
+    assert main(["spec", text]) == 0
+    out = capsys.readouterr().out
+    # rows: group 0 holds layers 0-29 at 2*1024*16*8*128*2 bytes per layer; group 1 layers 30-31
+    assert "0-29 (30)" in out and "30-31 (2)" in out
+    assert "1.9 GiB" in out and "16.0 MiB" in out and "4,096" in out and "full" in out
+    assert "32 layers" in out
+    canonical = "(2,1024,16,8,128):bfloat16:30;(2,1024,16,2,64):bfloat16:2:window=4096"
+    assert f"canonical: {canonical}" in out
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "group 0 '': the spec is empty"),
+        ("(2,8,16,8,128):bfloat16:4;", "group 1"),
+        ("(2,8,16,8,128):bfloat16:4;(3,8,16,8,128):float16:1", "group 1 '(3,8,16,8,128)"),
+        ("(2,8,16,8,128):bf16:4", "unknown dtype 'bf16'"),
+    ],
+)
+def test_bad_specs_are_one_line_errors(spec, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["spec", spec])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in _assert_one_error_line(out, err)
+    assert out == ""
