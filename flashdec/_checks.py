@@ -268,16 +268,24 @@ class PagedDecodeStats(NamedTuple):
 
 
 def paged_decode_stats(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dims: PagedDecodeDims,
+    window: int | None = None,
 ) -> PagedDecodeStats:
     """The stats computed with torch on the host (the reference; the Triton kernels compute the
-    same on the device)."""
+    same on the device). With a sliding ``window`` only the blocks holding a request's last
+    ``window`` tokens are read, so only those table entries must be valid."""
     if dims.batch == 0:
         return PagedDecodeStats(0, 0, 0, None, None)
     lens = seq_lens.to("cpu", torch.int64)
     used = (lens.clamp(min=0) + dims.block_size - 1) // dims.block_size  # [B] blocks read
     used = used.clamp(max=dims.max_blocks_per_seq)
-    mask = torch.arange(dims.max_blocks_per_seq)[None, :] < used[:, None]
+    columns = torch.arange(dims.max_blocks_per_seq)[None, :]
+    mask = columns < used[:, None]
+    if window is not None:
+        first = (lens - window).clamp(min=0) // dims.block_size  # [B] first block in the window
+        mask &= columns >= first[:, None]
     ids = block_tables.to("cpu", torch.int64)[mask]
     min_id, max_id = (int(ids.min()), int(ids.max())) if ids.numel() else (None, None)
     return PagedDecodeStats(int(lens.min()), int(lens.max()), int(lens.sum()), min_id, max_id)
@@ -303,10 +311,13 @@ def check_paged_decode_stats(stats: PagedDecodeStats, dims: PagedDecodeDims) -> 
 
 
 def check_paged_decode_values(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dims: PagedDecodeDims,
+    window: int | None = None,
 ) -> PagedDecodeStats:
     """Value checks on the host (copies the metadata: for references and tests)."""
-    stats = paged_decode_stats(block_tables, seq_lens, dims)
+    stats = paged_decode_stats(block_tables, seq_lens, dims, window)
     check_paged_decode_stats(stats, dims)
     return stats
 

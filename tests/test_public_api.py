@@ -51,10 +51,10 @@ def test_signatures_follow_the_spec():
         "num_warps", "kv_layout", "num_stages", "out", "workspace",
     ]  # fmt: skip
     assert _params(flashdec.paged_decode_attention_ref) == [
-        "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "kv_layout",
+        "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "kv_layout", "window",
     ]  # fmt: skip
     assert _params(flashdec.dense_decode_attention_ref) == [
-        "q", "k_cache", "v_cache", "seq_lens", "sm_scale",
+        "q", "k_cache", "v_cache", "seq_lens", "sm_scale", "window",
     ]  # fmt: skip
     assert _params(flashdec.apply_rope) == ["x", "positions", "rotary_dim", "base"]
     assert _params(flashdec.kv_append) == ["k_cache", "v_cache", "k", "v", "block_ids", "offsets"]

@@ -3,6 +3,10 @@
 The two are written differently on purpose (batched masked softmax vs a per-request gather and
 explicit max-subtracted exponentials) so that each is the other's check. Both compute in float32
 and return q's dtype. A request with seq_len 0 gets an all-zero row.
+
+``window`` (sliding-window layers, SPEC §8.2): a request of length ``L`` attends only to its last
+``window`` positions, ``[max(0, L - window), L)`` — the current token and ``window - 1`` before it,
+as transformers' sliding-window masks define it. ``None`` attends to all ``L``.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from flashdec._checks import (
     check_int_tensor,
     check_paged_decode_inputs,
     check_paged_decode_values,
+    check_positive_int,
     check_tensor,
     resolve_sm_scale,
 )
+
+
+def _check_window(window: int | None) -> int | None:
+    return None if window is None else check_positive_int("window", window)
 
 
 def dense_decode_attention_ref(
@@ -25,11 +34,14 @@ def dense_decode_attention_ref(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` over dense ``k/v_cache [B, max_len, Hkv, D]``.
 
-    Only the first ``seq_lens[b]`` positions of request ``b`` are attended.
+    Only the first ``seq_lens[b]`` positions of request ``b`` are attended (of those, the last
+    ``window`` when it is set).
     """
+    window = _check_window(window)
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
@@ -56,7 +68,10 @@ def dense_decode_attention_ref(
     kf = k_cache.float()
     vf = v_cache.float()
     scores = torch.einsum("bhgd,blhd->bhgl", qf, kf) * scale  # [B, Hkv, G, L]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    positions = torch.arange(max_len, device=q.device)[None, :]
+    valid = positions < seq_lens[:, None].long()  # [B, L]
+    if window is not None:
+        valid &= positions >= seq_lens[:, None].long() - window
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows: all -inf -> zeros
     out = torch.einsum("bhgl,blhd->bhgd", probs, vf)
@@ -71,15 +86,19 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     sm_scale: float | None = None,
     kv_layout: str = "token_major",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` over one layer's paged cache.
 
     ``k/v_cache`` is ``[num_blocks, Hkv, block_size, D]`` (token_major) or
     ``[num_blocks, Hkv, D, block_size]`` (dim_major); token ``t`` of request ``b`` lives in block
-    ``block_tables[b, t // block_size]`` at offset ``t % block_size``.
+    ``block_tables[b, t // block_size]`` at offset ``t % block_size``. With ``window`` only the
+    last ``window`` tokens are gathered: table entries of blocks wholly before the window are
+    never read (a sliding-window cache may have released them).
     """
+    window = _check_window(window)
     dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
-    check_paged_decode_values(block_tables, seq_lens, dims)
+    check_paged_decode_values(block_tables, seq_lens, dims, window)
     scale = resolve_sm_scale(sm_scale, dims.head_dim)
     group = dims.num_q_heads // dims.num_kv_heads
     if kv_layout == "dim_major":  # view as token-major: [N, Hkv, block_size, D]
@@ -92,7 +111,8 @@ def paged_decode_attention_ref(
     for b, seq_len in enumerate(lens):
         if seq_len == 0:
             continue
-        tokens = torch.arange(seq_len)
+        first = 0 if window is None else max(0, seq_len - window)
+        tokens = torch.arange(first, seq_len)
         blocks = torch.tensor(tables[b], dtype=torch.long)[tokens // dims.block_size]
         offsets = tokens % dims.block_size
         k = k_cache[blocks.to(q.device), :, offsets.to(q.device)].float().cpu()  # [L, Hkv, D]

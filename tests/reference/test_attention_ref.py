@@ -89,6 +89,80 @@ def test_tokens_past_seq_len_are_ignored():
     torch.testing.assert_close(before, after)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_layout", ["token_major", "dim_major"])
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 13, 14, 100])
+def test_window_paged_matches_dense(dtype, kv_layout, window):
+    seq_lens = [0, 1, 13, 7, 4, 5]  # windows shorter than, equal to and past each length
+    gen = torch.Generator().manual_seed(window)
+    k_cache, v_cache, tables, lens, k_dense, v_dense = make_paged_kv(
+        seq_lens, 2, 12, 4, dtype, kv_layout=kv_layout, generator=gen
+    )
+    q = torch.randn(len(seq_lens), 6, 12, generator=gen).to(dtype)
+    paged = paged_decode_attention_ref(
+        q, k_cache, v_cache, tables, lens, kv_layout=kv_layout, window=window
+    )
+    dense = dense_decode_attention_ref(q, k_dense, v_dense, lens, window=window)
+    torch.testing.assert_close(paged.float(), dense.float(), atol=REF_TOL[dtype], rtol=0)
+    # the window equals attention over the last `window` tokens moved to the front
+    for b, seq_len in enumerate(seq_lens):
+        first = max(0, seq_len - window)
+        shifted_k = torch.zeros_like(k_dense[b : b + 1])
+        shifted_v = torch.zeros_like(v_dense[b : b + 1])
+        shifted_k[0, : seq_len - first] = k_dense[b, first:seq_len]
+        shifted_v[0, : seq_len - first] = v_dense[b, first:seq_len]
+        full = dense_decode_attention_ref(
+            q[b : b + 1], shifted_k, shifted_v, torch.tensor([seq_len - first])
+        )
+        torch.testing.assert_close(dense[b : b + 1], full)
+
+
+def test_window_at_least_the_length_is_full_attention():
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache, tables, lens, _, _ = make_paged_kv(
+        [9, 3], 2, 8, 4, torch.float32, generator=gen
+    )
+    q = torch.randn(2, 4, 8, generator=gen)
+    full = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(
+        paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, window=9), full
+    )
+
+
+def test_window_never_reads_blocks_before_it():
+    """Blocks wholly before the window may be released: their table entries and contents are
+    ignored, even when the id is out of range (a released slot)."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables, lens, _, _ = make_paged_kv(
+        [11], 1, 8, 4, torch.float32, generator=gen
+    )
+    q = torch.randn(1, 2, 8, generator=gen)
+    before = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, window=6)  # tokens 5..10
+    k_cache[int(tables[0, 0])] = float("nan")  # tokens 0..3: wholly before the window
+    tables = tables.clone()
+    tables[0, 0] = -1
+    after = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, window=6)
+    torch.testing.assert_close(before, after)
+    tables[0, 1] = -1  # tokens 4..7: token 5 is in the window, so this block is read
+    with pytest.raises(ValueError, match="block id"):
+        paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, window=6)
+
+
+@pytest.mark.parametrize(
+    ("window", "error"), [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_bad_window(window, error):
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache, tables, lens, k_dense, v_dense = make_paged_kv(
+        [3], 1, 8, 4, torch.float32, generator=gen
+    )
+    q = torch.randn(1, 1, 8, generator=gen)
+    with pytest.raises(error, match="window"):
+        paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, window=window)
+    with pytest.raises(error, match="window"):
+        dense_decode_attention_ref(q, k_dense, v_dense, lens, window=window)
+
+
 class TestErrors:
     def setup_method(self):
         gen = torch.Generator().manual_seed(3)
