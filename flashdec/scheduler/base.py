@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Set
 from typing import Any, ClassVar
 
+from flashdec._blocks import lifetime_blocks
 from flashdec.scheduler.decision import SchedulerDecision
-from flashdec.scheduler.groups import lifetime_blocks
 from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
 from flashdec.scheduler.spec import RequestId, SchedulerConfig
 from flashdec.scheduler.waiting_queue import WaitingView

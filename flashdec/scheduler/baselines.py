@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Set
 
+from flashdec._blocks import lifetime_blocks
 from flashdec.scheduler.base import BaseScheduler
-from flashdec.scheduler.groups import lifetime_blocks, needs_new_block
+from flashdec.scheduler.groups import needs_new_block
 from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
 from flashdec.scheduler.spec import RequestId, ceil_div
 from flashdec.scheduler.waiting_queue import WaitingView

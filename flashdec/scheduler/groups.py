@@ -7,8 +7,10 @@ to the pool as the request advances. A scheduler therefore commits a request in 
 that group's own bound, against that group's own pool: a windowed group's commitment stays flat
 however long the request runs, so more requests fit.
 
-A snapshot of a one-group, full-attention cache leaves ``groups`` empty and describes its pool in
-its top-level fields, exactly as before groups existed; this module is only used otherwise.
+How many blocks a request holds, and holds at most, in one group is ``flashdec._blocks``' (the
+cache's own accounting). A snapshot of a one-group, full-attention cache leaves ``groups`` empty
+and describes its pool in its top-level fields, exactly as before groups existed; this module is
+only used otherwise.
 """
 
 from __future__ import annotations
@@ -63,32 +65,6 @@ class GroupPool:
     def max_tokens(self) -> int:
         """The longest request this group's block table can hold."""
         return self.max_blocks_per_seq * self.block_size
-
-
-def blocks_held(num_tokens: int, block_size: int, window: int | None) -> int:
-    """Blocks a request with ``num_tokens`` committed tokens holds in a group.
-
-    Full attention: ``ceil(n / bs)``. A window group keeps only the blocks holding a position the
-    next decode can still read, ``[max(0, n + 1 - window), n)``.
-    """
-    if window is None:
-        return -(-num_tokens // block_size)
-    lo = max(0, num_tokens + 1 - window)
-    if lo >= num_tokens:
-        return 0
-    return (num_tokens - 1) // block_size - lo // block_size + 1
-
-
-def lifetime_blocks(total_tokens: int, block_size: int, window: int | None) -> int:
-    """The most blocks a request of ``total_tokens`` ever holds in a group, counting the slot
-    reserved for the token being appended: ``ceil(T / bs)`` for full attention, and for a window
-    group at most ``ceil(window / bs) + 1`` however long the request runs."""
-    if window is None or total_tokens <= window:
-        return -(-total_tokens // block_size)
-    # while appending position n >= window - 1 the group holds [n + 1 - window, n]: w positions
-    # starting at some offset o in a block; the worst offset reachable before T is the largest
-    offset = min(block_size - 1, total_tokens - window)
-    return (offset + window - 1) // block_size + 1
 
 
 def needs_new_block(num_tokens: int, block_size: int, window: int | None) -> bool:

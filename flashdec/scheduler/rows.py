@@ -15,8 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from flashdec._blocks import lifetime_blocks
 from flashdec._checks import check_positive_int
-from flashdec.scheduler.groups import GroupShape, lifetime_blocks
+from flashdec.scheduler.groups import GroupShape
 from flashdec.scheduler.spec import PrefixId, RequestId, RequestSpec, check_request_id
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashdec._blocks import blocks_for_tokens
 from flashdec._checks import check_positive_int
-from flashdec.scheduler.groups import GroupPool, GroupShape, blocks_held
+from flashdec.scheduler.groups import GroupPool, GroupShape
 from flashdec.scheduler.rows import (
     ActiveRequest,
     Geometry,
@@ -271,7 +272,7 @@ class SchedulingSnapshot:
             )
         for g, ((block_size, window), b) in enumerate(zip(shapes, groups, strict=True)):
             shared = 0 if prefix is None else prefix.num_blocks_by_group[g]
-            held = blocks_held(own, block_size, window)
+            held = blocks_for_tokens(own, block_size, window)
             if (b.committed_blocks, b.committed_private_blocks) != (held + shared, held):
                 raise ValueError(
                     f"active request {r.request_id!r} in group {g}: committed (private) blocks "

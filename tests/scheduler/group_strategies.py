@@ -6,6 +6,7 @@ import math
 
 from hypothesis import strategies as st
 
+from flashdec._blocks import blocks_for_tokens
 from flashdec.scheduler import (
     ActiveRequest,
     GroupBlocks,
@@ -16,7 +17,6 @@ from flashdec.scheduler import (
     WaitingRequest,
     lifetime_private_blocks_by_group,
 )
-from flashdec.scheduler.groups import blocks_held
 
 
 def group_prefix(prefix_id, num_tokens, shapes, refcount=0):
@@ -33,7 +33,7 @@ def group_active_row(spec, shapes, prefixes, committed_tokens, service_wait_step
     lifetimes = lifetime_private_blocks_by_group(spec, shapes, pmap)
     groups = []
     for g, ((bs, window), lifetime) in enumerate(zip(shapes, lifetimes, strict=True)):
-        held = blocks_held(own, bs, window)
+        held = blocks_for_tokens(own, bs, window)
         shared = prefix.num_blocks_by_group[g] if prefix else 0
         groups.append(GroupBlocks(held + shared, held, lifetime))
     first = groups[0]

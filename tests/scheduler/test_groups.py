@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashdec._blocks import blocks_for_tokens, lifetime_blocks
 from flashdec.scheduler import (
     POLICIES,
     ActiveRequest,
@@ -31,7 +32,7 @@ from flashdec.scheduler import (
     make_scheduler,
     rejection_reason,
 )
-from flashdec.scheduler.groups import blocks_held, lifetime_blocks, needs_new_block
+from flashdec.scheduler.groups import needs_new_block
 from tests.scheduler.group_sim import simulate_groups
 from tests.scheduler.group_strategies import (
     group_active_row,
@@ -72,7 +73,7 @@ def _held_sets(total, bs, window):
 def test_block_formulas_match_a_token_by_token_count(total, bs, window):
     after, during = _held_sets(total, bs, window)
     for n in range(total + 1):
-        assert blocks_held(n, bs, window) == len(after[n])
+        assert blocks_for_tokens(n, bs, window) == len(after[n])
     for n in range(total):
         assert needs_new_block(n, bs, window) == (n // bs not in after[n])
     assert lifetime_blocks(total, bs, window) == max(map(len, during), default=0)
