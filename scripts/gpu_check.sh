@@ -3,9 +3,9 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests quicktests tune decode append engine eager launch e2e
+#   phases: tests quicktests tune decode append engine eager launch e2e window fp8
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS,
-#   LAUNCH_ARGS, E2E_ARGS
+#   LAUNCH_ARGS, E2E_ARGS, WINDOW_ARGS, FP8_ARGS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -61,6 +61,12 @@ for phase in $PHASES; do
     e2e)
       python3 benchmarks/bench_e2e.py --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
+    window)
+      python3 benchmarks/bench_window.py --out-dir "$OUT" ${WINDOW_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    fp8)
+      python3 benchmarks/bench_fp8.py --out-dir "$OUT" ${FP8_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
     *) echo "unknown phase $phase"; rc=2 ;;
   esac
   echo "=== phase $phase: rc=$rc, $(( $(date +%s) - start )) s ===" | tee -a "$LOG"
@@ -72,5 +78,7 @@ grep -h "=== phase .*rc=" "$LOG"
 [ -f "$OUT/decode.md" ] && sed -n '/^## Summary/,/^## All shapes/p' "$OUT/decode.md"
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
+[ -f "$OUT/window.md" ] && grep "^| " "$OUT/window.md"
+[ -f "$OUT/decode_fp8.md" ] && grep "^| \|Speed-up" "$OUT/decode_fp8.md"
 [ -f "$OUT/e2e.md" ] && grep "^| \|target\|agreement\|Memory" "$OUT/e2e.md"
 exit $status
