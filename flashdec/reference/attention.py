@@ -121,11 +121,13 @@ def paged_decode_attention_ref(
         tokens = torch.arange(first, seq_len)
         blocks = torch.tensor(tables[b], dtype=torch.long)[tokens // dims.block_size]
         offsets = tokens % dims.block_size
-        k = k_cache[blocks.to(q.device), :, offsets.to(q.device)].cpu()  # [L, Hkv, D]
-        v = v_cache[blocks.to(q.device), :, offsets.to(q.device)].cpu()
+        index = (blocks.to(q.device), slice(None), offsets.to(q.device))
         if k_scale is None:
-            k, v = k.float(), v.float()
-        else:
+            k = k_cache[index].float().cpu()  # [L, Hkv, D]
+            v = v_cache[index].float().cpu()
+        else:  # gathered as bytes: indexing kernels need not support float8
+            k = k_cache.view(torch.uint8)[index].cpu().view(k_cache.dtype)
+            v = v_cache.view(torch.uint8)[index].cpu().view(v_cache.dtype)
             k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
         for h in range(dims.num_q_heads):
             kv_head = h // group

@@ -160,7 +160,8 @@ def _slots(batch, num_blocks, block_size, device, seed=0):
 
 
 def _written(cache, block_ids, offsets):
-    return cache[block_ids.long(), :, offsets.long()]  # [B, Hkv, D]
+    """The slots' contents ``[B, Hkv, D]`` (gathered as bytes: FP8 indexing need not exist)."""
+    return cache.view(torch.uint8)[block_ids.long(), :, offsets.long()].view(cache.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
