@@ -75,6 +75,11 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+def check_window(window: object) -> int | None:
+    """A sliding-window length: ``None`` (full attention) or an int >= 1."""
+    return None if window is None else check_positive_int("window", window)
+
+
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
     """A string option (backend, layout, policy): TypeError unless a str, ValueError unless in
     ``allowed``."""
@@ -256,13 +261,13 @@ class PagedDecodeStats(NamedTuple):
     """What the range checks of a paged decode read off its metadata.
 
     ``min_id`` / ``max_id`` cover the *used* table entries only (the first
-    ``ceil(seq_len / block_size)`` of each row, at most the table's width); both are None when
-    no entry is used.
+    ``ceil(seq_len / block_size)`` of each row, at most the table's width; with a sliding window
+    only those from the window's first block on); both are None when no entry is used.
     """
 
     min_len: int
     max_len: int
-    total_len: int
+    total_len: int  # tokens the call attends to (with a window, each length capped at it)
     min_id: int | None
     max_id: int | None
 
@@ -288,7 +293,8 @@ def paged_decode_stats(
         mask &= columns >= first[:, None]
     ids = block_tables.to("cpu", torch.int64)[mask]
     min_id, max_id = (int(ids.min()), int(ids.max())) if ids.numel() else (None, None)
-    return PagedDecodeStats(int(lens.min()), int(lens.max()), int(lens.sum()), min_id, max_id)
+    attended = lens if window is None else lens.clamp(max=window)
+    return PagedDecodeStats(int(lens.min()), int(lens.max()), int(attended.sum()), min_id, max_id)
 
 
 def check_paged_decode_stats(stats: PagedDecodeStats, dims: PagedDecodeDims) -> None:

@@ -48,8 +48,11 @@ def _params(fn):
 def test_signatures_follow_the_spec():
     assert _params(flashdec.decode) == [
         "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "block_size",
-        "num_warps", "kv_layout", "num_stages", "out", "workspace",
+        "num_warps", "kv_layout", "num_stages", "out", "workspace", "window",
     ]  # fmt: skip
+    decode_sig = inspect.signature(flashdec.decode)
+    assert decode_sig.parameters["window"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert decode_sig.parameters["window"].default is None
     assert _params(flashdec.paged_decode_attention_ref) == [
         "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "kv_layout", "window",
     ]  # fmt: skip

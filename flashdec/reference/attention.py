@@ -18,14 +18,10 @@ from flashdec._checks import (
     check_int_tensor,
     check_paged_decode_inputs,
     check_paged_decode_values,
-    check_positive_int,
     check_tensor,
+    check_window,
     resolve_sm_scale,
 )
-
-
-def _check_window(window: int | None) -> int | None:
-    return None if window is None else check_positive_int("window", window)
 
 
 def dense_decode_attention_ref(
@@ -41,7 +37,7 @@ def dense_decode_attention_ref(
     Only the first ``seq_lens[b]`` positions of request ``b`` are attended (of those, the last
     ``window`` when it is set).
     """
-    window = _check_window(window)
+    window = check_window(window)
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
@@ -96,7 +92,7 @@ def paged_decode_attention_ref(
     last ``window`` tokens are gathered: table entries of blocks wholly before the window are
     never read (a sliding-window cache may have released them).
     """
-    window = _check_window(window)
+    window = check_window(window)
     dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
     check_paged_decode_values(block_tables, seq_lens, dims, window)
     scale = resolve_sm_scale(sm_scale, dims.head_dim)
