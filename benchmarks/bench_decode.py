@@ -473,6 +473,11 @@ def load_flashinfer():
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def flashinfer_workspace() -> torch.Tensor:
+    """FlashInfer's float workspace (split-KV partials); zeroed before first use, as it asks."""
+    return torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+
 def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
@@ -1009,7 +1014,7 @@ def run(args) -> int:
         "partial": True,
     }
     out_dir = Path(args.out_dir)
-    fi_ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda") if flashinfer else None
+    fi_ws = flashinfer_workspace() if flashinfer else None
     t0 = time.time()
     for mc in cases:
         if time.time() - t0 > args.budget_s:

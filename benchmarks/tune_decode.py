@@ -53,6 +53,7 @@ from benchmarks.bench_decode import (
     Case,
     Shape,
     flashinfer_best,
+    flashinfer_workspace,
     graph_time,
     kv_bytes,
     load_flashinfer,
@@ -291,7 +292,7 @@ def run(args) -> int:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = Sweep(args, shapes)
     fi: dict[str, dict[str, Any]] = {}
-    fi_ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda") if flashinfer else None
+    fi_ws = flashinfer_workspace() if flashinfer else None
     for head, shape in shapes:  # phase 1: the default and FlashInfer
         if sweep.over_budget():
             break

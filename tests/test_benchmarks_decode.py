@@ -278,3 +278,126 @@ def test_bench_decode_runs_on_the_gpu(tmp_path):
     saved = json.loads((tmp_path / "decode.json").read_text())
     assert len(saved["rows"]) == 3 and all(r.get("fd_us") for r in saved["rows"])
     assert (tmp_path / "decode.md").exists()
+
+
+class FakeFlashInfer:
+    """A stand-in for FlashInfer's paged decode wrapper, computed in PyTorch from the page arrays
+    bench_decode gives it (so it also checks those arrays against FlashDec's block table)."""
+
+    class BatchDecodeWithPagedKVCacheWrapper:
+        def __init__(self, workspace, layout, use_tensor_cores=False):
+            if layout == "NHD" and not use_tensor_cores:
+                raise RuntimeError("this path is not compiled")
+            self.layout = layout
+
+        def plan(self, indptr, indices, last_page_len, hq, hkv, d, page, **dtypes):
+            self.meta = (indptr.tolist(), indices.tolist(), last_page_len.tolist(), hq // hkv, page)
+            self.fp8 = dtypes["kv_data_type"] == bd.FP8
+
+        def run(self, q, kv, k_scale=None, v_scale=None, out=None):
+            indptr, indices, last, group, page = self.meta
+            k, v = kv
+            if self.layout == "NHD":
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            k, v = k.float() * (k_scale or 1.0), v.float() * (v_scale or 1.0)
+            for b in range(q.shape[0]):
+                ids = indices[indptr[b] : indptr[b + 1]]
+                n = (len(ids) - 1) * page + last[b]
+                kb = k[ids].permute(1, 0, 2, 3).reshape(k.shape[1], -1, k.shape[3])[:, :n]
+                vb = v[ids].permute(1, 0, 2, 3).reshape(v.shape[1], -1, v.shape[3])[:, :n]
+                kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
+                p = torch.softmax(
+                    q[b].float()[:, None, :] @ kb.transpose(1, 2) / q.shape[2] ** 0.5, -1
+                )
+                out[b] = (p @ vb)[:, 0].to(out.dtype)
+            return out
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """bench_decode's GPU steps made runnable on the CPU: timing by one call, tiny shapes."""
+    calls = []
+
+    def fake_time(fn, calls_per_graph, warmup, rep):
+        fn()
+        calls.append(fn)
+        return 10.0 + len(calls)
+
+    monkeypatch.setattr(bd, "graph_us_per_call", fake_time)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
+    real_case = bd.Case
+    monkeypatch.setattr(bd, "Case", lambda *a, **k: real_case(*a, **k, device="cpu"))
+    return calls
+
+
+class TestMeasureOnCpu:
+    def args(self, *extra):
+        return bd.parse_args(["--warmup", "1", "--rep", "1", *extra])
+
+    def test_every_path_is_timed_and_checked(self, cpu_bench):
+        shape = bd.Shape("tiny", "ragged", (5, 20, 9))
+        mc = bd.MatrixCase("bf16", "4/2/16", 8, shape)
+        ws = torch.zeros(16, dtype=torch.uint8)
+        row = bd.measure(mc, self.args(), FakeFlashInfer, ws, CEILINGS)
+        assert row["fd_us"] and row["fd_error"] is None and row["plan"]["splits"] >= 1
+        assert set(row["fi_us"]) == {"HND-tc", "HND-cc", "NHD-tc", "NHD-cc"}
+        assert row["fi_us"]["NHD-cc"] is None and "not compiled" in row["fi_errors"]["NHD-cc"]
+        assert row["fi_best_path"] == "HND-tc" and row["ratio"] == row["fd_us"] / 12.0
+        assert row["max_abs_diff_vs_fi"] < 0.05  # FlashDec and the stand-in read the same pages
+
+    def test_fp8_rows(self, cpu_bench):
+        if bd.FP8 is None:
+            pytest.skip("no float8 in this torch")
+        mc = bd.MatrixCase("bf16", "4/2/16", 8, bd.Shape("tiny", "uniform", (12, 12)))
+        row = bd.measure(mc, self.args("--fp8"), FakeFlashInfer, torch.zeros(1), CEILINGS)
+        f8 = row["fp8"]
+        assert f8["fi_best_us"] and f8["fi_error_vs_bf16"]["rel_l2"] < 0.1
+        # FlashDec FP8 is timed once decode takes k_scale/v_scale (SPEC §8.5), else its error
+        assert f8["fd_us"] or f8["fd_error"]
+        if f8["fd_us"]:
+            assert f8["fd_error_vs_bf16"]["rel_l2"] < 0.1 and f8["speedup_vs_bf16"]
+
+    def test_run_without_flashinfer_writes_the_report(self, cpu_bench, monkeypatch, tmp_path):
+        monkeypatch.setattr(bd, "copy_ceiling_tbs", lambda: 4.0)
+        monkeypatch.setattr(bd, "read_ceiling_tbs", lambda: 4.2)
+        skewed, uniform = bd.skew_pair(40, 8, 3)
+        tiny = [bd.uniform_shape(2, 30), bd.ragged_shape(3, 50), skewed, uniform]
+        monkeypatch.setattr(bd, "all_shapes", lambda seed=0: tiny)
+        args = self.args("--heads", "4/2/16", "2/1/32", "--pages", "8", "--no-flashinfer")
+        args.out_dir = str(tmp_path)
+        assert bd.run(args) == 0
+        saved = json.loads((tmp_path / "decode.json").read_text())
+        assert len(saved["rows"]) == 8 and not saved["partial"]
+        assert all(r["fd_us"] for r in saved["rows"])
+        text = (tmp_path / "decode.md").read_text()
+        assert "**MISSING** (disabled (--no-flashinfer))" in text
+        assert "skewed 1x40+3x8 vs uniform 4x16" in text
+
+    def test_budget_stops_adding_cases(self, cpu_bench, monkeypatch, tmp_path):
+        monkeypatch.setattr(bd, "copy_ceiling_tbs", lambda: 4.0)
+        monkeypatch.setattr(bd, "read_ceiling_tbs", lambda: 4.2)
+        monkeypatch.setattr(bd, "all_shapes", lambda seed=0: [bd.uniform_shape(2, 30)])
+        args = self.args("--heads", "4/2/16", "2/1/32", "--no-flashinfer", "--budget-s", "0")
+        args.pages, args.out_dir = [8], str(tmp_path)
+        assert bd.run(args) == 0
+        saved = json.loads((tmp_path / "decode.json").read_text())
+        assert saved["rows"] == [] and len(saved["skipped_budget"]) == 2
+
+    def test_a_failing_case_is_reported_and_skipped(self, cpu_bench, monkeypatch, tmp_path):
+        monkeypatch.setattr(bd, "copy_ceiling_tbs", lambda: 4.0)
+        monkeypatch.setattr(bd, "read_ceiling_tbs", lambda: 4.2)
+        monkeypatch.setattr(bd, "all_shapes", lambda seed=0: [bd.uniform_shape(2, 30)])
+        real = bd.measure
+
+        def measure(mc, *a):
+            if mc.heads == "4/2/16":
+                raise torch.cuda.OutOfMemoryError("out of memory")
+            return real(mc, *a)
+
+        monkeypatch.setattr(bd, "measure", measure)
+        args = self.args("--heads", "4/2/16", "2/1/32", "--pages", "8", "--no-flashinfer")
+        args.out_dir = str(tmp_path)
+        assert bd.run(args) == 0
+        rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+        assert "OutOfMemoryError" in rows[0]["error"] and rows[1]["fd_us"]

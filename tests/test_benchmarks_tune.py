@@ -159,3 +159,37 @@ def test_args():
     assert td.parse_args([]).budget_s <= 220  # with start-up, under four minutes
     with pytest.raises(SystemExit):
         td.parse_args(["--calls", "0"])
+
+
+def test_run_on_the_cpu_with_stand_ins(monkeypatch, tmp_path):
+    """The sweep's control flow, timings faked: every phase runs, every output is compared with
+    the default's, and the report names the best configuration against FlashInfer's."""
+    from tests.test_benchmarks_decode import FakeFlashInfer
+
+    clock = iter(range(1000, 100000))
+    monkeypatch.setattr(bd, "graph_us_per_call", lambda fn, *a: (fn(), float(next(clock)))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
+    props = type("Props", (), {"multi_processor_count": 4})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    real_case = bd.Case
+    monkeypatch.setattr(td, "Case", lambda *a, **k: real_case(*a, **k, device="cpu"))
+    monkeypatch.setattr(td, "load_flashinfer", lambda: (FakeFlashInfer, None))
+    monkeypatch.setattr(td, "flashinfer_workspace", lambda: torch.zeros(1))
+    monkeypatch.setattr(td, "BLOCK_N", (16, 32))
+    monkeypatch.setattr(td, "WARPS", (4,))
+    monkeypatch.setattr(td, "STAGES", (2,))
+    shapes = [("4/2/16", bd.uniform_shape(3, 20)), ("4/1/16", bd.ragged_shape(2, 70))]
+    monkeypatch.setattr(td, "WEAK_SHAPES", shapes)
+    args = td.parse_args(["--page", "8", "--workers", "1", "--out-dir", str(tmp_path)])
+    assert td.run(args) == 0
+    saved = json.loads((tmp_path / "decode_tuning.json").read_text())
+    phases = [r["phase"] for r in saved["results"]]
+    assert phases.count("default") == 2 and phases.count("tile") == 4 and "split" in phases
+    assert not [r for r in saved["results"] if r.get("error")]
+    assert max(r["max_diff_vs_default"] for r in saved["results"]) < 0.05
+    assert saved["flashinfer"]["4/2/16 p8 B=3 L=20"]["best_path"] == "HND-tc"
+    lines = (tmp_path / "decode_tuning.jsonl").read_text().splitlines()
+    assert len(lines) == len(saved["results"])
+    text = (tmp_path / "decode_tuning.md").read_text()
+    assert "| 4/1/16 p8 ragged 2x1..70 |" in text
