@@ -79,7 +79,7 @@ WEAK_SHAPES: list[tuple[str, Shape]] = [
 ]
 BLOCK_N = (16, 32, 64, 128)
 WARPS = (2, 4, 8)
-STAGES = (2, 3, 4)
+STAGES = (1, 2, 3, 4)  # one stage only where the loop has at most two iterations
 # K+V tile bytes of all stages kept below this (H200: 227 KiB of shared memory per block)
 MAX_STAGE_BYTES = 160 * 1024
 ITEMS_PER_SM = (1, 2, 3, 4, 8)  # split counts tried: about this many work items per SM
@@ -99,10 +99,11 @@ def shape_matches(spec: str, head: str, shape: Shape) -> bool:
     return spec in (shape.label, shape.label.split(" ")[0], shape.kind)
 
 
-def tile_grid(head_dim: int, elem: int) -> list[dict[str, int]]:
+def tile_grid(head_dim: int, elem: int, max_len: int | None = None) -> list[dict[str, int]]:
     """(block_n, warps, stages) worth timing: two warps only for tiles of at most 4096 elements
-    (32 x 128), eight only for tiles of at least that, and no configuration whose pipelined K+V
-    tiles overflow shared memory."""
+    (32 x 128), eight only for tiles of at least that, one stage only when no request needs more
+    than two iterations (``max_len <= 2 * block_n``: nothing to pipeline), and no configuration
+    whose pipelined K+V tiles overflow shared memory."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     out = []
     for bn in BLOCK_N:
@@ -110,6 +111,8 @@ def tile_grid(head_dim: int, elem: int) -> list[dict[str, int]]:
             if (w == 2 and bn * block_d > 4096) or (w == 8 and bn * block_d < 4096):
                 continue
             for s in STAGES:
+                if s == 1 and (max_len is None or max_len > 2 * bn):
+                    continue
                 if s * bn * block_d * elem * 2 <= MAX_STAGE_BYTES:
                     out.append({"block_n": bn, "num_warps": w, "num_stages": s})
     return out
@@ -129,6 +132,15 @@ def split_specs(shape: Shape, num_kv_heads: int, num_sms: int) -> list[tuple[str
     return specs
 
 
+def persist_specs(shape: Shape, num_kv_heads: int, num_sms: int) -> list[tuple[str, int]]:
+    """``("persist", n)``: every request in one split, but through the split path's persistent
+    grid of n programs that loop over the (request, KV head) items (for many short requests,
+    where the single-pass grid has many tiny programs). The split path launches its merge
+    kernel too, which then has nothing to merge: its launch is part of the time."""
+    items = shape.batch * num_kv_heads
+    return [("persist", k * num_sms) for k in (4, 8, 16) if k * num_sms < items]
+
+
 def program_specs(num_items: int, num_sms: int) -> list[tuple[str, int]]:
     """``("programs", n)``: the split path's persistent grid shrunk to n programs (each then
     loops over several work items)."""
@@ -146,7 +158,13 @@ def make_plan(case: Case, spec: tuple[str, int], tile: dict[str, int]):
         kw["num_splits"] = n
     elif kind == "pps":
         kw["programs_per_sm"] = n
+    elif kind == "persist":  # two splits of max_len or more: each request takes one
+        block_n = case.plan(**kw).block_n
+        kw["num_splits"] = 2
+        kw["tokens_per_split"] = -(-case.max_len // block_n) * block_n
     plan = case.plan(**kw)
+    if kind == "persist":
+        plan = dataclasses.replace(plan, num_programs=min(n, plan.num_programs))
     if kind == "programs" and plan.uses_split:
         plan = dataclasses.replace(plan, num_programs=min(n, plan.num_programs))
     return plan
@@ -309,7 +327,7 @@ def run(args) -> int:
         key = shape_key(head, shape, args.page)
         _, hkv, _ = parse_heads(head)
         default = sweep.best(key, ("default",))
-        specs = split_specs(shape, hkv, num_sms)
+        specs = split_specs(shape, hkv, num_sms) + persist_specs(shape, hkv, num_sms)
         if default and default.get("programs"):
             specs += program_specs(default["programs"], num_sms)
         for spec in specs:
@@ -323,7 +341,7 @@ def run(args) -> int:
         if best is None:
             continue
         _, _, d = parse_heads(head)
-        for tile in tile_grid(d, DTYPES[args.dtype].itemsize):
+        for tile in tile_grid(d, DTYPES[args.dtype].itemsize, shape.max_len):
             grid.append((head, shape, spec_of(best), tile))
     if not sweep.over_budget():
         jobs = [(h, s.label, args.page, sp, t) for h, s, sp, t in grid]
@@ -453,7 +471,8 @@ def render(payload: dict[str, Any]) -> str:
         f"{len(errors)} configurations failed",
         "- config: `bn` tokens per iteration, `w` warps, `s` pipeline stages, then the split: "
         "`auto` (the plan's), `splits=N` forced, `pps=N` heuristic at N programs per SM, "
-        "`programs=N` split-path grid of N persistent programs",
+        "`programs=N` split-path grid of N persistent programs, `persist=N` one split per request "
+        "through a persistent grid of N programs (plus an idle merge launch)",
         "",
         "## Best configuration per shape",
         "",

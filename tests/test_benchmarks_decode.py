@@ -269,8 +269,9 @@ class TestCaseOnCpu:
 def test_bench_decode_runs_on_the_gpu(tmp_path):
     code = bd.main(
         [
-            "--heads", "32/8/128", "--pages", "16", "--shapes", "B=32 L=4096", "skewed",
-            "--kinds", "uniform", "skewed", "--warmup", "2", "--rep", "5", "--fp8",
+            "--heads", "32/8/128", "--pages", "16", "--kinds", "uniform", "skewed",
+            "--shapes", "B=32 L=4096", "skewed 1x32768+63x1024", "--warmup", "2", "--rep", "5",
+            "--fp8",
             "--out-dir", str(tmp_path),
         ]
     )  # fmt: skip

@@ -37,6 +37,11 @@ def test_tile_grid_fits_shared_memory_and_pairs_warps_with_tiles(head_dim):
         assert t["num_stages"] * t["block_n"] * block_d * 2 * 2 <= td.MAX_STAGE_BYTES
         assert not (t["num_warps"] == 2 and t["block_n"] * block_d > 4096)
         assert not (t["num_warps"] == 8 and t["block_n"] * block_d < 4096)
+    assert all(t["num_stages"] > 1 for t in grid)  # long (or unknown) contexts: pipelined
+    one_stage = {
+        t["block_n"] for t in td.tile_grid(head_dim, 2, max_len=40) if t["num_stages"] == 1
+    }
+    assert one_stage >= {t["block_n"] for t in grid} - {16} and 16 not in one_stage  # 40 > 2 x 16
     # the defaults of decode_plan for this head_dim are in the grid
     from flashdec.kernels.decode_plan import default_kernel_config
 
@@ -87,6 +92,14 @@ def test_make_plan_applies_every_knob():
     assert base.uses_split and base.num_programs > 1 and shrunk.num_programs == 1
     _, launch = split.flashdec_fns_for(shrunk)  # one program loops over every work item
     torch.testing.assert_close(launch(), split.sdpa_fn()(), atol=2e-3, rtol=2e-3)
+    short = bd.Case([5, 7, 3], 4, 2, 16, 8, torch.float32, device="cpu")
+    persist = td.make_plan(short, ("persist", 1), {"block_n": 16})
+    assert persist.uses_split and persist.num_programs == 1
+    assert persist.tokens_per_split >= short.max_len  # one split per request: no merge work
+    _, launch = short.flashdec_fns_for(persist)
+    torch.testing.assert_close(launch(), short.sdpa_fn()(), atol=2e-3, rtol=2e-3)
+    assert td.persist_specs(bd.uniform_shape(1024, 17), 8, 132)[0] == ("persist", 528)
+    assert td.persist_specs(bd.uniform_shape(8, 17), 8, 132) == []
     assert td.spec_of({"split": "splits=4"}) == ("splits", 4)
     assert td.spec_of({"split": td.spec_label(("auto", 0))}) == ("auto", 0)
 
