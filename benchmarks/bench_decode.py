@@ -277,6 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rep", type=float, default=None, help="ms (default 40; quick 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8", action="store_true", help="add FP8 e4m3 KV rows (bf16 cases)")
+    p.add_argument("--sdpa", action="store_true", help="also time gather + SDPA (slow)")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--budget-s", type=float, default=None, help="stop adding cases after this")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
@@ -605,6 +606,11 @@ def measure(mc: MatrixCase, args, flashinfer, fi_ws, ceilings) -> dict[str, Any]
             if fd_out is not None and fi["best_fn"] is not None:
                 row["max_abs_diff_vs_fi"] = output_error(fd_out, fi["best_fn"]())["max_abs"]
             del fi
+        if args.sdpa:  # a plain PyTorch gather + SDPA, graph-timed the same way
+            sdpa = case.sdpa_fn()
+            row["sdpa_us"], row["sdpa_error"] = graph_time(sdpa, args)
+            if fd_out is not None and row["sdpa_us"]:
+                row["max_abs_diff_vs_sdpa"] = output_error(fd_out, sdpa())["max_abs"]
         if args.fp8 and mc.dtype == "bf16":
             row["fp8"] = measure_fp8(case, args, flashinfer, fi_ws, fd_out)
     finally:
@@ -819,7 +825,7 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
 COLUMNS = [
     "dtype", "heads", "page", "shape", "KV MiB", "splits", "FlashDec us", "TB/s", "% copy",
     "FI best us", "FI path", "FI % copy", "FD / FI", "HND-tc", "HND-cc", "NHD-tc", "NHD-cc",
-    "max |diff|",
+    "max |diff| vs FI", "SDPA us",
 ]  # fmt: skip
 FP8_COLUMNS = [
     "heads", "page", "shape", "bf16 KV MiB", "FD bf16 us", "FD fp8 us", "fp8 % copy",
@@ -855,6 +861,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 fmt(r.get("ratio"), 3),
                 *(_fi_cell(r, fi_path_name(lay, tc)) for lay, tc in FI_PATHS),
                 fmt(r.get("max_abs_diff_vs_fi"), 4),
+                fmt(r.get("sdpa_us")) if "sdpa_us" in r and not r.get("sdpa_error") else "—",
             ]
         )
     return out
@@ -910,7 +917,9 @@ def render_markdown(payload: dict[str, Any], notes: str | None = None) -> str:
         "per replay); FlashDec through plan_decode + decode(workspace=); FlashInfer "
         "BatchDecodeWithPagedKVCacheWrapper at its best of HND/NHD x tensor-core/CUDA-core (HND "
         "reads FlashDec's K/V tensors, NHD a copy of the same values); random data and page ids "
-        f"(seed {a['seed']}); '% copy' = KV bytes / time / copy ceiling",
+        f"(seed {a['seed']}); '% copy' = KV bytes / time / copy ceiling; 'max |diff| vs FI': "
+        "FlashDec's output against FlashInfer's best path; 'SDPA': gather + SDPA in PyTorch "
+        "(with --sdpa)",
         f"- matrix: dtypes {', '.join(a['dtypes'])}; heads {', '.join(a['heads'])}; pages "
         f"{', '.join(map(str, a['pages']))} (all pages for {', '.join(a['page_heads'])}); kinds "
         f"{', '.join(a['kinds'])}"
@@ -986,7 +995,7 @@ def plot_rows(rows: list[dict[str, Any]], ceilings: dict[str, float], path: Path
 
 ARG_KEYS = (
     "quick", "heads", "pages", "page_heads", "extra_page_shapes", "kinds", "shapes", "dtypes",
-    "max_kv_gib", "calls", "warmup", "rep", "seed", "fp8", "budget_s",
+    "max_kv_gib", "calls", "warmup", "rep", "seed", "fp8", "sdpa", "budget_s",
 )  # fmt: skip
 
 

@@ -340,12 +340,14 @@ class TestMeasureOnCpu:
         shape = bd.Shape("tiny", "ragged", (5, 20, 9))
         mc = bd.MatrixCase("bf16", "4/2/16", 8, shape)
         ws = torch.zeros(16, dtype=torch.uint8)
-        row = bd.measure(mc, self.args(), FakeFlashInfer, ws, CEILINGS)
+        row = bd.measure(mc, self.args("--sdpa"), FakeFlashInfer, ws, CEILINGS)
         assert row["fd_us"] and row["fd_error"] is None and row["plan"]["splits"] >= 1
         assert set(row["fi_us"]) == {"HND-tc", "HND-cc", "NHD-tc", "NHD-cc"}
         assert row["fi_us"]["NHD-cc"] is None and "not compiled" in row["fi_errors"]["NHD-cc"]
         assert row["fi_best_path"] == "HND-tc" and row["ratio"] == row["fd_us"] / 12.0
         assert row["max_abs_diff_vs_fi"] < 0.05  # FlashDec and the stand-in read the same pages
+        assert row["sdpa_us"] and row["max_abs_diff_vs_sdpa"] < 0.05
+        assert bd.table_rows([row])[0][-1] == bd.fmt(row["sdpa_us"])
 
     def test_fp8_rows(self, cpu_bench):
         if bd.FP8 is None:
