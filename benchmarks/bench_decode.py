@@ -101,6 +101,9 @@ QUICK = {
         "ragged 48x1..12345",
         "skewed 1x32768+63x1024",
     ],
+    # the other families (MHA, groups 3/5/8, head_dim 64) on two target shapes each, last
+    "more_heads": ["32/32/128", "24/8/128", "40/8/128", "64/8/128", "32/8/64", "14/2/64"],
+    "more_shapes": ["B=1 L=32768", "B=1024 L=17"],
     "warmup": 5.0,
     "rep": 20.0,
     "budget_s": 210.0,
@@ -234,14 +237,17 @@ def build_matrix(args: argparse.Namespace) -> tuple[list[MatrixCase], list[str]]
         s for s in all_shapes(args.seed) if s.kind in args.kinds and shape_selected(s, args.shapes)
     ]
     page_heads = set(args.heads if "all" in args.page_heads else args.page_heads)
+    more = [h for h in args.more_heads if h not in args.heads]
     cases, too_big = [], []
     for dname in args.dtypes:
-        for head in args.heads:
+        for head in args.heads + more:
             _, hkv, d = parse_heads(head)
             pages = args.pages if head in page_heads else args.pages[:1]
             for page in pages:
                 for shape in shapes:
                     if page != args.pages[0] and not shape_selected(shape, args.extra_page_shapes):
+                        continue
+                    if head in more and not shape_selected(shape, args.more_shapes):
                         continue
                     case = MatrixCase(dname, head, page, shape)
                     if kv_bytes(shape.lens, hkv, d, 2) > args.max_kv_gib * 2**30:
@@ -255,6 +261,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="every class, about 4 minutes (H200)")
     p.add_argument("--heads", nargs="+", default=None, help="q/kv/head_dim configs")
+    p.add_argument(
+        "--more-heads",
+        nargs="*",
+        default=None,
+        help="head configs measured after --heads, on --more-shapes only",
+    )
+    p.add_argument("--more-shapes", nargs="*", default=None, help="shapes for --more-heads")
     p.add_argument("--pages", nargs="+", type=int, default=None, help="page sizes")
     p.add_argument(
         "--page-heads",
@@ -293,6 +306,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     preset = QUICK if args.quick else {}
     defaults = {
         "heads": list(HEAD_CONFIGS),
+        "more_heads": [],
+        "more_shapes": None,
         "pages": [16, 32, 64],
         "page_heads": PAGE_HEADS,
         "shapes": None,
@@ -305,7 +320,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, key, preset.get(key, value))
     if args.extra_page_shapes is None:
         args.extra_page_shapes = QUICK_EXTRA_PAGE_SHAPES if args.quick else EXTRA_PAGE_SHAPES
-    for head in args.heads:
+    for head in args.heads + args.more_heads:
         parse_heads(head)
     if args.calls < 1:
         raise SystemExit("--calls must be >= 1")
@@ -923,7 +938,12 @@ def render_markdown(payload: dict[str, Any], notes: str | None = None) -> str:
         f"- matrix: dtypes {', '.join(a['dtypes'])}; heads {', '.join(a['heads'])}; pages "
         f"{', '.join(map(str, a['pages']))} (all pages for {', '.join(a['page_heads'])}); kinds "
         f"{', '.join(a['kinds'])}"
-        + (f"; shapes {', '.join(a['shapes'])}" if a.get("shapes") else ""),
+        + (f"; shapes {', '.join(a['shapes'])}" if a.get("shapes") else "")
+        + (
+            f"; also {', '.join(a['more_heads'])} on {', '.join(a['more_shapes'] or ['all'])}"
+            if a.get("more_heads")
+            else ""
+        ),
     ]
     if payload.get("partial"):
         md.append("- **partial results (run in progress or cut short)**")
@@ -994,7 +1014,8 @@ def plot_rows(rows: list[dict[str, Any]], ceilings: dict[str, float], path: Path
 
 
 ARG_KEYS = (
-    "quick", "heads", "pages", "page_heads", "extra_page_shapes", "kinds", "shapes", "dtypes",
+    "quick", "heads", "more_heads", "more_shapes", "pages", "page_heads", "extra_page_shapes",
+    "kinds", "shapes", "dtypes",
     "max_kv_gib", "calls", "warmup", "rep", "seed", "fp8", "sdpa", "budget_s",
 )  # fmt: skip
 

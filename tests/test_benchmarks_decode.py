@@ -109,7 +109,13 @@ class TestMatrix:
             ("32/8/128", 64, "B=32 L=4096"),
         ]:
             assert want in keys
-        assert len(keys) == len(cases) <= 45  # about four minutes on an H200
+        more = [c for c in cases if c.heads in bd.QUICK["more_heads"]]
+        assert {c.shape.label for c in more} == {"B=1 L=32768", "B=1024 L=17"}
+        assert len(more) == 12 and cases[-12:] == more  # last: a budget cut drops them first
+        groups = {bd.parse_heads(c.heads)[0] // bd.parse_heads(c.heads)[1] for c in cases}
+        assert set(range(1, 9)) <= groups  # every GQA group, and MQA
+        assert {bd.parse_heads(c.heads)[2] for c in cases} == {64, 128, 256}
+        assert len(keys) == len(cases) <= 52  # about four minutes on an H200
 
     def test_full_matrix_classes_pages_and_size_cap(self):
         args = bd.parse_args(["--max-kv-gib", "1"])
