@@ -73,3 +73,10 @@ def collect_stats(worker: object = None) -> dict:
     from flashdec.vllm_plugin.stats import STATS
 
     return STATS.snapshot()
+
+
+def reset_stats(worker: object = None) -> None:
+    """Zero this process's plugin counters (``LLM.collective_rpc(reset_stats)`` on workers)."""
+    from flashdec.vllm_plugin.stats import STATS
+
+    STATS.reset()
