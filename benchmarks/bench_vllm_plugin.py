@@ -4,11 +4,13 @@ Run on the GPU machine after the vLLM recipe (``source .vllm/install.sh .vllm/c4
 writes JSON under ``--out`` and finishes well inside 9 minutes; every engine runs in a fresh
 subprocess (vLLM does not free GPU memory between two ``LLM`` objects in one process).
 
-  python3 benchmarks/bench_vllm_plugin.py --phase tokens --out $OUT            # ~2-4 min
-  python3 benchmarks/bench_vllm_plugin.py --phase speed --out $OUT             # ~4-7 min
+  python3 benchmarks/bench_vllm_plugin.py --phase tokens --models llama --out $OUT
+  python3 benchmarks/bench_vllm_plugin.py --phase tokens --models qwen2 --out $OUT
+  python3 benchmarks/bench_vllm_plugin.py --phase speed --backends default --profile --out $OUT
+  python3 benchmarks/bench_vllm_plugin.py --phase speed --backends CUSTOM --profile --out $OUT
   python3 benchmarks/bench_vllm_plugin.py --phase tokens --tp 2 --out $OUT     # 2-GPU machine
-  python3 benchmarks/bench_vllm_plugin.py --report $OUT --results-dir $OUT/results
-      # -> vllm_plugin.{md,json} (default: benchmarks/results/)
+  python3 benchmarks/bench_vllm_plugin.py --report DIR   # anywhere, on the fetched JSON files
+      # -> benchmarks/results/vllm_plugin.{md,json} (--results-dir to write elsewhere)
 
 tokens: a tiny random-weight Llama (head_dim 128, GQA 2) and Qwen2 (head_dim 64, GQA 4, QKV
 bias) saved with ``save_pretrained`` under /tmp; prompts of several lengths as token ids (no
@@ -223,7 +225,8 @@ def child_main(spec: dict) -> None:
                 prompt_len=len(p["prompt_token_ids"]),
                 tokens=list(o.outputs[0].token_ids),
                 logprobs=[
-                    {str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs
+                    {str(t): lp.logprob for t, lp in (step or {}).items()}
+                    for step in o.outputs[0].logprobs or []
                 ],
             )
             for p, o in zip(prompts, outs, strict=True)
@@ -324,7 +327,7 @@ def compare_tokens(default: dict, custom: dict) -> list[dict]:
 def phase_tokens(args, env, out_dir: Path) -> dict:
     env = dict(env, FLASHDEC_VLLM_COUNT="1")
     models = {}
-    for name in TINY_MODELS:
+    for name in args.models:
         spec = dict(phase="tokens", model=name, model_dir=save_tiny_model(name), tp=args.tp,
                     new_tokens=64, gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
         runs = {b: run_child(dict(spec, backend=b), env, out_dir) for b in ("default", "CUSTOM")}
@@ -397,19 +400,38 @@ def speed_markdown(ph: dict) -> list[str]:
     return [*lines, markdown_table(SPEED_COLUMNS, rows), ""]
 
 
+def merge_speed(phases: list[dict]) -> list[dict]:
+    """Speed phases of one TP size run as separate calls (one backend each) become one."""
+    merged: dict[int, dict] = {}
+    for ph in phases:
+        if ph["phase"] == "speed":
+            merged.setdefault(ph["tp"], dict(phase="speed", tp=ph["tp"], runs={}))
+            merged[ph["tp"]]["runs"].update(ph["runs"])
+    return list(merged.values())
+
+
 def report(in_dir: Path, results_dir: Path | None = None) -> None:
-    phases = [json.loads(p.read_text()) for p in sorted(in_dir.glob("vllm_plugin_*.json"))]
+    phases = [json.loads(p.read_text()) for p in sorted(in_dir.glob("**/vllm_plugin_*.json"))]
     if not phases:
         sys.exit(f"no vllm_plugin_*.json under {in_dir}")
-    env = environment()
-    env["vllm"] = module_version("vllm")
-    lines = ["# FlashDec under vLLM 0.24.0 (CUSTOM attention backend)", ""]
-    lines += [environment_markdown(env), f"- vLLM: {env['vllm']}", ""]
-    for ph in phases:
-        lines += tokens_markdown(ph) if ph["phase"] == "tokens" else speed_markdown(ph)
-    write_results(
-        "vllm_plugin", "\n".join(lines), dict(environment=env, phases=phases), results_dir
-    )
+    # the GPU run's environment (the report itself may run anywhere)
+    env = next((ph["environment"] for ph in phases if ph.get("environment")), environment())
+    runs = [r for ph in phases for r in (ph.get("runs") or {}).values()]
+    runs += [r for ph in phases for m in (ph.get("models") or {}).values()
+             for r in m["runs"].values()]  # fmt: skip
+    vllm_version = next((r["vllm"] for r in runs if r.get("vllm")), None)
+    lines = ["# FlashDec under vLLM (CUSTOM attention backend)", ""]
+    lines += [environment_markdown(env), f"- vLLM: {vllm_version}", ""]
+    lines.append("Commands of the phases: " + "; ".join(
+        f"`{ph['environment']['command']}`" for ph in phases if ph.get("environment")
+    ))  # fmt: skip
+    lines.append("")
+    for ph in [p for p in phases if p["phase"] == "tokens"]:
+        lines += tokens_markdown(ph)
+    for ph in merge_speed(phases):
+        lines += speed_markdown(ph)
+    payload = dict(environment=env, vllm=vllm_version, phases=phases)
+    write_results("vllm_plugin", "\n".join(lines), payload, results_dir)
     print("\n".join(lines))
 
 
@@ -421,6 +443,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--backends", nargs="+", default=["default", "CUSTOM"],
                    choices=("default", "CUSTOM"))  # fmt: skip
+    p.add_argument("--models", nargs="+", default=list(TINY_MODELS), choices=list(TINY_MODELS),
+                   help="tokens: which tiny models")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="speed: attention share of a step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--out", default="benchmarks/results/vllm_plugin_raw")
@@ -442,7 +466,8 @@ def main() -> None:
     env = plugin_entry_point_env()
     result = (phase_tokens if args.phase == "tokens" else phase_speed)(args, env, out_dir)
     result["environment"] = environment()
-    path = out_dir / f"vllm_plugin_{args.phase}_tp{args.tp}.json"
+    parts = args.models if args.phase == "tokens" else args.backends
+    path = out_dir / f"vllm_plugin_{args.phase}_tp{args.tp}_{'-'.join(parts)}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {path}", flush=True)
 

@@ -99,7 +99,7 @@ class FlashDecImpl(FlashAttentionImpl):
     def _unsupported_reason(self, dual_batch_overlap: bool) -> str | None:
         """Why this layer can never use FlashDec (None when it can)."""
         if self.attn_type != AttentionType.DECODER:
-            return f"{self.attn_type} attention"
+            return f"{getattr(self.attn_type, 'value', self.attn_type)} attention"
         if self.kv_cache_dtype not in _FLOAT_KV_CACHE_DTYPES:
             return f"KV cache dtype {self.kv_cache_dtype!r}"
         if self.sliding_window != (-1, -1):
