@@ -324,3 +324,32 @@ def geomean(values: Sequence[float]) -> float | None:
     if not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def cuda_graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """Capture ``calls`` back-to-back calls of ``fn`` in one CUDA graph (after a warm-up on a
+    side stream); several calls per graph amortise the replay's own launch cost."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_us_per_call(
+    fn: Callable[[], Any], calls: int = 20, warmup_ms: float = 10, rep_ms: float = 40
+) -> float:
+    """Device time of one call: ``calls`` calls captured in one CUDA graph, the median replay
+    time (``bench_us``: L2 flushed before each replay) divided by ``calls``. Raises on failure."""
+    graph = cuda_graph_of_calls(fn, calls)
+    try:
+        return bench_us(graph.replay, warmup_ms, rep_ms) / calls
+    finally:
+        del graph
