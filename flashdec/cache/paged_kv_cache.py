@@ -1285,7 +1285,8 @@ class PagedKVCache:
         version = self._version + 1
         view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width,
                             self._device)  # fmt: skip
-        if open_tx.backups is not None and open_tx.next_layer > 0:
+        # restore even with no layer counted: a writer that raised may have stored part of one
+        if open_tx.backups is not None:
             for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
                                             strict=True):  # fmt: skip
                 group.slot_rows_view().index_copy_(1, slots.slot_rows, backup)
