@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_kv_layout, check_positive_int, check_window
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    check_kv_layout,
+    check_positive_int,
+    check_window,
+    kv_dtype_matches,
+)
 from flashdec.kernels._runtime import next_power_of_2, sm_count
 
 # Split path: (split, KV head) work items the heuristic aims for per SM. Two wide-tile programs
@@ -111,6 +118,11 @@ class DecodePlan:
     num_programs: int  # split path: stage-1 programs (each takes work items round-robin)
     block_b: int  # split path: requests scanned for the work list (power of two >= batch)
     window: int | None = None  # sliding window: attend to each request's last `window` tokens
+    kv_dtype: torch.dtype | None = None  # the cache's dtype (None: q's); float8_e4m3fn = FP8 KV
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def group_size(self) -> int:
@@ -212,6 +224,7 @@ def plan_decode(
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
     window: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> DecodePlan:
     """Compute the launch configuration for one batch layout.
 
@@ -225,6 +238,10 @@ def plan_decode(
     request's last ``window`` positions only; the splits then cut that range, so the heuristic
     sizes them for ``min(max_seq_len, window)`` tokens per request (and ``total_tokens``, the
     tokens attended, is capped at ``batch * window``).
+
+    ``dtype`` is q's (and the output's); ``kv_dtype`` the cache's when it differs: an FP8 cache
+    (``torch.float8_e4m3fn``) beside fp16/bf16 q. The tile keeps the shape of q's dtype (the
+    K/V tiles are converted to it in registers), so an FP8 tile moves half the bytes.
     """
     for name, value in (
         ("batch", batch),
@@ -244,6 +261,13 @@ def plan_decode(
         raise ValueError(f"head_dim must be <= 256, got {head_dim}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    if kv_dtype is None:
+        kv_dtype = dtype
+    elif not kv_dtype_matches(dtype, kv_dtype):
+        raise TypeError(
+            f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
+            f"{kv_dtype}"
+        )
     check_kv_layout(kv_layout)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -341,4 +365,5 @@ def plan_decode(
         num_programs=num_programs,
         block_b=next_power_of_2(batch),
         window=window,
+        kv_dtype=kv_dtype,
     )
