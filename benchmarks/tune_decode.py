@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ from benchmarks._common import (
     fmt,
     geomean,
     markdown_table,
+    run_in_workers,
     write_results,
 )
 from benchmarks.bench_decode import (
@@ -197,19 +197,12 @@ def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
 
 
 def precompile(jobs: list[tuple], args, timeout_s: float) -> None:
-    """Compile ``jobs`` in ``args.workers`` processes, giving up after ``timeout_s``."""
+    """Compile ``jobs`` in ``args.workers`` processes, giving up after ``timeout_s`` (the timing
+    pass then compiles what is missing)."""
     if args.workers <= 1 or not jobs:
         return
-    jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2]))  # one case per run of jobs
-    chunks = [jobs[i :: args.workers] for i in range(args.workers)]
-    t0 = time.time()
-    try:
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            work = [(c, args.dtype, args.seed) for c in chunks]
-            done = pool.starmap_async(_compile_worker, work).get(timeout=timeout_s)
-        print(f"precompiled {sum(done)} launches in {time.time() - t0:.0f} s", flush=True)
-    except Exception as exc:  # the timing pass compiles what is missing
-        print(f"precompile failed ({short_error(exc)}); compiling while timing", flush=True)
+    jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2]))  # a worker builds few cases
+    run_in_workers(_compile_worker, jobs, args.workers, timeout_s, args.dtype, args.seed)
 
 
 class Sweep:

@@ -340,7 +340,7 @@ def cpu_bench(monkeypatch):
 
 class TestMeasureOnCpu:
     def args(self, *extra):
-        return bd.parse_args(["--warmup", "1", "--rep", "1", *extra])
+        return bd.parse_args(["--warmup", "1", "--rep", "1", "--workers", "1", *extra])
 
     def test_every_path_is_timed_and_checked(self, cpu_bench):
         shape = bd.Shape("tiny", "ragged", (5, 20, 9))
@@ -410,3 +410,34 @@ class TestMeasureOnCpu:
         assert bd.run(args) == 0
         rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
         assert "OutOfMemoryError" in rows[0]["error"] and rows[1]["fd_us"]
+
+
+def test_run_in_workers_deals_jobs_to_spawned_processes():
+    from benchmarks._common import run_in_workers
+
+    assert run_in_workers(len, list(range(7)), 3, 60) == 7
+    assert run_in_workers(len, list(range(5)), 2, 60, round_robin=True) == 5
+    assert run_in_workers(abs, [1, 2], 2, 60) is None  # abs(list) fails: reported, not raised
+
+
+def test_warm_up_compiles_small_cases_and_flashinfer_modules_in_workers(monkeypatch):
+    seen = {}
+
+    def fake_run(fn, jobs, workers, timeout, *extra, round_robin=False):
+        seen.update(fn=fn, jobs=jobs, workers=workers, extra=extra, round_robin=round_robin)
+        return len(jobs)
+
+    monkeypatch.setattr(bd, "run_in_workers", fake_run)
+    args = bd.parse_args(["--quick", "--workers", "4", "--fp8"])
+    cases, _ = bd.build_matrix(args)
+    bd.warm_up(cases, args, flashinfer=object())
+    kinds = [kind for kind, _ in seen["jobs"]]
+    assert kinds.count("flashinfer") == len(args.heads) + len(args.more_heads)
+    small = [
+        c for c in cases if bd.kv_bytes(c.shape.lens, *bd.parse_heads(c.heads)[1:], 2) <= 2**31
+    ]
+    assert kinds.count("case") == len(small) < len(cases)  # 2 GiB cases compile while timing
+    assert seen["fn"] is bd._warm_up and seen["extra"] == (0, True) and seen["round_robin"]
+    seen.clear()
+    bd.warm_up(cases, bd.parse_args(["--workers", "1"]), None)
+    assert not seen
