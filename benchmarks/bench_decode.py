@@ -1032,7 +1032,7 @@ ARG_KEYS = (
 PRECOMPILE_MAX_BYTES = 2 * 2**30  # larger cases compile in the timing pass (worker memory)
 
 
-def _warm_up(jobs: list[tuple[str, Any]], seed: int, fp8: bool) -> int:
+def warm_up_worker(jobs: list[tuple[str, Any]], seed: int, fp8: bool) -> int:
     """Worker: compile FlashDec's kernel variants of ``("case", MatrixCase)`` jobs and build
     FlashInfer's JIT modules of ``("flashinfer", heads)`` jobs (on a small batch), so that the
     timing pass finds them in the on-disk caches."""
@@ -1082,7 +1082,9 @@ def warm_up(cases: list[MatrixCase], args, flashinfer) -> None:
         if kv_bytes(c.shape.lens, *parse_heads(c.heads)[1:], 2) <= PRECOMPILE_MAX_BYTES
     ]
     timeout = max(10.0, min(args.budget_s / 2, 300.0))
-    run_in_workers(_warm_up, jobs, args.workers, timeout, args.seed, args.fp8, round_robin=True)
+    run_in_workers(
+        warm_up_worker, jobs, args.workers, timeout, args.seed, args.fp8, round_robin=True
+    )
 
 
 def run(args) -> int:

@@ -51,6 +51,7 @@ from benchmarks._common import (
 from benchmarks.bench_decode import (
     DTYPES,
     Case,
+    MatrixCase,
     Shape,
     flashinfer_best,
     flashinfer_workspace,
@@ -62,6 +63,7 @@ from benchmarks.bench_decode import (
     short_error,
     skew_pair,
     uniform_shape,
+    warm_up_worker,
 )
 
 # (head config, shape): the shapes issue 10 names as slower than FlashInfer, and their class
@@ -302,6 +304,12 @@ def run(args) -> int:
     ]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = Sweep(args, shapes)
+    if args.workers > 1:  # default plans and FlashInfer's JIT modules, built in parallel
+        jobs = [("case", MatrixCase(args.dtype, h, args.page, s)) for h, s in shapes]
+        if flashinfer is not None:
+            jobs += [("flashinfer", (h, args.dtype)) for h in dict.fromkeys(h for h, _ in shapes)]
+        run_in_workers(warm_up_worker, jobs, args.workers, args.budget_s / 2, args.seed, False,
+                       round_robin=True)  # fmt: skip
     fi: dict[str, dict[str, Any]] = {}
     fi_ws = flashinfer_workspace() if flashinfer else None
     for head, shape in shapes:  # phase 1: the default and FlashInfer

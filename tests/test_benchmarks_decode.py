@@ -437,7 +437,7 @@ def test_warm_up_compiles_small_cases_and_flashinfer_modules_in_workers(monkeypa
         c for c in cases if bd.kv_bytes(c.shape.lens, *bd.parse_heads(c.heads)[1:], 2) <= 2**31
     ]
     assert kinds.count("case") == len(small) < len(cases)  # 2 GiB cases compile while timing
-    assert seen["fn"] is bd._warm_up and seen["extra"] == (0, True) and seen["round_robin"]
+    assert seen["fn"] is bd.warm_up_worker and seen["extra"] == (0, True) and seen["round_robin"]
     seen.clear()
     bd.warm_up(cases, bd.parse_args(["--workers", "1"]), None)
     assert not seen
