@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -394,17 +393,30 @@ class Case:
         return (plan, *self.flashdec_fns_for(plan))
 
     def flashdec_fns_for(self, plan):
+        """``(api, launch)`` of ``plan``: ``decode(..., workspace=ws)`` and the trusted
+        launcher. An FP8 plan (``kv_dtype=float8_e4m3fn``) reads the FP8 copy of the cache with
+        its scales (SPEC §8.5)."""
         ws = plan.allocate_workspace()
-        q, k, v, t, lens = self.q, self.k, self.v, self.tables, self.lens
+        q, t, lens = self.q, self.tables, self.lens
         scale = self.d**-0.5
+        if FP8 is not None and plan.kv_dtype == FP8:
+            k, v, sk, sv = self.fp8_cache()
+            api_scales = {"k_scale": sk, "v_scale": sv}
+            launch_scales = {
+                "k_scale": torch.full((self.hkv,), sk, device=self.device),
+                "v_scale": torch.full((self.hkv,), sv, device=self.device),
+            }
+        else:
+            k, v, api_scales, launch_scales = self.k, self.v, {}, {}
 
         def api():
-            return decode(q, k, v, t, lens, workspace=ws)
+            return decode(q, k, v, t, lens, workspace=ws, **api_scales)
 
         def launch():
             return launch_decode(
-                q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse, self.batch
-            )
+                q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse,
+                self.batch, **launch_scales,
+            )  # fmt: skip
 
         return api, launch
 
@@ -422,18 +434,8 @@ class Case:
         return self._fp8
 
     def flashdec_fp8_fn(self):
-        """``decode`` over the FP8 cache (SPEC §8.5: ``k_scale``/``v_scale``) through a plan and
-        workspace; the plan gets the KV dtype when plan_decode takes one."""
-        k8, v8, sk, sv = self.fp8_cache()
-        extra = {}
-        params = inspect.signature(plan_decode).parameters
-        for name in ("kv_dtype", "kv_cache_dtype"):
-            if name in params:
-                extra[name] = FP8
-                break
-        ws = self.plan(**extra).allocate_workspace()
-        q, t, lens = self.q, self.tables, self.lens
-        return lambda: decode(q, k8, v8, t, lens, workspace=ws, k_scale=sk, v_scale=sv)
+        """``decode`` over the FP8 cache through its own plan (``kv_dtype``) and workspace."""
+        return self.flashdec_fns_for(self.plan(kv_dtype=FP8))[0]
 
     def kv_for(self, layout: str, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The (K, V) pair in FlashInfer's ``layout``: HND is the cache itself, NHD a copy."""

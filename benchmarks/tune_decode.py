@@ -50,6 +50,7 @@ from benchmarks._common import (
 )
 from benchmarks.bench_decode import (
     DTYPES,
+    FP8,
     Case,
     MatrixCase,
     Shape,
@@ -79,7 +80,15 @@ WEAK_SHAPES: list[tuple[str, Shape]] = [
     ("32/1/128", uniform_shape(32, 4096)),
     ("32/8/128", skew_pair(32768, 1024, 63)[0]),
 ]
-BLOCK_N = (16, 32, 64, 128)
+# --fp8: FP8 e4m3 KV on the shapes of its >= 1.7x target (bf16 KV >= 512 MiB) and B=1 32k
+FP8_SHAPES: list[tuple[str, Shape]] = [
+    ("32/8/128", uniform_shape(32, 4096)),
+    ("32/8/128", uniform_shape(16, 16384)),
+    ("32/8/128", uniform_shape(1, 32768)),
+    ("28/4/128", uniform_shape(48, 3000)),
+    ("16/8/256", uniform_shape(32, 4096)),
+]
+BLOCK_N = (16, 32, 64, 128)  # and 256 for one-byte (FP8) K/V
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)  # one stage only where the loop has at most two iterations
 # K+V tile bytes of all stages kept below this (H200: 227 KiB of shared memory per block)
@@ -108,7 +117,7 @@ def tile_grid(head_dim: int, elem: int, max_len: int | None = None) -> list[dict
     whose pipelined K+V tiles overflow shared memory."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     out = []
-    for bn in BLOCK_N:
+    for bn in BLOCK_N + ((256,) if elem == 1 else ()):
         for w in WARPS:
             if (w == 2 and bn * block_d > 4096) or (w == 8 and bn * block_d < 4096):
                 continue
@@ -153,9 +162,12 @@ def spec_label(spec: tuple[str, int]) -> str:
     return "auto" if spec[0] == "auto" else f"{spec[0]}={spec[1]}"
 
 
-def make_plan(case: Case, spec: tuple[str, int], tile: dict[str, int]):
+def make_plan(case: Case, spec: tuple[str, int], tile: dict[str, int], kv_dtype=None):
+    """The plan of one split spec and tile (``kv_dtype``: the cache's, e.g. FP8)."""
     kind, n = spec
     kw: dict[str, Any] = dict(tile)
+    if kv_dtype is not None:
+        kw["kv_dtype"] = kv_dtype
     if kind == "splits":
         kw["num_splits"] = n
     elif kind == "pps":
@@ -177,7 +189,7 @@ def build_case(head: str, shape: Shape, page: int, dtype: torch.dtype, seed: int
     return Case(list(shape.lens), hq, hkv, d, page, dtype, seed=seed)
 
 
-def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
+def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int, fp8: bool) -> int:
     """Launch each job once so that Triton compiles (and caches on disk) its variant."""
     torch.cuda.init()
     done = 0
@@ -186,10 +198,12 @@ def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
         if key != (head, label, page):
             case = None
             torch.cuda.empty_cache()
-            shape = next(s for h, s in WEAK_SHAPES if h == head and s.label == label)
+            shapes = WEAK_SHAPES + FP8_SHAPES
+            shape = next(s for h, s in shapes if h == head and s.label == label)
             key, case = (head, label, page), build_case(head, shape, page, DTYPES[dtype_name], seed)
         try:
-            _, launch = case.flashdec_fns_for(make_plan(case, spec, tile))
+            plan = make_plan(case, spec, tile, FP8 if fp8 else None)
+            _, launch = case.flashdec_fns_for(plan)
             launch()
             done += 1
         except Exception as exc:  # reported again (and skipped) by the timing pass
@@ -204,7 +218,7 @@ def precompile(jobs: list[tuple], args, timeout_s: float) -> None:
     if args.workers <= 1 or not jobs:
         return
     jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2]))  # a worker builds few cases
-    run_in_workers(_compile_worker, jobs, args.workers, timeout_s, args.dtype, args.seed)
+    run_in_workers(_compile_worker, jobs, args.workers, timeout_s, args.dtype, args.seed, args.fp8)
 
 
 class Sweep:
@@ -237,7 +251,7 @@ class Sweep:
         row: dict[str, Any] = {"shape": key, "phase": phase, "split": spec_label(spec), **tile}
         try:
             case = self.case(head, shape)
-            plan = make_plan(case, spec, tile)
+            plan = make_plan(case, spec, tile, FP8 if self.args.fp8 else None)
             _, launch = case.flashdec_fns_for(plan)
             row.update(
                 block_n=plan.block_n,
@@ -255,9 +269,8 @@ class Sweep:
                 if key not in self.expected:
                     self.expected[key] = out.clone()
                 row["max_diff_vs_default"] = (out - self.expected[key]).abs().max().item()
-                row["pct_copy"] = (
-                    100 * case.kv_bytes / (row["us"] * 1e-6) / 1e12 / self.args.copy_tbs
-                )
+                nbytes = case.kv_bytes // (2 if self.args.fp8 else 1)  # e4m3: half of bf16
+                row["pct_copy"] = 100 * nbytes / (row["us"] * 1e-6) / 1e12 / self.args.copy_tbs
         except Exception as exc:  # one failing configuration is reported and skipped
             torch.cuda.synchronize()
             row["us"], row["error"] = None, short_error(exc)
@@ -299,7 +312,7 @@ def run(args) -> int:
     env["flashinfer"] = getattr(flashinfer, "__version__", None)
     shapes = [
         (h, s)
-        for h, s in WEAK_SHAPES
+        for h, s in (FP8_SHAPES if args.fp8 else WEAK_SHAPES)
         if not args.shapes or any(shape_matches(x, h, s) for x in args.shapes)
     ]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -308,18 +321,25 @@ def run(args) -> int:
         jobs = [("case", MatrixCase(args.dtype, h, args.page, s)) for h, s in shapes]
         if flashinfer is not None:
             jobs += [("flashinfer", (h, args.dtype)) for h in dict.fromkeys(h for h, _ in shapes)]
-        run_in_workers(warm_up_worker, jobs, args.workers, args.budget_s / 2, args.seed, False,
-                       round_robin=True)  # fmt: skip
+        run_in_workers(warm_up_worker, jobs, args.workers, args.budget_s / 2, args.seed,
+                       args.fp8, round_robin=True)  # fmt: skip
     fi: dict[str, dict[str, Any]] = {}
+    bf16_us: dict[str, float | None] = {}  # --fp8: the bf16 cache's default plan, same shape
     fi_ws = flashinfer_workspace() if flashinfer else None
     for head, shape in shapes:  # phase 1: the default and FlashInfer
         if sweep.over_budget():
             break
         key = shape_key(head, shape, args.page)
         sweep.time(head, shape, "default", ("auto", 0), {})
+        if args.fp8:
+            try:
+                bf16 = sweep.case(head, shape).flashdec_fns()[2]
+                bf16_us[key] = graph_time(bf16, args)[0]
+            except Exception as exc:
+                print(f"{key} bf16: {short_error(exc)}", flush=True)
         if flashinfer is not None:
             try:
-                res = flashinfer_best(sweep.case(head, shape), flashinfer, fi_ws, args)
+                res = flashinfer_best(sweep.case(head, shape), flashinfer, fi_ws, args, args.fp8)
                 fi[key] = {k: v for k, v in res.items() if k != "best_fn"}
             except Exception as exc:
                 fi[key] = {"best_us": None, "errors": {"all": short_error(exc)}}
@@ -342,7 +362,7 @@ def run(args) -> int:
         if best is None:
             continue
         _, _, d = parse_heads(head)
-        for tile in tile_grid(d, DTYPES[args.dtype].itemsize, shape.max_len):
+        for tile in tile_grid(d, 1 if args.fp8 else 2, shape.max_len):
             grid.append((head, shape, spec_of(best), tile))
     if not sweep.over_budget():
         jobs = [(h, s.label, args.page, sp, t) for h, s, sp, t in grid]
@@ -367,8 +387,8 @@ def run(args) -> int:
                 "kind": s.kind,
                 "batch": s.batch,
                 "max_len": s.max_len,
-                "kv_mib": kv_bytes(s.lens, *parse_heads(h)[1:], DTYPES[args.dtype].itemsize)
-                / 2**20,
+                "kv_mib": kv_bytes(s.lens, *parse_heads(h)[1:], 1 if args.fp8 else 2) / 2**20,
+                "bf16_default_us": bf16_us.get(shape_key(h, s, args.page)),
             }
             for h, s in shapes
         ],
@@ -425,6 +445,7 @@ def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
                 f"{fmt(fi_us)} ({(fi.get(key) or {}).get('best_path') or '—'})",
                 fmt(d_us / fi_us, 3) if d_us and fi_us else "—",
                 fmt(b_us / fi_us, 3) if b_us and fi_us else "—",
+                fmt(s["bf16_default_us"] / b_us, 2) if s.get("bf16_default_us") and b_us else "—",
                 str(len(rows)),
             ]
         )
@@ -433,7 +454,7 @@ def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
 
 SUMMARY_COLUMNS = [
     "shape", "KV MiB", "default us", "default config", "best us", "best % copy", "best config",
-    "default / best", "FI best us (path)", "default / FI", "best / FI", "timed",
+    "default / best", "FI best us (path)", "default / FI", "best / FI", "bf16 / best", "timed",
 ]  # fmt: skip
 
 
@@ -458,10 +479,13 @@ def render(payload: dict[str, Any]) -> str:
     errors = [r for r in payload["results"] if r.get("error")]
     diffs = [r["max_diff_vs_default"] for r in payload["results"] if "max_diff_vs_default" in r]
     lines = [
-        "# Decode kernel tuning sweep: the weak shapes of issue 10",
+        "# Decode kernel tuning sweep: "
+        + ("FP8 e4m3 KV" if a.get("fp8") else "the weak shapes of issue 10"),
         "",
         environment_markdown(payload["environment"]),
-        f"- dtype {a['dtype']}, page {a['page']}; graph-timed: {a['calls']} calls per CUDA graph, "
+        f"- dtype {a['dtype']}" + (" (q), KV float8_e4m3fn ('bf16 / best': the bf16 cache's "
+        "default plan against the best FP8 configuration)" if a.get("fp8") else "")
+        + f", page {a['page']}; graph-timed: {a['calls']} calls per CUDA graph, "
         f"median replay / calls (do_bench, warmup {a['warmup']} ms, rep {a['rep']} ms); "
         f"'% copy' against {a['copy_tbs']} TB/s; {len(payload['results'])} timings in "
         f"{payload['elapsed_s']:.0f} s (budget {a['budget_s']:.0f} s)",
@@ -509,6 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-tbs", type=float, default=4.27, help="copy ceiling for '% copy'")
     p.add_argument("--budget-s", type=float, default=200, help="stop timing after this")
     p.add_argument("--no-flashinfer", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 e4m3 KV on its own shapes")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="decode_tuning")
     args = p.parse_args(argv)
