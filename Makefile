@@ -7,10 +7,23 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint format gpu-check clean
 
+# A machine whose python already has a CUDA build of torch (the GPU machine, which reaches no
+# registry) keeps that build: the environment sees its packages (pip and setuptools included)
+# and only FlashDec is installed.
+# Elsewhere (CPU machines, CI) the pinned set in constraints.txt is installed.
 $(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	@if [ -n "$$FLASHDEC_SYSTEM_TORCH" ] || $(PYTHON) -c "import torch, triton, transformers; \
+	    assert torch.cuda.is_available()" >/dev/null 2>&1; then \
+	  echo "make: using this machine's torch (CUDA) and packages; installing FlashDec only"; \
+	  $(PYTHON) -m venv --without-pip $(VENV) && \
+	  $(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+	    > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_host_packages.pth" && \
+	  $(PY) -m pip install -q --no-deps --no-build-isolation -e .; \
+	else \
+	  $(PYTHON) -m venv $(VENV) && \
+	  $(PY) -m pip install -q --upgrade pip && \
+	  $(PY) -m pip install -q -c constraints.txt -e ".[dev]"; \
+	fi
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -160,6 +160,12 @@ class LLM:
             model.to(**{k: v for k, v in (("dtype", dtype), ("device", device)) if v})
         self.adapter = DecoderAdapter(model)  # ValueError naming unsupported features
         spec = self.adapter.spec
+        if spec.windowed:
+            windows = sorted({w for w in spec.layer_windows if w is not None})
+            raise ValueError(
+                f"FlashDec cannot run this {type(model).__name__} yet: sliding-window layers "
+                f"(windows {windows}) need the KV layer-group cache"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = check_positive_int("block_size", block_size)

@@ -19,6 +19,7 @@ from flashdec.models.spec import (
     ModelSpec,
     check_supported,
     config_problems,
+    layer_windows,
     model_spec,
     module_problems,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "build_random_model",
     "check_supported",
     "config_problems",
+    "layer_windows",
     "load_model",
     "model_spec",
     "module_problems",

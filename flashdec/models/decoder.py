@@ -101,6 +101,13 @@ class _Layer:
         )
 
 
+def _sliding_window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``[T, T]`` bool: query ``i`` sees key ``j`` when ``i - window < j <= i`` (the last
+    ``window`` positions, itself included - transformers' sliding-window rule)."""
+    offset = positions[:, None] - positions[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
     return F.linear(x, proj.weight, proj.bias)
 
@@ -233,7 +240,8 @@ class DecoderAdapter:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, kv_sink: KVSink) -> torch.Tensor:
-        """Run one prompt ``input_ids [T]`` (positions ``0..T-1``) with causal attention.
+        """Run one prompt ``input_ids [T]`` (positions ``0..T-1``) with causal attention
+        (within its sliding window on a windowed layer).
 
         For each layer, in order, calls ``kv_sink(layer_idx, k_rot, v)`` once with
         ``k_rot, v [T, Hkv, D]`` in the model's dtype; ``k_rot`` is K rotated at its position
@@ -252,18 +260,27 @@ class DecoderAdapter:
                 f"input_ids must lie in [0, {self.spec.vocab_size}), got min {low}, max {high}"
             )
         spec = self.spec
-        positions = torch.arange(ids.shape[0], device=ids.device)
+        num_tokens = ids.shape[0]
+        positions = torch.arange(num_tokens, device=ids.device)
         inv_freq = spec.inv_freq
+        # a window only matters once the prompt is longer than it; one boolean mask per window
+        masks = {
+            w: _sliding_window_mask(positions, w)
+            for w in set(spec.layer_windows)
+            if w is not None and w < num_tokens
+        }
 
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             q = apply_rope_inv_freq(q, positions, inv_freq)
             k = apply_rope_inv_freq(k, positions, inv_freq)
             kv_sink(layer_idx, k, v)
+            mask = masks.get(spec.layer_windows[layer_idx])
             out = F.scaled_dot_product_attention(  # [1, Hq, T, D]
                 q.transpose(0, 1)[None],
                 k.transpose(0, 1)[None],
                 v.transpose(0, 1)[None],
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=spec.sm_scale,
                 enable_gqa=spec.num_q_heads != spec.num_kv_heads,
             )

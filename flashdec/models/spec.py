@@ -27,6 +27,8 @@ FAMILIES: dict[str, str] = {
 # scaling, no dependence on the sequence length)
 ROPE_TYPES = ("default", "linear", "llama3")
 MAX_HEAD_DIM = 256  # the paged decode kernel's limit
+# layer types of transformers configs (`config.layer_types`) FlashDec runs
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 _ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation_function")  # as configs name it
 
 
@@ -51,6 +53,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]  # generation_config's, else config's; may be empty
     max_position_embeddings: int
     weight_bytes: int  # every distinct parameter once (tied embeddings count once)
+    # per layer: the sliding window in tokens (the last `window` positions, the new one
+    # included), or None for full causal attention - as transformers applies it
+    layer_windows: tuple[int | None, ...]
     # float32 [rotary_dim // 2]: the rotary module's own inverse frequencies, as transformers
     # uses them (llama3 / linear scaling already applied); never re-derived
     inv_freq: torch.Tensor = field(repr=False, compare=False)
@@ -59,6 +64,11 @@ class ModelSpec:
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w is not None for w in self.layer_windows)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -70,6 +80,20 @@ class ModelSpec:
 def _head_dim(config: PretrainedConfig) -> int:
     head_dim = getattr(config, "head_dim", None)
     return head_dim or config.hidden_size // config.num_attention_heads
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the family's transformers modules apply it: Mistral
+    windows every layer by ``sliding_window``; Qwen2/Qwen3 the layers that ``layer_types``
+    marks ``sliding_attention``; Llama none. None means full causal attention."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is None or config.model_type == "llama":
+        return (None,) * num_layers
+    if config.model_type == "mistral":
+        return (window,) * num_layers
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
 def config_problems(config: PretrainedConfig) -> list[str]:
@@ -94,17 +118,15 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         listed = ", ".join(f"{key}={value}" for key, value in sorted(experts.items()))
         problems.append(f"mixture-of-experts ({listed})")
 
-    window = getattr(config, "sliding_window", None)
-    if window or getattr(config, "use_sliding_window", False):
-        problems.append(
-            f"sliding-window attention (sliding_window={window}) until the layer-groups issue"
-        )
     layer_types = getattr(config, "layer_types", None) or []
-    other_layers = sorted(set(layer_types) - {"full_attention"})
+    other_layers = sorted(set(layer_types) - set(_LAYER_TYPES))
     if other_layers:
-        problems.append(
-            f"layer_types {other_layers} (only full_attention until the layer-groups issue)"
-        )
+        problems.append(f"layer_types {other_layers} (supported: {', '.join(_LAYER_TYPES)})")
+    elif model_type in FAMILIES:
+        window = getattr(config, "sliding_window", None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):  # fmt: skip
+            problems.append(f"sliding_window={window!r} (must be a positive int or None)")
 
     rope = getattr(config, "rope_parameters", None) or {}
     if any(isinstance(value, dict) for value in rope.values()):
@@ -169,6 +191,7 @@ def module_problems(model: PreTrainedModel) -> list[str]:
         return [f"model class {type(model).__name__} (expected {expected}, with its lm_head)"]
 
     inner = model.model
+    windows = layer_windows(model.config)
     norms = {"model.norm": inner.norm}
     projections = {"lm_head": model.lm_head}
     for i, layer in enumerate(inner.layers):
@@ -184,6 +207,12 @@ def module_problems(model: PreTrainedModel) -> list[str]:
             projections[f"layers.{i}.mlp.{name}"] = getattr(mlp, name, None)
         if getattr(attn, "scaling", None) != getattr(inner.layers[0].self_attn, "scaling", None):
             problems.append(f"layers.{i}.self_attn.scaling differs from layer 0's")
+        module_window = getattr(attn, "sliding_window", windows[i])
+        if module_window != windows[i]:
+            problems.append(
+                f"layers.{i}.self_attn.sliding_window={module_window} differs from the config's "
+                f"{windows[i]}"
+            )
     for name, module in norms.items():
         if not _is_rms_norm(module):
             problems.append(f"norm {name} of type {type(module).__name__} (only RMSNorm weights)")
@@ -264,5 +293,6 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         eos_token_ids=_eos_token_ids(model),
         max_position_embeddings=config.max_position_embeddings,
         weight_bytes=sum(distinct.values()),
+        layer_windows=layer_windows(config),
         inv_freq=inv_freq,
     )

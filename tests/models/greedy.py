@@ -43,7 +43,12 @@ class DenseKV:
         self.k[layer_idx][rows, pos] = k
         self.v[layer_idx][rows, pos] = v
         return dense_decode_attention_ref(
-            q, self.k[layer_idx], self.v[layer_idx], pos + 1, self.spec.sm_scale
+            q,
+            self.k[layer_idx],
+            self.v[layer_idx],
+            pos + 1,
+            self.spec.sm_scale,
+            window=self.spec.layer_windows[layer_idx],
         )
 
 

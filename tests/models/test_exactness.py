@@ -10,7 +10,15 @@ import torch
 from flashdec.models import BUILTIN_SHAPES, DecoderAdapter, build_random_model, random_model
 from tests.models.greedy import DenseKV, flashdec_greedy, hf_greedy
 
-FAMILY_SHAPES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny"]
+FAMILY_SHAPES = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-mistral",
+    "tiny-qwen3",
+    "tiny",
+    "tiny-qwen2-swa",
+    "tiny-mistral-swa",
+]
 PROMPT_LENS = (5, 17, 33)
 MAX_NEW_TOKENS = 16
 
@@ -76,9 +84,12 @@ def test_prefill_kv_and_logits_match_transformers(name):
     for i, k, v in calls:
         assert k.shape == v.shape == (23, spec.num_kv_heads, spec.head_dim)
         assert k.dtype == v.dtype == spec.dtype
+        # a sliding-window layer of transformers' cache keeps only the window's tail
         cache = out.past_key_values.layers[i]
-        assert torch.equal(k, cache.keys[0].transpose(0, 1))
-        assert torch.equal(v, cache.values[0].transpose(0, 1))
+        kept = cache.keys.shape[2]
+        assert kept == 23 or kept < 23 <= 2 * spec.layer_windows[i]
+        assert torch.equal(k[-kept:], cache.keys[0].transpose(0, 1))
+        assert torch.equal(v[-kept:], cache.values[0].transpose(0, 1))
     assert logits.shape == (spec.vocab_size,) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, out.logits[0, -1], atol=1e-5, rtol=1e-5)
 

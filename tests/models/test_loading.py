@@ -157,10 +157,10 @@ class TestLoadModel:
             num_hidden_layers=1,
             num_attention_heads=2,
             num_key_value_heads=1,
-            sliding_window=4096,
+            hidden_act="gelu",
         )
         config.save_pretrained(tmp_path)
-        with pytest.raises(ValueError, match="sliding-window attention") as info:
+        with pytest.raises(ValueError, match="MLP activation 'gelu'") as info:
             load_model(tmp_path)
         assert str(tmp_path) in str(info.value)
 

@@ -14,6 +14,7 @@ from flashdec.models import (
     build_random_model,
     check_supported,
     config_problems,
+    layer_windows,
     model_spec,
     random_model,
 )
@@ -127,18 +128,13 @@ CONFIG_CASES = [
     ),
     (
         "mistral",
-        {"sliding_window": 4096},
-        ["sliding-window attention (sliding_window=4096) until the layer-groups issue"],
-    ),
-    (
-        "qwen2",
-        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-        ["sliding-window attention (sliding_window=16)", "layer_types ['sliding_attention']"],
+        {"sliding_window": 0},
+        ["sliding_window=0 (must be a positive int or None)"],
     ),
     (
         "qwen3",
-        {"layer_types": ["full_attention", "sliding_attention"]},
-        ["layer_types ['sliding_attention'] (only full_attention until the layer-groups issue)"],
+        {"layer_types": ["full_attention", "chunked_attention"]},
+        ["layer_types ['chunked_attention'] (supported: full_attention, sliding_attention)"],
     ),
     (
         "llama",
@@ -217,13 +213,49 @@ class TestUnsupported:
             check_supported(model)
         message = str(info.value)
         assert message.startswith("FlashDec cannot run this MistralForCausalLM: unsupported")
-        for phrase in ("sliding_window=512", "MLP activation 'relu'", "attn_logit_softcapping"):
+        for phrase in ("MLP activation 'relu'", "attn_logit_softcapping"):
             assert phrase in message
 
     def test_supported_configs_have_no_problems(self):
         for model_type in ("llama", "qwen2", "mistral", "qwen3"):
             extra = {"sliding_window": None} if model_type == "mistral" else {}
             assert config_problems(_config(model_type, **extra)) == []
+        windowed = _config("qwen2", use_sliding_window=True, sliding_window=16,
+                           max_window_layers=1)  # fmt: skip
+        assert config_problems(windowed) == []
+        assert config_problems(_config("mistral", sliding_window=4096)) == []
+
+    @pytest.mark.parametrize(
+        ("model_type", "extra", "windows"),
+        [
+            ("llama", {}, (None, None)),
+            ("mistral", {"sliding_window": None}, (None, None)),
+            ("mistral", {"sliding_window": 64}, (64, 64)),
+            ("qwen2", {"use_sliding_window": False, "sliding_window": 64}, (None, None)),
+            (
+                "qwen2",
+                {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+                (None, 64),
+            ),
+            (
+                "qwen3",
+                {
+                    "use_sliding_window": True,
+                    "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                },
+                (8, None),
+            ),
+        ],
+    )
+    def test_layer_windows_follow_transformers(self, model_type, extra, windows):
+        """The windows FlashDec applies are the ones transformers' attention modules use."""
+        config = _config(model_type, num_hidden_layers=2, **extra)
+        assert layer_windows(config) == windows
+        model = AutoModelForCausalLM.from_config(config)
+        assert model_spec(model).layer_windows == windows
+        for layer, window in zip(model.model.layers, windows, strict=True):
+            assert getattr(layer.self_attn, "sliding_window", window) == window
 
     def test_not_a_model(self):
         with pytest.raises(TypeError, match="transformers PreTrainedModel"):
