@@ -21,6 +21,8 @@ Prints, per shape, the best configuration against the default and FlashInfer's b
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py                 # every weak shape, <= 4 min
     PYTHONPATH=. python3 benchmarks/tune_decode.py --shapes 28/4/128@B=48 --no-flashinfer
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --fp8            # FP8 KV on its own shapes
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --plans          # no GPU: the default plans
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from benchmarks.bench_decode import (
     uniform_shape,
     warm_up_worker,
 )
+from flashdec.kernels import plan_decode
 
 # (head config, shape): the shapes issue 10 names as slower than FlashInfer, and their class
 WEAK_SHAPES: list[tuple[str, Shape]] = [
@@ -515,6 +518,70 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plan_facts(head: str, shape: Shape, page: int, kv_dtype=None) -> dict[str, Any]:
+    """What the default plan does with one shape on this machine's SM count (the H200's 132 on
+    a CPU-only machine): the launch's tile and split, and the numbers the proposals in the
+    tuning report are about: work items per SM, the largest item against an SM's mean share,
+    and the split path's partial-output traffic against the KV bytes."""
+    hq, hkv, d = parse_heads(head)
+    dtype = DTYPES["bf16"]
+    plan = plan_decode(
+        shape.batch, hq, hkv, d, page, shape.max_len, dtype, "cpu",
+        total_tokens=shape.total_tokens, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    sms, tps = plan.sm_count, plan.tokens_per_split
+    if plan.uses_split:  # as the kernel deals them: ceil(len / tps) splits, the last takes the rest
+        counts = [min(max(-(-n // tps), 1), plan.num_splits) for n in shape.lens]
+        sizes = [
+            n - tps * (c - 1) if i == c - 1 else tps
+            for n, c in zip(shape.lens, counts, strict=True)
+            for i in range(c)
+        ]
+        merged = sum(c for c in counts if c > 1)
+    else:
+        sizes, merged = list(shape.lens), 0
+    items = len(sizes) * hkv
+    elem = 1 if kv_dtype is not None else 2
+    kv = kv_bytes(shape.lens, hkv, d, elem)
+    per_sm = shape.total_tokens * hkv / sms  # token-heads of an SM's mean share
+    return {
+        "shape": shape_key(head, shape, page),
+        "split": plan.uses_split,
+        "splits": plan.num_splits,
+        "tokens_per_split": tps,
+        "block_n": plan.block_n,
+        "warps": plan.num_warps,
+        "stages": plan.num_stages,
+        "programs": plan.num_programs if plan.uses_split else items,
+        "items": items,
+        "items_per_sm": items / sms,
+        # > 1: whole waves of programs cannot be even (e.g. 1.45 per SM -> some SMs do 2)
+        "wave_ratio": -(-items // sms) / (items / sms),
+        "largest_item_vs_sm_share": max(sizes) / per_sm,
+        # partial outputs written by stage 1 and read by the merge (float32, D + 1 per row)
+        "partial_traffic": merged * hq * (d + 1) * 4 * 2 / kv if kv else 0.0,
+    }
+
+
+PLAN_COLUMNS = [
+    "shape", "split", "splits", "tokens/split", "block_n", "warps", "stages", "programs",
+    "items", "items/SM", "waves ceil/mean", "largest item / SM share", "partials / KV bytes",
+]  # fmt: skip
+
+
+def plans_markdown(facts: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            f["shape"], "yes" if f["split"] else "no", str(f["splits"]), str(f["tokens_per_split"]),
+            str(f["block_n"]), str(f["warps"]), str(f["stages"]), str(f["programs"]),
+            str(f["items"]), fmt(f["items_per_sm"], 2), fmt(f["wave_ratio"], 2),
+            fmt(f["largest_item_vs_sm_share"], 2), fmt(f["partial_traffic"], 3),
+        ]
+        for f in facts
+    ]  # fmt: skip
+    return markdown_table(PLAN_COLUMNS, rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -534,6 +601,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=200, help="stop timing after this")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--fp8", action="store_true", help="FP8 e4m3 KV on its own shapes")
+    p.add_argument(
+        "--plans",
+        action="store_true",
+        help="no timing (no GPU needed): print what the default plan does with each shape",
+    )
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="decode_tuning")
     args = p.parse_args(argv)
@@ -544,6 +616,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plans:
+        shapes = FP8_SHAPES if args.fp8 else WEAK_SHAPES
+        facts = [
+            plan_facts(h, s, args.page, FP8 if args.fp8 else None)
+            for h, s in shapes
+            if not args.shapes or any(shape_matches(x, h, s) for x in args.shapes)
+        ]
+        print(plans_markdown(facts))
+        return 0
     if not torch.cuda.is_available():
         print("tune_decode needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -236,3 +236,24 @@ def test_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
     assert len(lines) == len(saved["results"])
     text = (tmp_path / "decode_tuning.md").read_text()
     assert "| 4/1/16 p8 ragged 2x1..70 |" in text
+
+
+def test_plan_facts_explain_the_weak_shapes(capsys):
+    """--plans needs no GPU: the CPU plans use the H200's SM count."""
+    facts = {td.shape_key(h, s, 16): td.plan_facts(h, s, 16) for h, s in td.WEAK_SHAPES}
+    group7 = facts["28/4/128 p16 B=48 L=3000"]
+    assert not group7["split"] and group7["items"] == 192
+    assert group7["wave_ratio"] == pytest.approx(2 / (192 / 132))  # some SMs run 2 programs
+    mqa = facts["32/1/128 p16 B=1 L=32768"]
+    # 256 splits of 128 tokens: 32 heads x 129 floats x 2 (written, read) per split = 50% of KV
+    assert mqa["splits"] * mqa["tokens_per_split"] >= 32768
+    assert mqa["partial_traffic"] == pytest.approx(256 * 32 * 129 * 4 * 2 / (32768 * 128 * 4))
+    skew = facts["32/8/128 p16 skewed 1x32768+63x1024"]
+    assert skew["split"] and skew["items"] < skew["programs"]  # programs that find no item
+    assert all(f["largest_item_vs_sm_share"] > 0 for f in facts.values())
+    assert td.main(["--plans", "--shapes", "short"]) == 0
+    out = capsys.readouterr().out
+    assert "| 32/8/128 p16 B=1024 L=17 | no |" in out and "B=48" not in out
+    if bd.FP8 is not None:
+        f8 = td.plan_facts("32/8/128", bd.uniform_shape(32, 4096), 16, bd.FP8)
+        assert f8["items"] == 256
