@@ -89,6 +89,9 @@ PRIMARY = "32/8/128"
 PAGE_HEADS = ["32/8/128", "28/4/128", "16/8/256", "32/1/128"]
 KINDS = ("uniform", "short", "ragged", "skewed")
 FI_PATHS = (("HND", True), ("HND", False), ("NHD", True), ("NHD", False))
+# outputs of unit-variance random data differ by about one bf16 ulp (0.03 at |x| < 8); beyond
+# this limit one of the two is wrong
+DIFF_LIMIT = 0.05
 
 # --quick: every class, the weak shapes of issue 10, five head configs (about 4 min on an H200)
 QUICK = {
@@ -615,7 +618,8 @@ def output_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def measure(mc: MatrixCase, args, flashinfer, fi_ws, ceilings) -> dict[str, Any]:
-    """Time one case; every failure is recorded in the row, never raised."""
+    """Time one case. A path that fails is recorded in the row; a case that cannot even be
+    built (e.g. out of memory) raises, and :func:`run` records that."""
     row = base_row(mc)
     hq, hkv, d = parse_heads(mc.heads)
     case = Case(list(mc.shape.lens), hq, hkv, d, mc.page, DTYPES[mc.dtype], seed=args.seed)
@@ -835,6 +839,17 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             "FlashInfer's winning path: "
             + ", ".join(f"{k} {v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1]))
+        )
+        lines.append("")
+    diffs = [r for r in rows if r.get("max_abs_diff_vs_fi") is not None]
+    if diffs:
+        bad = [r for r in diffs if r["max_abs_diff_vs_fi"] > DIFF_LIMIT]
+        worst = max(diffs, key=lambda r: r["max_abs_diff_vs_fi"])
+        lines.append(
+            f"Outputs, FlashDec vs FlashInfer's best path: largest |diff| "
+            f"{worst['max_abs_diff_vs_fi']:.4f} ({_case(worst)}) over {len(diffs)} shapes; "
+            f"{len(bad)} above {DIFF_LIMIT}"
+            + "".join(f"; **{_case(r)}: {r['max_abs_diff_vs_fi']:.3f}**" for r in bad[:6])
         )
         lines.append("")
     failed = [r for r in rows if r.get("fd_error") or r.get("error")]

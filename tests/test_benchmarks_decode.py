@@ -205,6 +205,13 @@ class TestReport:
         assert len(table) == 5 and "| fail |" in table[-1]
         assert "## FP8" not in text
 
+    def test_outputs_that_disagree_are_flagged(self):
+        rows = self.rows()
+        rows[0]["max_abs_diff_vs_fi"], rows[1]["max_abs_diff_vs_fi"] = 0.008, 0.5
+        text = bd.render_markdown(payload(rows))
+        assert "largest |diff| 0.5000 (bf16 28/4/128 p16 ragged 48x1..12345) over 2 shapes" in text
+        assert "1 above 0.05; **bf16 28/4/128 p16 ragged 48x1..12345: 0.500**" in text
+
     def test_missing_flashinfer_is_said(self):
         rows = [make_row(fd=40.0)]
         text = bd.render_markdown(payload(rows, flashinfer_error="ModuleNotFoundError: x"))
