@@ -2,7 +2,7 @@
 
 - ``reference`` and ``kernels`` import nothing of the package but the shared checks;
 - ``cache`` imports neither ``kernels`` nor ``scheduler``; ``scheduler`` neither ``cache`` nor
-  ``kernels`` (both only the shared checks besides themselves);
+  ``kernels`` (both only the shared checks and block accounting besides themselves);
 - ``engine`` joins them; ``workloads``, ``models``, ``llm`` and ``cli`` sit above it.
 A failing contract is a failing build.
 """
@@ -19,19 +19,21 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashdec"
 # layer -> layers it may import (itself always allowed)
 ALLOWED = {
     "_checks": set(),
+    "_blocks": {"_checks"},  # block accounting shared by the cache and the scheduler
     "runtime": set(),
     "reference": {"_checks"},
     "kernels": {"_checks"},
-    "cache": {"_checks"},
-    "scheduler": {"_checks"},
-    "engine": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler"},
-    "models": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine"},
-    "llm": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
-            "models"},
-    "workloads": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
-                  "models", "llm"},
-    "cli": {"_checks", "runtime", "reference", "kernels", "cache", "scheduler", "engine",
-            "models", "llm", "workloads"},
+    "cache": {"_checks", "_blocks"},
+    "scheduler": {"_checks", "_blocks"},
+    "engine": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler"},
+    "models": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
+               "engine"},
+    "llm": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
+            "engine", "models"},
+    "workloads": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
+                  "engine", "models", "llm"},
+    "cli": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
+            "engine", "models", "llm", "workloads"},
     "__main__": {"cli"},
     "vllm_plugin": {"_checks", "kernels"},  # optional: imported by vLLM, never by the package
     "__init__": set(),  # resolves public names lazily, by string

@@ -1,11 +1,16 @@
 """``PagedKVCache``: the single source of truth for request lengths, block ownership, shared
 prefixes and the open token transaction.
 
-It composes a policy-free ``BlockAllocator``, a ``PrefixRegistry``, a ``TransactionLog`` and the
-device mirror of the block tables (``DeviceTables``), and owns the K/V storage
-``[num_layers, max_blocks, num_kv_heads, block_size, head_dim]`` (token-major). Every public method
-validates all of its arguments, then the cache's state, and only then mutates; a rejected call
-changes nothing (no block taken, no length moved, no version bump).
+Layers are partitioned into KV layer groups (SPEC §8.2), each a :class:`LayerGroup` with its own
+storage ``[layers_in_group, num_blocks, Hkv, block_size, D]`` (token-major), block allocator,
+prefix registry and device block tables; the classic single-geometry constructor builds one
+group. The groups share the request lifecycle, and one transaction spans every layer of every
+group. A sliding-window group keeps only the blocks a future decode can still read
+(``flashdec._blocks``): commit releases the ones wholly before the window, and a prompt import
+takes blocks only for the tail the window keeps.
+
+Every public method validates all of its arguments, then the cache's state, and only then
+mutates; a rejected call changes nothing (no block taken, no length moved, no version bump).
 
 The cache writes K/V itself only with PyTorch (``write_token_layer``, ``append``). Faster writers
 (the Triton kernels) are the engine's: they run through ``write_token_layer_with``, where the
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from flashdec._blocks import held_block_range
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_positive_int,
@@ -28,10 +34,16 @@ from flashdec._checks import (
     check_shape,
     check_tensor,
 )
-from flashdec.cache.allocator import BlockAllocator
-from flashdec.cache.device_tables import DeviceTables
-from flashdec.cache.prefix_registry import PrefixRegistry
-from flashdec.cache.state import PrefixId, PrefixState, RequestId, RequestRecord, RequestState
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+from flashdec.cache.layer_group import LayerGroup
+from flashdec.cache.state import (
+    BlockRun,
+    PrefixId,
+    PrefixState,
+    RequestId,
+    RequestRecord,
+    RequestState,
+)
 from flashdec.cache.transaction import (
     HISTORY_LIMIT,
     OpenTransaction,
@@ -48,6 +60,7 @@ LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 _NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+_GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
 
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
@@ -81,144 +94,461 @@ def _device_of(device: object) -> torch.device:
 def torch_scatter(
     k_layer: torch.Tensor, v_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
 ) -> None:
-    """``k_layer[block_ids[t], :, offsets[t]] = k[t]`` (same for v): one index_put each."""
+    """``k_layer[block_ids[t], :, offsets[t]] = k[t]`` (same for v): one index_put each.
+
+    ``k, v`` hold one row per token of the transaction; when the group stores only some of them
+    (``slots.token_rows``: a window group's prompt import) only those rows are written.
+    """
     count = slots.num_tokens
+    rows = slots.token_rows
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)
     block_ids, offsets = slots.block_ids[:count], slots.offsets[:count]
     k_layer[block_ids, :, offsets] = k  # [T, Hkv, D]
     v_layer[block_ids, :, offsets] = v
 
 
+def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) -> tuple[int, int]:
+    """For a window group: ``(first stored logical block, first new logical block)`` of a
+    reservation of ``count`` tokens after ``start`` committed ones.
+
+    Tokens in blocks the window keeps after the commit are stored, and always the last token
+    (its own decode reads it, even with a window of 1); blocks from the second value on are
+    taken new, everything in between is already held.
+    """
+    keep, end = held_block_range(start + count, bs, window)
+    stored = min(keep, end - 1)
+    if run.first_block == run.num_blocks:  # nothing held
+        return stored, stored
+    return stored, max(stored, run.num_blocks)
+
+
+def _scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[Hkv]`` CPU tensors, checked."""
+    if spec.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: a {spec.dtype} group takes no scales (only float8_e4m3fn)")
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name} must be a (k_scale, v_scale) pair")
+    out = []
+    for which, value in zip(("k_scale", "v_scale"), pair, strict=True):
+        if isinstance(value, torch.Tensor):
+            if value.dtype != torch.float32 or tuple(value.shape) not in ((spec.num_kv_heads,),):
+                raise ValueError(
+                    f"{name} {which} must be a float or a float32 tensor [{spec.num_kv_heads}], "
+                    f"got {value.dtype} {tuple(value.shape)}"
+                )
+            tensor = value.detach().to("cpu", copy=True)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            tensor = torch.full((spec.num_kv_heads,), float(value), dtype=torch.float32)
+        else:
+            raise TypeError(
+                f"{name} {which} must be a float or a tensor, got {type(value).__name__}"
+            )
+        if not bool(torch.isfinite(tensor).all()) or not bool((tensor > 0).all()):
+            raise ValueError(f"{name} {which} must be finite and > 0")
+        out.append(tensor)
+    return out[0], out[1]
+
+
 class _Reservation:
-    """What a transaction takes, planned on the host before anything changes."""
+    """What a transaction takes in one group, planned on the host before anything changes."""
 
-    __slots__ = ("block_ids", "counts", "positions", "records", "reserved", "table_rows", "updates")
+    __slots__ = ("block_ids", "reserved", "starts", "table_rows", "token_rows", "updates")
 
-    def __init__(self, records: list[RequestRecord], counts: list[int]) -> None:
+    def __init__(self) -> None:
+        self.block_ids: np.ndarray | None = None  # [stored tokens] int64
+        self.token_rows: np.ndarray | None = None  # their token indices; None: every token
+        self.reserved: dict[RequestId, list[int]] = {}  # new blocks per request
+        self.starts: dict[RequestId, int] = {}  # logical index of a request's first new block
+        # device-table writes (row, logical block, block id) and, per request, the view's
+        # (committed table row, first held block, committed end, reserved blocks, their start)
+        self.updates: list[tuple[int, int, int]] = []
+        self.table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]] = []
+
+
+class _Plan:
+    """A transaction's batch (shared by every group) and one reservation per group."""
+
+    __slots__ = ("counts", "groups", "positions", "records")
+
+    def __init__(self, records: list[RequestRecord], counts: list[int], num_groups: int) -> None:
         self.records = records
         self.counts = counts
-        self.positions: np.ndarray | None = None  # [T] int64
-        self.block_ids: np.ndarray | None = None  # [T] int64
-        self.reserved: dict[RequestId, list[int]] = {}
-        # device-table writes (row, logical block, block id) and, per request, the view's
-        # (committed table row, committed blocks, reserved blocks)
-        self.updates: list[tuple[int, int, int]] = []
-        self.table_rows: list[tuple[np.ndarray, int, list[int]]] = []
+        self.positions: np.ndarray | None = None  # [T] int64, every token
+        self.groups = [_Reservation() for _ in range(num_groups)]
+
+    def reserved(self) -> list[dict[RequestId, list[int]]]:
+        return [part.reserved for part in self.groups]
 
 
 class PagedKVCache:
-    """A paged K/V cache for ``num_layers`` layers sharing one block-id space.
+    """A paged K/V cache whose layers form one or more KV layer groups.
 
     Args:
-        num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry
-            (``head_dim`` even: RoPE rotates pairs of dims).
-        dtype: fp16, bf16 or fp32.
+        num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry of a
+            single-group cache (``head_dim`` even: RoPE rotates pairs of dims). Omit them when
+            ``kv_spec`` is given.
+        dtype: fp16, bf16 or fp32 (single-group form; default fp16).
         device: ``"cpu"`` or a CUDA device that exists (ValueError otherwise).
         prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``); 0 turns
-            the feature off.
-        max_blocks_per_seq: block-table width (None: ``max_blocks``; never more).
+            the feature off. Shared prefixes need a single full-attention group.
+        max_blocks_per_seq: block-table width (None: ``max_blocks``; never more). With
+            ``kv_spec`` only when every group has the same block size.
+        kv_spec: the layer groups, as spec text or ``KVGroupSpec`` s (``parse_kv_spec``); dtypes
+            may include ``torch.float8_e4m3fn`` (``kv_size`` must be 2: K and V).
+        layer_groups: ``layer_groups[i]`` is the group of layer ``i`` (default: the groups in
+            order, ``layer_count`` consecutive layers each); each group appears exactly
+            ``layer_count`` times.
+        max_seq_len: the most tokens one request may hold (instead of ``max_blocks_per_seq``);
+            each group's table is ``ceil(max_seq_len / block_size)`` wide. Default: what the
+            smallest full-attention pool can hold (``num_blocks * block_size``), or with only
+            window groups the largest pool's.
+        kv_scales: per group ``None`` or ``(k_scale, v_scale)`` (floats or float32
+            ``[num_kv_heads]``) for FP8 groups: fixed per-head scales, not calibrated
+            (stored = value / scale; default 1.0). Float groups take no scales.
         restore_on_abort: abort puts back the bytes a transaction overwrote, so an aborted token
             leaves the storage bit-identical (costs one gather of the reserved slots per token).
     """
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        max_blocks: int,
-        dtype: torch.dtype = torch.float16,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        block_size: int | None = None,
+        max_blocks: int | None = None,
+        dtype: torch.dtype | None = None,
         device: torch.device | str = "cuda",
         prefix_cache_capacity_blocks: int = 0,
         max_blocks_per_seq: int | None = None,
         *,
+        kv_spec: str | Sequence[KVGroupSpec] | None = None,
+        layer_groups: Sequence[int] | None = None,
+        max_seq_len: int | None = None,
+        kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
     ) -> None:
-        self._num_layers = check_positive_int("num_layers", num_layers)
-        self._num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
-        self._head_dim = check_positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
-        self._block_size = check_positive_int("block_size", block_size)
-        self._max_blocks = check_positive_int("max_blocks", max_blocks)
-        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        if kv_spec is None:
+            if layer_groups is not None or kv_scales is not None:
+                raise ValueError("layer_groups and kv_scales need kv_spec")
+            groups = (
+                self._legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
+                                   dtype),
+            )  # fmt: skip
+        else:
+            geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
+            given = [n for n, x in zip(_GEOMETRY_ARGS, geometry, strict=True) if x is not None]
+            if given:
+                raise ValueError(
+                    f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
+                    f"{', '.join(given)})"
+                )
+            groups = self._check_groups(kv_spec)
         capacity = check_positive_int(
             "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
         )
-        if capacity > max_blocks:
+        if capacity > groups[0].num_blocks:
             raise ValueError(
                 f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
-                f"({max_blocks})"
+                f"({groups[0].num_blocks})"
             )
-        if max_blocks_per_seq is None:
-            max_blocks_per_seq = self._max_blocks
-        self._max_blocks_per_seq = check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
-        if max_blocks_per_seq > max_blocks:
+        if capacity and (len(groups) > 1 or groups[0].window is not None):
             raise ValueError(
-                f"max_blocks_per_seq ({max_blocks_per_seq}) must not exceed max_blocks "
-                f"({max_blocks}): a request can never hold more blocks than the pool"
+                "shared prefixes need a single full-attention KV group; this cache has "
+                f"{format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
             )
+        widths = self._table_widths(groups, max_blocks_per_seq, max_seq_len)
+        order = self._layer_order(groups, layer_groups)
         if not isinstance(restore_on_abort, bool):
             raise TypeError("restore_on_abort must be a bool")
         device = _device_of(device)
+        scales = self._check_scales(groups, kv_scales)
         self._restore_on_abort = restore_on_abort
-        self._dtype = dtype
+        self._specs = groups
 
-        shape = (num_layers, max_blocks, num_kv_heads, block_size, head_dim)
-        # one allocation for K and V (zero-filled so never-written slots hold finite numbers):
-        # the abort backup of a token's slots is then one gather over both
-        self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
-        self.k_cache, self.v_cache = self._kv[0], self._kv[1]
-        self._device = self.k_cache.device
-        self._layers = [(self.k_cache[i], self.v_cache[i]) for i in range(num_layers)]
-
-        self._allocator = BlockAllocator(max_blocks)
-        self._prefixes = PrefixRegistry(self._allocator, capacity, block_size)
+        self._groups = [
+            LayerGroup(g, spec, tuple(i for i, x in enumerate(order) if x == g), widths[g],
+                       device, capacity)
+            for g, spec in enumerate(groups)
+        ]  # fmt: skip
+        for group, pair in zip(self._groups, scales, strict=True):
+            if pair is not None:
+                group.k_scale.copy_(pair[0])
+                group.v_scale.copy_(pair[1])
+        self._num_layers = len(order)
+        self._layer_group = tuple(order)
+        # per global layer: (k view, v view, group index) for the write path
+        local = [0] * len(groups)
+        self._layer_info: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for g in order:
+            k_view, v_view = self._groups[g].layer_views[local[g]]
+            self._layer_info.append((k_view, v_view, g))
+            local[g] += 1
+        self._layers = [(k, v) for k, v, _ in self._layer_info]
+        first = self._groups[0]
+        self._single = len(self._groups) == 1
+        self._has_window = any(g.window is not None for g in self._groups)
+        self._device = first.kv.device
+        self._allocator = first.allocator  # group 0's (the only one of a single-group cache)
+        self._prefixes = first.prefixes
+        self._tables = first.tables
         self._tx = TransactionLog(HISTORY_LIMIT)
         self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
         self._version = 0
-        self._tables = DeviceTables(self._max_blocks_per_seq, self._device)
-        self._slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
-        self._pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
+        self._appended = False  # a legacy append wrote tokens (scales are fixed then)
+
+    # ---- construction helpers ------------------------------------------------------------
+    @staticmethod
+    def _legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype):
+        for name, value in zip(_GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim,
+                               block_size, max_blocks), strict=True):  # fmt: skip
+            if value is None:
+                raise TypeError(f"{name} is required (or pass kv_spec=)")
+        check_positive_int("num_layers", num_layers)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
+        check_positive_int("block_size", block_size)
+        check_positive_int("max_blocks", max_blocks)
+        if dtype is None:
+            dtype = torch.float16
+        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+        return KVGroupSpec(2, max_blocks, block_size, num_kv_heads, head_dim, dtype, num_layers)
+
+    @staticmethod
+    def _check_groups(kv_spec: object) -> tuple[KVGroupSpec, ...]:
+        if isinstance(kv_spec, str):
+            groups = parse_kv_spec(kv_spec)
+        elif isinstance(kv_spec, Sequence) and not isinstance(kv_spec, bytes):
+            groups = tuple(kv_spec)
+            format_kv_spec(groups)  # TypeError / ValueError for a bad sequence
+        else:
+            raise TypeError(
+                f"kv_spec must be a str or a sequence of KVGroupSpec, got {type(kv_spec).__name__}"
+            )
+        for index, group in enumerate(groups):
+            if group.kv_size != 2:
+                raise ValueError(
+                    f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
+                    "stores K and V: kv_size 2)"
+                )
+            if group.head_dim % 2:
+                raise ValueError(
+                    f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
+                    f"got {group.head_dim}"
+                )
+        return groups
+
+    @staticmethod
+    def _table_widths(
+        groups: tuple[KVGroupSpec, ...], max_blocks_per_seq: object, max_seq_len: object
+    ) -> list[int]:
+        """Each group's block-table width, from one token limit every group can hold."""
+        if max_blocks_per_seq is not None and max_seq_len is not None:
+            raise ValueError("pass max_blocks_per_seq or max_seq_len, not both")
+        if max_blocks_per_seq is not None:
+            check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
+            sizes = {g.block_size for g in groups}
+            if len(sizes) > 1:
+                raise ValueError(
+                    f"max_blocks_per_seq is ambiguous with block sizes {sorted(sizes)}; pass "
+                    "max_seq_len (tokens) instead"
+                )
+            max_seq_len = max_blocks_per_seq * groups[0].block_size
+        elif max_seq_len is not None:
+            check_positive_int("max_seq_len", max_seq_len)
+        else:
+            full = [g.num_blocks * g.block_size for g in groups if g.window is None]
+            max_seq_len = min(full) if full else max(g.num_blocks * g.block_size for g in groups)
+        widths = []
+        for index, group in enumerate(groups):
+            width = -(-max_seq_len // group.block_size)
+            if group.window is None and width > group.num_blocks:
+                what = "max_blocks_per_seq" if max_blocks_per_seq is not None else "max_seq_len"
+                value = max_blocks_per_seq if max_blocks_per_seq is not None else max_seq_len
+                where = "" if len(groups) == 1 else f" (KV group {index})"
+                raise ValueError(
+                    f"{what} ({value}) must not exceed what max_blocks "
+                    f"({group.num_blocks}) can hold{where}: a request can never hold more "
+                    "blocks than the pool"
+                )
+            widths.append(width)
+        return widths
+
+    @staticmethod
+    def _layer_order(groups: tuple[KVGroupSpec, ...], layer_groups: object) -> list[int]:
+        if layer_groups is None:
+            return [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
+        if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Sequence):
+            raise TypeError(
+                f"layer_groups must be a sequence of ints, got {type(layer_groups).__name__}"
+            )
+        order = list(layer_groups)
+        for i, g in enumerate(order):
+            if isinstance(g, bool) or not isinstance(g, int):
+                raise TypeError(f"layer_groups[{i}] must be an int, got {type(g).__name__}")
+            if not 0 <= g < len(groups):
+                raise ValueError(f"layer_groups[{i}] = {g} is not a group in [0, {len(groups)})")
+        counts = Counter(order)
+        for g, spec in enumerate(groups):
+            if counts[g] != spec.layer_count:
+                raise ValueError(
+                    f"layer_groups names group {g} {counts[g]} times but its spec has "
+                    f"layer_count {spec.layer_count}"
+                )
+        return order
+
+    @staticmethod
+    def _check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
+        """Per group None or (k_scale, v_scale) as float32 ``[Hkv]`` CPU tensors."""
+        if kv_scales is None:
+            return [None] * len(groups)
+        if isinstance(kv_scales, (str, bytes)) or not isinstance(kv_scales, Sequence):
+            raise TypeError(
+                f"kv_scales must be a sequence (one entry per group), got "
+                f"{type(kv_scales).__name__}"
+            )
+        if len(kv_scales) != len(groups):
+            raise ValueError(f"kv_scales has {len(kv_scales)} entries for {len(groups)} groups")
+        result = []
+        for g, (spec, pair) in enumerate(zip(groups, kv_scales, strict=True)):
+            if pair is None:
+                result.append(None)
+                continue
+            result.append(_scale_pair(f"kv_scales[{g}]", spec, pair))
+        return result
 
     def __repr__(self) -> str:
+        if not self._single:
+            return (
+                f"PagedKVCache(kv_spec={format_kv_spec(self._specs)!r}, device={self._device}, "
+                f"free={self.num_free_blocks}, requests={len(self._requests)}, "
+                f"version={self._version})"
+            )
+        g = self._groups[0]
         return (
-            f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
-            f"head_dim={self._head_dim}, block_size={self._block_size}, "
-            f"max_blocks={self._max_blocks}, dtype={self._dtype}, device={self._device}, "
+            f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={g.num_kv_heads}, "
+            f"head_dim={g.head_dim}, block_size={g.block_size}, "
+            f"max_blocks={g.spec.num_blocks}, dtype={g.dtype}, device={self._device}, "
             f"free={self._allocator.num_free}, requests={len(self._requests)}, "
             f"prefixes={len(self._prefixes)}, version={self._version})"
         )
 
     # ---- geometry and simple queries -----------------------------------------------------
+    def _uniform(self, name: str) -> Any:
+        """A geometry attribute every group shares, else a RuntimeError pointing at groups."""
+        values = {getattr(group, name) for group in self._groups}
+        if len(values) != 1:
+            raise RuntimeError(
+                f"{name} differs between this cache's KV groups ({format_kv_spec(self._specs)}); "
+                "read it per group from kv_groups"
+            )
+        return values.pop()
+
+    @property
+    def kv_groups(self) -> tuple[KVGroupSpec, ...]:
+        """The layer groups, in group order."""
+        return self._specs
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def _check_group(self, group: object) -> LayerGroup:
+        if isinstance(group, bool) or not isinstance(group, int):
+            raise TypeError(f"group must be an int, got {type(group).__name__}")
+        if not 0 <= group < len(self._groups):
+            raise ValueError(f"group must be in [0, {len(self._groups)}), got {group}")
+        return self._groups[group]
+
+    def layer_group(self, layer_idx: int) -> int:
+        """The group of global layer ``layer_idx``."""
+        return self._layer_group[self._check_layer_index(layer_idx)]
+
+    def group_layers(self, group: int) -> tuple[int, ...]:
+        """The global layer ids of ``group``, ascending."""
+        return self._check_group(group).layers
+
+    def group_kv(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V storage of ``group``: ``[layers_in_group, num_blocks, Hkv, bs, D]`` each."""
+        g = self._check_group(group)
+        return g.k, g.v
+
+    def group_free_blocks(self, group: int) -> int:
+        return self._check_group(group).allocator.num_free
+
+    def group_num_blocks(self, group: int) -> int:
+        return self._check_group(group).spec.num_blocks
+
+    def group_max_blocks_per_seq(self, group: int) -> int:
+        return self._check_group(group).width
+
+    def group_kv_scales(self, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_scale, v_scale)`` float32 ``[Hkv]`` of an FP8 group (the cache's own tensors:
+        read, never write), None for a float group. Fixed per-head scales, not calibrated."""
+        g = self._check_group(group)
+        return None if g.k_scale is None else (g.k_scale, g.v_scale)
+
+    def set_kv_scales(self, group: int, k_scale: Any, v_scale: Any) -> None:
+        """Set an FP8 group's fixed K/V scales; only before anything is stored in the group."""
+        g = self._check_group(group)
+        k, v = _scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
+        if self._tx.next_id() > 1 or self._appended:
+            raise RuntimeError(
+                f"cannot set the scales of KV group {group}: tokens were already written with "
+                "the old ones; set scales before the first transaction"
+            )
+        g.k_scale.copy_(k)
+        g.v_scale.copy_(v)
+        self._version += 1
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """K storage ``[num_layers, max_blocks, Hkv, bs, D]`` of a single-group cache."""
+        return self._single_storage("k_cache").k
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self._single_storage("v_cache").v
+
+    def _single_storage(self, name: str) -> LayerGroup:
+        if not self._single:
+            raise RuntimeError(
+                f"{name} exists only for a single-group cache; this one has "
+                f"{len(self._groups)} KV groups: use group_kv(g) or layer_kv(layer)"
+            )
+        return self._groups[0]
+
     @property
     def num_layers(self) -> int:
         return self._num_layers
 
     @property
     def num_kv_heads(self) -> int:
-        return self._num_kv_heads
+        return self._uniform("num_kv_heads")
 
     @property
     def head_dim(self) -> int:
-        return self._head_dim
+        return self._uniform("head_dim")
 
     @property
     def block_size(self) -> int:
-        return self._block_size
+        return self._uniform("block_size")
 
     @property
     def max_blocks(self) -> int:
-        return self._max_blocks
+        """Blocks in the pool (summed over groups)."""
+        return sum(g.spec.num_blocks for g in self._groups)
 
     @property
     def num_blocks(self) -> int:
-        return self._max_blocks
+        return self.max_blocks
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return self._max_blocks_per_seq
+        return self._uniform("width")
 
     @property
     def prefix_cache_capacity_blocks(self) -> int:
@@ -226,7 +556,7 @@ class PagedKVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._dtype
+        return self._uniform("dtype")
 
     @property
     def device(self) -> torch.device:
@@ -234,9 +564,9 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers."""
-        elems = 2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
-        return elems * self.k_cache.element_size()
+        """K and V bytes of one block over all layers (single-group caches; see
+        ``KVGroupSpec.block_bytes`` per group)."""
+        return self._single_storage("bytes_per_block").spec.block_bytes
 
     @property
     def num_request_slots(self) -> int:
@@ -251,19 +581,18 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._allocator.num_free
+        """Free blocks (summed over groups)."""
+        if self._single:
+            return self._allocator.num_free
+        return sum(g.allocator.num_free for g in self._groups)
 
     @property
     def open_transaction_id(self) -> int | None:
         tx = self._tx.open
         return None if tx is None else tx.transaction_id
 
-    def _slot_rows_view(self) -> torch.Tensor:
-        """``[2 * L, blocks * Hkv * block_size, D]``: K then V storage as rows of head_dim."""
-        return self._kv.view(2 * self._num_layers, -1, self._head_dim)
-
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[max_blocks, Hkv, block_size, D]`` of one layer's K and V."""
+        """Views ``[num_blocks, Hkv, block_size, D]`` of one layer's K and V (in its group)."""
         return self._layers[self._check_layer_index(layer_idx)]
 
     # ---- argument helpers ----------------------------------------------------------------
@@ -316,9 +645,14 @@ class PagedKVCache:
                 self._require_active(record, action)
         return records
 
-    def _check_token_kv(self, name: str, value: object, num_tokens: int) -> torch.Tensor:
-        tensor = check_tensor(name, value, ndim=3, dtypes=(self._dtype,), device=self._device)
-        check_shape(name, tensor, (num_tokens, self._num_kv_heads, self._head_dim))
+    def _check_token_kv(
+        self, name: str, value: object, num_tokens: int, group: LayerGroup
+    ) -> torch.Tensor:
+        """K or V rows ``[num_tokens, Hkv, D]`` for ``group``: its dtype, or any float dtype
+        for an FP8 group (quantized with its scales)."""
+        dtypes = FLOAT_DTYPES if group.is_fp8 else (group.dtype,)
+        tensor = check_tensor(name, value, ndim=3, dtypes=dtypes, device=self._device)
+        check_shape(name, tensor, (num_tokens, group.num_kv_heads, group.head_dim))
         return tensor
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -329,7 +663,12 @@ class PagedKVCache:
             state = self._requests[rid].state.value
             raise ValueError(f"request id {rid!r} already exists ({state}); ids are not reused")
         self._tx.ensure_none_open("add a request")
-        self._requests[rid] = RequestRecord(rid, self._max_blocks_per_seq, self._tables.acquire())
+        row = self._tables.acquire()
+        for group in self._groups[1:]:  # every group's tables hand out rows in lockstep
+            if group.tables.acquire() != row:
+                raise RuntimeError("device-table rows of the KV groups went out of step")
+        others = [group.width for group in self._groups[1:]]
+        self._requests[rid] = RequestRecord(rid, self._groups[0].width, row, others)
         self._version += 1
 
     def finish_request(self, request_id: RequestId) -> None:
@@ -345,12 +684,14 @@ class PagedKVCache:
         verb = "finish" if state is RequestState.FINISHED else "cancel"
         self._tx.ensure_none_open(f"{verb} a request")
         self._require_active(record, verb)
-        self._allocator.release(record.private_block_ids, request_owner(record.request_id))
+        owner = request_owner(record.request_id)
+        for group in self._groups:
+            group.allocator.release(record.run(group.index).private_block_ids, owner)
+            group.tables.release(record.row)
         if record.prefix_id is not None:
             self._prefixes.detach(record.prefix_id)
         record.clear()
         record.state = state
-        self._tables.release(record.row)
         record.row = -1
         self._version += 1
 
@@ -379,21 +720,33 @@ class PagedKVCache:
         """Committed tokens (a finished/cancelled request keeps its final length)."""
         return self._record(request_id).seq_len
 
-    def request_block_ids(self, request_id: RequestId) -> list[int]:
-        """Physical ids in logical order (prefix blocks first); empty once terminal."""
-        return self._record(request_id).block_ids
+    def request_block_ids(self, request_id: RequestId, *, group: int = 0) -> list[int]:
+        """Physical ids the request holds in ``group``, in logical order (prefix blocks first;
+        a window group's start at its first held block); empty once terminal."""
+        record = self._record(request_id)
+        return record.run(self._check_group(group).index).block_ids
+
+    def request_first_block(self, request_id: RequestId, *, group: int = 0) -> int:
+        """Logical index of the request's first held block in ``group`` (0 for full
+        attention; a window group's earlier table entries are released and never read)."""
+        record = self._record(request_id)
+        return record.run(self._check_group(group).index).first_block
 
     # ---- metadata tensors ----------------------------------------------------------------
     def _metadata_records(self, request_ids: object) -> list[RequestRecord]:
         rids = self._check_ids(request_ids, unique=False, nonempty=False)
         return self._active_records(rids, "read the block table of")
 
-    def block_tables(self, request_ids: Sequence[RequestId]) -> torch.Tensor:
-        """int32 ``[len(request_ids), max_blocks_per_seq]`` on the cache's device, 0-padded."""
+    def block_tables(self, request_ids: Sequence[RequestId], *, group: int = 0) -> torch.Tensor:
+        """int32 ``[len(request_ids), width]`` of ``group`` on the cache's device, 0-padded
+        (a window group's released entries read 0)."""
+        g = self._check_group(group)
         records = self._metadata_records(request_ids)
-        table = np.zeros((len(records), self._max_blocks_per_seq), dtype=np.int32)
+        table = np.zeros((len(records), g.width), dtype=np.int32)
+        index = g.index
         for row, rec in zip(table, records, strict=True):
-            row[: rec.num_blocks] = rec.table[: rec.num_blocks]
+            run = rec.run(index)
+            row[run.first_block : run.num_blocks] = run.table[run.first_block : run.num_blocks]
         return torch.from_numpy(table).to(self._device)
 
     def seq_lens_tensor(self, request_ids: Sequence[RequestId]) -> torch.Tensor:
@@ -403,127 +756,224 @@ class PagedKVCache:
         return torch.tensor(lens, dtype=torch.int32).to(self._device)
 
     # ---- reservations shared by append and the transactions --------------------------------
-    def _plan(self, records: list[RequestRecord], counts: list[int]) -> _Reservation:
-        """Check that every listed request can take its tokens; changes nothing."""
-        bs, width = self._block_size, self._max_blocks_per_seq
-        wanted = 0
-        for rec, n in zip(records, counts, strict=True):
-            end_blocks = -(-(rec.seq_len + n) // bs)
-            if end_blocks > width:
-                raise RuntimeError(
-                    f"request {rec.request_id!r} is full: {rec.seq_len} + {n} tokens need "
-                    f"{end_blocks} blocks of {bs}, more than max_blocks_per_seq={width}"
-                )
-            wanted += end_blocks - rec.num_blocks
-        if wanted > self._allocator.num_free:
-            raise RuntimeError(
-                f"out of KV blocks: this token needs {wanted} new block(s) but only "
-                f"{self._allocator.num_free} are free; nothing was changed"
-            )
-        return _Reservation(records, counts)
-
-    def _take(self, plan: _Reservation) -> None:
-        """Allocate the planned blocks and fill in the reservation (all or nothing)."""
-        bs = self._block_size
-        positions: list[int] = []
-        block_ids: list[int] = []
-        try:
-            for rec, n in zip(plan.records, plan.counts, strict=True):
-                start = rec.seq_len
-                committed = rec.num_blocks
-                new = -(-(start + n) // bs) - committed
-                taken = self._allocator.allocate(new, request_owner(rec.request_id)) if new else []
-                if taken:
-                    plan.reserved[rec.request_id] = taken
-                    plan.updates += [(rec.row, committed + i, b) for i, b in enumerate(taken)]
-                plan.table_rows.append((rec.table, committed, taken))
-                table = rec.table
-                for pos in range(start, start + n):
-                    logical = pos // bs
-                    positions.append(pos)
-                    block_ids.append(
-                        int(table[logical]) if logical < committed else taken[logical - committed]
+    def _plan(self, records: list[RequestRecord], counts: list[int]) -> _Plan:
+        """Check that every listed request can take its tokens in every group; changes
+        nothing."""
+        for group in self._groups:
+            bs, width, window, index = group.block_size, group.width, group.window, group.index
+            wanted = 0
+            for rec, n in zip(records, counts, strict=True):
+                end_blocks = -(-(rec.seq_len + n) // bs)
+                if end_blocks > width:
+                    where = "" if self._single else f" in KV group {index}"
+                    raise RuntimeError(
+                        f"request {rec.request_id!r} is full: {rec.seq_len} + {n} tokens need "
+                        f"{end_blocks} blocks of {bs}{where}, more than max_blocks_per_seq="
+                        f"{width}"
                     )
-        except BaseException:
-            self._release(plan.reserved)
-            raise
-        plan.positions = np.asarray(positions, dtype=np.int64)
-        plan.block_ids = np.asarray(block_ids, dtype=np.int64)
-
-    def _take_one_each(self, plan: _Reservation) -> None:
-        """``_take`` for one token per request (the decode step's hot path)."""
-        bs = self._block_size
-        num = len(plan.records)
-        positions = np.empty(num, dtype=np.int64)
-        block_ids = np.empty(num, dtype=np.int64)
-        allocate = self._allocator.allocate
-        try:
-            for i, rec in enumerate(plan.records):
-                pos = rec.seq_len
-                logical = pos // bs
-                positions[i] = pos
-                if logical < rec.num_blocks:
-                    block_ids[i] = rec.table[logical]
-                    plan.table_rows.append((rec.table, rec.num_blocks, ()))
+                run = rec if index == 0 else rec.others[index - 1]
+                if window is None:
+                    wanted += end_blocks - run.num_blocks
                 else:
-                    (block,) = allocate(1, request_owner(rec.request_id))
-                    plan.reserved[rec.request_id] = [block]
-                    plan.updates.append((rec.row, logical, block))
-                    block_ids[i] = block
-                    plan.table_rows.append((rec.table, rec.num_blocks, (block,)))
+                    wanted += end_blocks - _window_span(run, rec.seq_len, n, bs, window)[1]
+            free = group.allocator.num_free
+            if wanted > free:
+                where = "" if self._single else f" in KV group {index}"
+                raise RuntimeError(
+                    f"out of KV blocks{where}: this token needs {wanted} new block(s) but only "
+                    f"{free} are free; nothing was changed"
+                )
+        return _Plan(records, counts, len(self._groups))
+
+    def _take_all(self, plan: _Plan, one_each: bool) -> None:
+        """Allocate every group's planned blocks (all or nothing)."""
+        try:
+            if one_each:
+                plan.positions = np.fromiter(
+                    (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
+                )
+            else:
+                plan.positions = np.concatenate([
+                    np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
+                    for rec, n in zip(plan.records, plan.counts, strict=True)
+                ])  # fmt: skip
+            for group, part in zip(self._groups, plan.groups, strict=True):
+                if group.window is not None:
+                    self._take_window(group, plan, part)
+                elif one_each:
+                    self._take_one_each(group, plan, part)
+                else:
+                    self._take(group, plan, part)
         except BaseException:
-            self._release(plan.reserved)
+            self._release(plan.reserved())
             raise
-        plan.positions = positions
-        plan.block_ids = block_ids
 
-    def _release(self, reserved: dict[RequestId, list[int]]) -> None:
-        for rid, block_ids in reserved.items():
-            self._allocator.release(block_ids, request_owner(rid))
+    def _take(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
+        """A full-attention group's reservation of any number of tokens per request."""
+        bs, index, allocate = group.block_size, group.index, group.allocator.allocate
+        block_ids: list[int] = []
+        for rec, n in zip(plan.records, plan.counts, strict=True):
+            run = rec if index == 0 else rec.others[index - 1]
+            start = rec.seq_len
+            committed = run.num_blocks
+            new = -(-(start + n) // bs) - committed
+            taken = allocate(new, request_owner(rec.request_id)) if new else []
+            if taken:
+                part.reserved[rec.request_id] = taken
+                part.starts[rec.request_id] = committed
+                part.updates += [(rec.row, committed + i, b) for i, b in enumerate(taken)]
+            part.table_rows.append((run.table, 0, committed, taken, committed))
+            table = run.table
+            for pos in range(start, start + n):
+                logical = pos // bs
+                block_ids.append(
+                    int(table[logical]) if logical < committed else taken[logical - committed]
+                )
+        part.block_ids = np.asarray(block_ids, dtype=np.int64)
 
-    def _publish(self, records: list[RequestRecord], counts: list[int], reserved) -> None:
-        for rec, n in zip(records, counts, strict=True):
-            for block_id in reserved.get(rec.request_id, ()):
-                rec.push_block(block_id)
+    def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
+        """A full-attention group's reservation of one token per request (the decode step's
+        hot path)."""
+        bs, index = group.block_size, group.index
+        num = len(plan.records)
+        block_ids = np.empty(num, dtype=np.int64)
+        allocate = group.allocator.allocate
+        runs = plan.records if index == 0 else [rec.others[index - 1] for rec in plan.records]
+        for i, (rec, run) in enumerate(zip(plan.records, runs, strict=True)):
+            logical = rec.seq_len // bs
+            if logical < run.num_blocks:
+                block_ids[i] = run.table[logical]
+                part.table_rows.append((run.table, 0, run.num_blocks, (), 0))
+            else:
+                (block,) = allocate(1, request_owner(rec.request_id))
+                part.reserved[rec.request_id] = [block]
+                part.starts[rec.request_id] = logical
+                part.updates.append((rec.row, logical, block))
+                block_ids[i] = block
+                part.table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
+        part.block_ids = block_ids
+
+    def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
+        """A window group's reservation: blocks only for the tokens the window keeps (and the
+        last one); the other tokens are not stored (``part.token_rows`` lists the stored)."""
+        bs, window, index = group.block_size, group.window, group.index
+        allocate = group.allocator.allocate
+        block_ids: list[int] = []
+        token_rows: list[int] = []
+        row = 0
+        for rec, n in zip(plan.records, plan.counts, strict=True):
+            run = rec if index == 0 else rec.others[index - 1]
+            start = rec.seq_len
+            stored, first_new = _window_span(run, start, n, bs, window)
+            new = -(-(start + n) // bs) - first_new
+            taken = allocate(new, request_owner(rec.request_id)) if new else []
+            if taken:
+                part.reserved[rec.request_id] = taken
+                part.starts[rec.request_id] = first_new
+                part.updates += [(rec.row, first_new + i, b) for i, b in enumerate(taken)]
+            part.table_rows.append((run.table, run.first_block, run.num_blocks, taken, first_new))
+            table = run.table
+            for pos in range(max(start, stored * bs), start + n):
+                logical = pos // bs
+                block_ids.append(
+                    int(table[logical]) if logical < first_new else taken[logical - first_new]
+                )
+                token_rows.append(row + pos - start)
+            row += n
+        part.block_ids = np.asarray(block_ids, dtype=np.int64)
+        if len(token_rows) != row:
+            part.token_rows = np.asarray(token_rows, dtype=np.int64)
+
+    def _release(self, reserved: list[dict[RequestId, list[int]]]) -> None:
+        for group, per_request in zip(self._groups, reserved, strict=False):
+            for rid, block_ids in per_request.items():
+                group.allocator.release(block_ids, request_owner(rid))
+
+    def _publish(self, plan_records: list[RequestRecord], counts: list[int], reserved, starts):
+        """Make the reservation permanent: blocks join the tables, lengths grow, and window
+        groups release the blocks that fell wholly before the window."""
+        for group, group_reserved, group_starts in zip(self._groups, reserved, starts,
+                                                       strict=True):  # fmt: skip
+            index = group.index
+            if group.window is None:
+                if not group_reserved:
+                    continue
+                for rec in plan_records:
+                    blocks = group_reserved.get(rec.request_id)
+                    if blocks:
+                        run = rec if index == 0 else rec.others[index - 1]
+                        for block_id in blocks:
+                            run.push_block(block_id)
+            else:
+                self._publish_window(group, plan_records, counts, group_reserved, group_starts)
+        for rec, n in zip(plan_records, counts, strict=True):
             rec.seq_len += n
 
-    def _flush_updates(self, plan: _Reservation) -> list[tuple[int, int, int]]:
-        updates = self._pending_updates + plan.updates if self._pending_updates else plan.updates
-        self._pending_updates = []
+    def _publish_window(self, group, records, counts, reserved, starts) -> None:
+        bs, window, index = group.block_size, group.window, group.index
+        release = group.allocator.release
+        for rec, n in zip(records, counts, strict=True):
+            run = rec if index == 0 else rec.others[index - 1]
+            first, held_end = run.first_block, run.num_blocks
+            keep, end = held_block_range(rec.seq_len + n, bs, window)
+            # held blocks before the window go back, then reserved ones before it (an import
+            # skips whole blocks, so the reserved run may start past the held one)
+            gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
+            blocks = reserved.get(rec.request_id)
+            if blocks:
+                start = starts[rec.request_id]
+                run.table[start : start + len(blocks)] = blocks
+                gone += blocks[: max(0, keep - start)]
+            if gone:
+                release(gone, request_owner(rec.request_id))
+            run.first_block, run.num_blocks = keep, end
+
+    def _flush_updates(self, group: LayerGroup, part: _Reservation) -> list[tuple[int, int, int]]:
+        pending = group.pending_updates
+        updates = pending + part.updates if pending else part.updates
+        group.pending_updates = []
         return updates
 
-    def _flat_updates(self, updates: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _flat_updates(
+        updates: list[tuple[int, int, int]], width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Device-table writes ``(row, logical block, block id)`` as flat indices and values."""
         if not updates:
             return _NO_UPDATES
         arr = np.asarray(updates, dtype=np.int64)
-        return arr[:, 0] * self._max_blocks_per_seq + arr[:, 1], arr[:, 2]
+        return arr[:, 0] * width + arr[:, 1], arr[:, 2]
 
-    def _fresh_slots(self, plan: _Reservation, with_tables: bool) -> TransactionSlots:
+    def _fresh_slots(
+        self, group: LayerGroup, plan: _Plan, part: _Reservation, with_tables: bool
+    ) -> TransactionSlots:
         """Device metadata in new tensors (prompt imports, legacy append)."""
-        positions, block_ids = plan.positions, plan.block_ids
-        bs, hkv = self._block_size, self._num_kv_heads
+        positions, block_ids = plan.positions, part.block_ids
+        if part.token_rows is not None:
+            positions = positions[part.token_rows]
+        bs, hkv = group.block_size, group.num_kv_heads
         offsets = positions % bs
         starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int64)
         after = starts + np.asarray(plan.counts, dtype=np.int64)
         heads = np.arange(hkv, dtype=np.int64)
         slot_rows = (block_ids.astype(np.int64)[:, None] * hkv + heads) * bs + offsets[:, None]
-        flat, values = self._flat_updates(self._flush_updates(plan))
+        flat, values = self._flat_updates(self._flush_updates(group, part), group.width)
         rows = np.asarray([rec.row for rec in plan.records], dtype=np.int64)
+        token_rows = part.token_rows if part.token_rows is not None else np.zeros(0, np.int64)
         t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
         host = np.concatenate(
-            [positions, block_ids, offsets, starts, after, rows, flat, values,
+            [positions, block_ids, offsets, starts, after, rows, flat, values, token_rows,
              slot_rows.reshape(-1)], dtype=np.int64,
         )  # fmt: skip
         dev = torch.from_numpy(host).to(self._device)
-        cuts = np.cumsum([t, t, t, b, b, b, u, u])
+        cuts = np.cumsum([t, t, t, b, b, b, u, u, token_rows.shape[0]])
         parts = torch.tensor_split(dev, cuts.tolist())
         if u:
-            self._tables.write(parts[6], parts[7])
+            group.tables.write(parts[6], parts[7])
         tables = None
         if with_tables:
-            tables = torch.empty(b, self._max_blocks_per_seq, dtype=torch.int64, device=dev.device)
-            self._tables.gather(parts[5], out=tables)
+            tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
+            group.tables.gather(parts[5], out=tables)
         return TransactionSlots(
             batch=b,
             num_rows=b,
@@ -534,44 +984,50 @@ class PagedKVCache:
             offsets=parts[2],
             seq_lens=parts[3],
             seq_lens_after=parts[4],
-            slot_rows=parts[8],
+            slot_rows=parts[9],
             block_tables=tables,
             request_slots=parts[5],
+            token_rows=None if part.token_rows is None else parts[8],
         )
 
-    def _fixed_slots(self, plan: _Reservation, num_rows: int) -> TransactionSlots:
-        """Device metadata of a one-token transaction in the fixed-address buffers."""
-        buffers = self._slot_buffers
+    def _fixed_slots(
+        self, group: LayerGroup, plan: _Plan, part: _Reservation, num_rows: int
+    ) -> TransactionSlots:
+        """Device metadata of a one-token transaction in the group's fixed-address buffers."""
+        buffers = group.slot_buffers
         if buffers is None or num_rows > buffers.capacity:
             capacity = 1 << max(3, (num_rows - 1).bit_length())
             generation = 0 if buffers is None else buffers.generation + 1
-            buffers = self._slot_buffers = SlotBuffers(
-                capacity, self._num_kv_heads, self._max_blocks_per_seq, self._device, generation
+            buffers = group.slot_buffers = SlotBuffers(
+                capacity, group.num_kv_heads, group.width, self._device, generation
             )
-        flat, values = self._flat_updates(self._flush_updates(plan))
+        flat, values = self._flat_updates(self._flush_updates(group, part), group.width)
         if flat.shape[0] > buffers.capacity:  # a long prefix attached since the last step
-            self._tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
+            group.tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
             flat, values = _NO_UPDATES
         num = len(plan.records)
         rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
-        buffers.upload(plan.positions, plan.block_ids, rows, (flat, values), self._block_size,
+        buffers.upload(plan.positions, part.block_ids, rows, (flat, values), group.block_size,
                        num_rows)  # fmt: skip
         count = flat.shape[0]
         if count:
-            self._tables.write(
+            group.tables.write(
                 buffers.region(buffers.UPDATE_INDEX, count),
                 buffers.region(buffers.UPDATE_VALUE, count),
             )
         slots = buffers.slots(num, num_rows)
-        self._tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
+        group.tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
         return slots
 
     # ---- legacy single-layer append --------------------------------------------------------
     def append(self, request_ids: Sequence[RequestId], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one token per request (``k, v [B, Hkv, D]``) at its seq_len; num_layers == 1."""
         rids = self._check_ids(request_ids, unique=True, nonempty=True)
-        k = self._check_token_kv("k", k, len(rids))
-        v = self._check_token_kv("v", v, len(rids))
+        group = self._groups[0]
+        k = self._check_token_kv("k", k, len(rids), group)
+        v = self._check_token_kv("v", v, len(rids), group)
+        if group.is_fp8:
+            k, v = group.quantize(k, v)
         self.append_with(rids, lambda k_layer, v_layer, slots: torch_scatter(
             k_layer, v_layer, k, v, slots))  # fmt: skip
 
@@ -593,14 +1049,16 @@ class PagedKVCache:
         self._tx.ensure_none_open("append")
         counts = [1] * len(records)
         plan = self._plan(records, counts)
-        self._take_one_each(plan)
+        self._take_all(plan, one_each=True)
+        group, part = self._groups[0], plan.groups[0]
         try:
-            slots = self._fresh_slots(plan, with_tables=True)
+            slots = self._fresh_slots(group, plan, part, with_tables=True)
             result = writer(*self._layers[0], slots)
         except BaseException:
-            self._release(plan.reserved)
+            self._release(plan.reserved())
             raise
-        self._publish(records, counts, plan.reserved)
+        self._appended = True
+        self._publish(records, counts, plan.reserved(), [p.starts for p in plan.groups])
         self._version += 1
         return result
 
@@ -608,7 +1066,7 @@ class PagedKVCache:
     def begin_token(
         self, request_ids: Sequence[RequestId], *, pad_to: int | None = None
     ) -> TokenTransactionView:
-        """Reserve one slot per request (taking a block where the last one is full).
+        """Reserve one slot per request in every group (taking a block where needed).
 
         The transaction's device metadata sits in fixed-address buffers, so the layers of a step
         captured in a CUDA graph can be replayed for a later step of the same batch. ``pad_to``
@@ -624,12 +1082,15 @@ class PagedKVCache:
         records = self._active_records(rids, "begin a token for")
         self._tx.ensure_none_open("begin a token transaction")
         plan = self._plan(records, [1] * len(records))
-        self._take_one_each(plan)
+        self._take_all(plan, one_each=True)
         try:
-            slots = self._fixed_slots(plan, num_rows)
+            slots = [
+                self._fixed_slots(group, plan, part, num_rows)
+                for group, part in zip(self._groups, plan.groups, strict=True)
+            ]
             return self._open(rids, plan, slots)
         except BaseException:
-            self._release(plan.reserved)
+            self._release(plan.reserved())
             raise
 
     def begin_tokens(
@@ -638,7 +1099,9 @@ class PagedKVCache:
         """Reserve ``num_tokens[i]`` consecutive slots for request ``i`` (a prompt import).
 
         Same transaction rules as :meth:`begin_token`; each layer's write then takes
-        ``k, v [sum(num_tokens), Hkv, D]``, request by request in order.
+        ``k, v [sum(num_tokens), Hkv, D]``, request by request in order. A window group stores
+        only the tokens its window keeps: its slots' ``token_rows`` (None when every token is
+        stored) lists the rows of ``k, v`` that go there, one per slot row.
         """
         rids = self._check_ids(request_ids, unique=True, nonempty=True)
         if isinstance(num_tokens, (str, bytes)) or not isinstance(num_tokens, Sequence):
@@ -651,33 +1114,47 @@ class PagedKVCache:
         records = self._active_records(rids, "begin tokens for")
         self._tx.ensure_none_open("begin a token transaction")
         plan = self._plan(records, counts)
-        self._take(plan)
+        self._take_all(plan, one_each=False)
         try:
-            slots = self._fresh_slots(plan, with_tables=False)
+            slots = [
+                self._fresh_slots(group, plan, part, with_tables=False)
+                for group, part in zip(self._groups, plan.groups, strict=True)
+            ]
             return self._open(rids, plan, slots)
         except BaseException:
-            self._release(plan.reserved)
+            self._release(plan.reserved())
             raise
 
     def _open(
-        self, rids: list[RequestId], plan: _Reservation, slots: TransactionSlots
+        self, rids: list[RequestId], plan: _Plan, slots: list[TransactionSlots]
     ) -> TokenTransactionView:
-        starts = np.fromiter((rec.seq_len for rec in plan.records), np.int32, len(plan.records))
+        records = plan.records
+        starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
         positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
+        first = plan.groups[0]
+        block_ids = first.block_ids.astype(np.int32)
+        if first.token_rows is not None:  # tokens group 0 does not store show block id -1
+            every = np.full(positions.shape[0], -1, dtype=np.int32)
+            every[first.token_rows] = block_ids
+            block_ids = every
         host = {
             "positions": positions,
-            "block_ids": plan.block_ids.astype(np.int32),
-            "offsets": positions % self._block_size,
+            "block_ids": block_ids,
+            "offsets": positions % self._groups[0].block_size,
             "seq_lens": starts,
             "seq_lens_after": starts + np.asarray(plan.counts, dtype=np.int32),
         }
         tx = OpenTransaction(
-            self._tx.next_id(), self._version + 1, tuple(rids), plan.counts, plan.reserved,
-            slots, host, plan.table_rows,
+            self._tx.next_id(), self._version + 1, tuple(rids), plan.counts,
+            [part.reserved for part in plan.groups], [part.starts for part in plan.groups],
+            slots, host, first.table_rows,
         )  # fmt: skip
-        if self._restore_on_abort:  # [2L, T * Hkv, D] old K and V bytes of the reserved slots
-            tx.backup = self._slot_rows_view().index_select(1, slots.slot_rows)
-        view = tx.view(TransactionState.OPEN, tx.cache_version, self._max_blocks_per_seq,
+        if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
+            tx.backups = [
+                group.slot_rows_view().index_select(1, group_slots.slot_rows)
+                for group, group_slots in zip(self._groups, slots, strict=True)
+            ]
+        view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width,
                        self._device)  # fmt: skip
         self._tx.start(tx)
         self._version += 1
@@ -698,12 +1175,16 @@ class PagedKVCache:
     def write_token_layer(
         self, tx: TokenTransactionView | int, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store ``k, v [num_tokens, Hkv, D]`` (bitwise, as given) in the layer's reserved slots."""
+        """Store ``k, v [num_tokens, Hkv, D]`` (bitwise, as given; an FP8 group quantizes
+        float rows with its scales) in the layer's reserved slots."""
         open_tx = self._tx.resolve(tx)
         self._check_next_layer(open_tx, layer_idx)
-        count = open_tx.slots.num_tokens
-        k = self._check_token_kv("k", k, count)
-        v = self._check_token_kv("v", v, count)
+        group = self._groups[self._layer_group[layer_idx]]
+        count = open_tx.num_tokens
+        k = self._check_token_kv("k", k, count, group)
+        v = self._check_token_kv("v", v, count, group)
+        if group.is_fp8 and k.dtype != group.dtype:
+            k, v = group.quantize(k, v)
         self.write_token_layer_with(open_tx.transaction_id, layer_idx,
                                     lambda k_layer, v_layer, slots: torch_scatter(
                                         k_layer, v_layer, k, v, slots))  # fmt: skip
@@ -713,16 +1194,18 @@ class PagedKVCache:
     ) -> T:
         """Write the next layer of an open transaction with ``writer(k_layer, v_layer, slots)``.
 
-        The cache checks the transaction and the layer order and counts the layer as written
-        only when the writer returns; the writer must store exactly the reserved slots
-        (``slots.block_ids`` / ``slots.offsets``, skipping padding rows with block id -1). If it
-        raises, the transaction stays open with this layer unwritten (abort it: the backup
-        restores any bytes it overwrote). Returns what the writer returned.
+        ``k_layer, v_layer`` are the layer's views in its group's storage and ``slots`` that
+        group's reservation. The cache checks the transaction and the layer order and counts the
+        layer as written only when the writer returns; the writer must store exactly the
+        reserved slots (``slots.block_ids`` / ``slots.offsets``, skipping padding rows with
+        block id -1; rows ``slots.token_rows`` of the input when that is set). If it raises, the
+        transaction stays open with this layer unwritten (abort it: the backup restores any
+        bytes it overwrote). Returns what the writer returned.
         """
         open_tx = self._tx.resolve(tx)
         layer = self._check_next_layer(open_tx, layer_idx)
-        k_layer, v_layer = self._layers[layer]
-        result = writer(k_layer, v_layer, open_tx.slots)
+        k_layer, v_layer, group = self._layer_info[layer]
+        result = writer(k_layer, v_layer, open_tx.group_slots[group])
         open_tx.next_layer = layer + 1
         return result
 
@@ -743,27 +1226,33 @@ class PagedKVCache:
         return result
 
     def transaction_view(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """A fresh detached view of an *open* transaction."""
+        """A fresh detached view of an *open* transaction (group 0's blocks)."""
         open_tx = self._tx.resolve(tx)
         return open_tx.view(
-            TransactionState.OPEN, open_tx.cache_version, self._max_blocks_per_seq, self._device
+            TransactionState.OPEN, open_tx.cache_version, self._groups[0].width, self._device
         )
 
     def layers_written(self, tx: TokenTransactionView | int) -> int:
         """How many layers of an open transaction are written (they go in order from 0)."""
         return self._tx.resolve(tx).next_layer
 
-    def transaction_slots(self, tx: TokenTransactionView | int) -> TransactionSlots:
-        """The open transaction's device metadata (the cache's own tensors: read, never write)."""
-        return self._tx.resolve(tx).slots
+    def transaction_slots(
+        self, tx: TokenTransactionView | int, *, group: int = 0
+    ) -> TransactionSlots:
+        """The open transaction's device metadata in ``group`` (the cache's own tensors: read,
+        never write)."""
+        open_tx = self._tx.resolve(tx)
+        if group == 0 and type(group) is int:
+            return open_tx.slots
+        return open_tx.group_slots[self._check_group(group).index]
 
     def transaction_decode_inputs(
-        self, tx: TokenTransactionView | int
+        self, tx: TokenTransactionView | int, *, group: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_tables, seq_lens + 1)`` of an open one-token transaction, for decoding over
-        the new token. These are the cache's own device tensors (no copy): read them, never
-        write. The write path does not use them, so they cannot redirect a write."""
-        slots = self._tx.resolve(tx).slots
+        """``(block_tables, seq_lens + 1)`` of an open one-token transaction in ``group``, for
+        decoding over the new token. These are the cache's own device tensors (no copy): read
+        them, never write. The write path does not use them, so they cannot redirect a write."""
+        slots = self.transaction_slots(tx, group=group)
         if slots.block_tables is None:
             raise RuntimeError(
                 "decode inputs exist only for one-token transactions (begin_token), not for a "
@@ -773,7 +1262,8 @@ class PagedKVCache:
         return slots.block_tables[:batch], slots.seq_lens_after[:batch]
 
     def commit_token(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """Publish the tokens: each request's seq_len grows by its reserved count, once."""
+        """Publish the tokens: each request's seq_len grows by its reserved count, once; window
+        groups release the blocks now wholly before their window."""
         open_tx = self._tx.resolve(tx)
         if open_tx.next_layer != self._num_layers:
             raise RuntimeError(
@@ -781,10 +1271,10 @@ class PagedKVCache:
                 f"{open_tx.next_layer} of {self._num_layers} layers written"
             )
         version = self._version + 1
-        view = open_tx.view(TransactionState.COMMITTED, version, self._max_blocks_per_seq,
+        view = open_tx.view(TransactionState.COMMITTED, version, self._groups[0].width,
                             self._device)  # fmt: skip
         records = [self._requests[rid] for rid in open_tx.request_ids]
-        self._publish(records, open_tx.counts, open_tx.reserved)
+        self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
         self._version = version
         return view
@@ -793,49 +1283,61 @@ class PagedKVCache:
         """Drop the tokens: release the blocks begin took; lengths stay as they were."""
         open_tx = self._tx.resolve(tx)
         version = self._version + 1
-        view = open_tx.view(TransactionState.ABORTED, version, self._max_blocks_per_seq,
+        view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width,
                             self._device)  # fmt: skip
-        if open_tx.backup is not None and open_tx.next_layer > 0:
-            self._slot_rows_view().index_copy_(1, open_tx.slots.slot_rows, open_tx.backup)
+        # restore even with no layer counted: a writer that raised may have stored part of one
+        if open_tx.backups is not None:
+            for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
+                                            strict=True):  # fmt: skip
+                group.slot_rows_view().index_copy_(1, slots.slot_rows, backup)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version
         return view
 
     # ---- shared prefixes -----------------------------------------------------------------
+    def _prefix_group(self) -> LayerGroup:
+        group = self._groups[0]
+        if not self._single or group.window is not None:
+            raise RuntimeError(
+                "shared prefixes need a single full-attention KV group; this cache has "
+                f"{format_kv_spec(self._specs)!r}"
+            )
+        return group
+
     def register_prefix(
         self, prefix_id: PrefixId, k_blocks: torch.Tensor, v_blocks: torch.Tensor
     ) -> PrefixState:
         """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks."""
         pid = check_request_id("prefix_id", prefix_id)
+        g = self._prefix_group()
         k_blocks = check_tensor(
-            "k_blocks", k_blocks, ndim=5, dtypes=(self._dtype,), device=self._device
+            "k_blocks", k_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
         )
         v_blocks = check_tensor(
-            "v_blocks", v_blocks, ndim=5, dtypes=(self._dtype,), device=self._device
+            "v_blocks", v_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
         )
         num_blocks = k_blocks.shape[1]
         expected = (
             self._num_layers,
             num_blocks,
-            self._num_kv_heads,
-            self._block_size,
-            self._head_dim,
+            g.num_kv_heads,
+            g.block_size,
+            g.head_dim,
         )
         check_shape("k_blocks", k_blocks, expected)
         check_shape("v_blocks", v_blocks, expected)
         if num_blocks < 1:
             raise ValueError("a prefix needs at least one block (k_blocks.shape[1] >= 1)")
-        if num_blocks > self._max_blocks_per_seq:
+        if num_blocks > g.width:
             raise ValueError(
-                f"a prefix of {num_blocks} blocks exceeds max_blocks_per_seq="
-                f"{self._max_blocks_per_seq}"
+                f"a prefix of {num_blocks} blocks exceeds max_blocks_per_seq={g.width}"
             )
         self._tx.ensure_none_open("register a prefix")
         block_ids, _ = self._prefixes.register(pid, num_blocks)
         index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        self.k_cache[:, index] = k_blocks
-        self.v_cache[:, index] = v_blocks
+        g.k[:, index] = k_blocks
+        g.v[:, index] = v_blocks
         self._version += 1
         return self._prefixes.state(pid)
 
@@ -843,6 +1345,7 @@ class PagedKVCache:
         """Start an empty active request with a resident prefix (its blocks shared)."""
         record = self._record(request_id)
         pid = check_request_id("prefix_id", prefix_id)
+        g = self._prefix_group()
         block_ids = self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
         self._require_active(record, "attach a prefix to")
@@ -853,10 +1356,10 @@ class PagedKVCache:
             )
         n = len(block_ids)
         record.table[:n] = block_ids
-        self._pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
+        g.pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
         record.num_blocks = record.num_prefix_blocks = n
         record.prefix_id = pid
-        record.seq_len = n * self._block_size
+        record.seq_len = n * g.block_size
         self._prefixes.attach(pid)
         self._version += 1
 
@@ -876,21 +1379,22 @@ class PagedKVCache:
         return self._prefixes.ids()
 
     # ---- observability -------------------------------------------------------------------
-    def metrics(self) -> dict[str, int]:
+    # ---- observability -------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
         states = Counter(rec.state for rec in self._requests.values())
-        num_prefix_blocks = self._prefixes.num_blocks
-        num_used = self._allocator.num_used
         open_tx = self._tx.open
+        groups = [self._group_metrics(group, open_tx) for group in self._groups]
+        num_prefix_blocks = self._prefixes.num_blocks
+        num_used = sum(g["num_used_blocks"] for g in groups)
         return {
             "version": self._version,
-            "num_blocks": self._max_blocks,
-            "num_free_blocks": self._allocator.num_free,
+            "num_blocks": sum(g["num_blocks"] for g in groups),
+            "num_free_blocks": sum(g["num_free_blocks"] for g in groups),
             "num_used_blocks": num_used,
             "num_private_blocks": num_used - num_prefix_blocks,
             "num_prefix_blocks": num_prefix_blocks,
-            "num_reserved_blocks": 0
-            if open_tx is None
-            else sum(len(b) for b in open_tx.reserved.values()),
+            "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in groups),
             "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
             "num_requests": len(self._requests),
             "num_active_requests": states[RequestState.ACTIVE],
@@ -904,60 +1408,57 @@ class PagedKVCache:
             "terminal_transaction_history_limit": self._tx.history_limit,
             "num_committed_transactions": self._tx.num_committed,
             "num_aborted_transactions": self._tx.num_aborted,
+            "groups": groups,
+        }
+
+    def _group_metrics(self, group: LayerGroup, open_tx: OpenTransaction | None) -> dict:
+        index = group.index
+        reserved = {} if open_tx is None else open_tx.reserved[index]
+        held = [
+            rec.run(index).num_held + len(reserved.get(rid, ()))
+            for rid, rec in self._requests.items()
+            if rec.state is RequestState.ACTIVE
+        ]
+        used = group.allocator.num_used
+        prefix = group.prefixes.num_blocks
+        return {
+            "group": index,
+            "layers": list(group.layers),
+            "num_layers": len(group.layers),
+            "window": group.window,
+            "block_size": group.block_size,
+            "num_kv_heads": group.num_kv_heads,
+            "head_dim": group.head_dim,
+            "dtype": str(group.dtype).removeprefix("torch."),
+            "num_blocks": group.spec.num_blocks,
+            "num_free_blocks": group.allocator.num_free,
+            "num_used_blocks": used,
+            "num_private_blocks": used - prefix,
+            "num_prefix_blocks": prefix,
+            "num_reserved_blocks": sum(len(b) for b in reserved.values()),
+            "max_blocks_per_request": max(held, default=0),
+            "block_bound_per_request": group.block_bound,
+            "bytes_per_block": group.spec.block_bytes,
+            "bytes": group.spec.nbytes,
+            "used_bytes": used * group.spec.block_bytes,
         }
 
     def validate_invariants(self) -> None:
         """RuntimeError on any inconsistency between requests, prefixes, blocks and the open
-        transaction. O(max_blocks + requests * max_blocks_per_seq)."""
-        self._allocator.check_integrity()
-        owned = self._allocator.owned_blocks()
+        transaction, in every group. O(blocks + requests * table width)."""
         open_tx = self._tx.open
-        reserved = open_tx.reserved if open_tx is not None else {}
         attached: Counter[PrefixId] = Counter()
-        num_private = 0
-        bs = self._block_size
-        for rid, rec in self._requests.items():
-            held = owned.pop(request_owner(rid), [])
-            if rec.state is not RequestState.ACTIVE:
-                if held or rec.num_blocks or rec.prefix_id is not None or rid in reserved:
-                    raise RuntimeError(f"{rec.state.value} request {rid!r} still holds blocks")
-                continue
-            if rec.num_blocks != -(-rec.seq_len // bs) or rec.num_blocks > rec.table.shape[0]:
-                raise RuntimeError(
-                    f"request {rid!r}: seq_len {rec.seq_len} needs {-(-rec.seq_len // bs)} "
-                    f"blocks, holds {rec.num_blocks}"
-                )
-            if rec.table[rec.num_blocks :].any():
-                raise RuntimeError(f"request {rid!r}: block table padding is not 0")
-            if rec.prefix_id is None:
-                if rec.num_prefix_blocks:
-                    raise RuntimeError(f"request {rid!r} has prefix blocks but no prefix")
-            else:
-                if rec.prefix_id not in self._prefixes:
-                    raise RuntimeError(f"request {rid!r} uses unknown prefix {rec.prefix_id!r}")
-                ids = self._prefixes.block_ids(rec.prefix_id)
-                if tuple(rec.table[: rec.num_prefix_blocks].tolist()) != ids:
-                    raise RuntimeError(f"request {rid!r}: table does not start with its prefix")
+        for rec in self._requests.values():
+            if rec.state is RequestState.ACTIVE and rec.prefix_id is not None:
                 attached[rec.prefix_id] += 1
-            private = rec.private_block_ids + list(reserved.get(rid, ()))
-            if sorted(private) != held:
-                raise RuntimeError(
-                    f"request {rid!r}: private blocks {sorted(private)} != allocator's {held}"
-                )
-            num_private += len(held)
-        for owner, ids in owned.items():
-            if not (
-                isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in self._prefixes
-            ):
-                raise RuntimeError(f"blocks {ids} owned by {owner!r}, not a request nor a prefix")
-            if sorted(self._prefixes.block_ids(owner[1])) != ids:
-                raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
+        for group in self._groups:
+            self._validate_group(group, open_tx)
         self._prefixes.check_integrity(attached)
         rows = [rec.row for rec in self._requests.values() if rec.state is RequestState.ACTIVE]
         if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
             raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
-        if num_private + self._prefixes.num_blocks + self._allocator.num_free != self._max_blocks:
-            raise RuntimeError("free + private + prefix blocks != max_blocks")
+        if any(g.tables.num_rows != self._tables.num_rows for g in self._groups):
+            raise RuntimeError("the KV groups' device tables have different row counts")
         if open_tx is not None:
             if not 0 <= open_tx.next_layer <= self._num_layers:
                 raise RuntimeError(f"open transaction at impossible layer {open_tx.next_layer}")
@@ -965,7 +1466,61 @@ class PagedKVCache:
                 rec = self._requests.get(rid)
                 if rec is None or rec.state is not RequestState.ACTIVE:
                     raise RuntimeError(f"open transaction lists non-active request {rid!r}")
-            if not set(reserved) <= set(open_tx.request_ids):
-                raise RuntimeError("open transaction reserved a block for a foreign request")
+            for per_group in open_tx.reserved:
+                if not set(per_group) <= set(open_tx.request_ids):
+                    raise RuntimeError("open transaction reserved a block for a foreign request")
         if len(self._tx.history) > self._tx.history_limit:
             raise RuntimeError("terminal transaction history exceeds its limit")
+
+    def _validate_group(self, group: LayerGroup, open_tx: OpenTransaction | None) -> None:
+        index, bs, window = group.index, group.block_size, group.window
+        where = "" if self._single else f"KV group {index}: "
+        allocator, prefixes = group.allocator, group.prefixes
+        allocator.check_integrity()
+        owned = allocator.owned_blocks()
+        reserved = open_tx.reserved[index] if open_tx is not None else {}
+        num_private = 0
+        for rid, rec in self._requests.items():
+            run = rec.run(index)
+            held = owned.pop(request_owner(rid), [])
+            if rec.state is not RequestState.ACTIVE:
+                if held or run.num_held or rec.prefix_id is not None or rid in reserved:
+                    raise RuntimeError(
+                        f"{where}{rec.state.value} request {rid!r} still holds blocks"
+                    )
+                continue
+            first, end = held_block_range(rec.seq_len, bs, window)
+            ok = (run.first_block, run.num_blocks) == (first, end)
+            if not ok or run.num_blocks > run.table.shape[0]:
+                raise RuntimeError(
+                    f"{where}request {rid!r}: seq_len {rec.seq_len} needs {end - first} "
+                    f"blocks, holds {run.num_held} (logical [{first}, {end}) expected, "
+                    f"[{run.first_block}, {run.num_blocks}) held)"
+                )
+            if run.table[run.num_blocks :].any():
+                raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
+            if rec.prefix_id is None or index != 0:
+                if run.num_prefix_blocks:
+                    raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
+            else:
+                if rec.prefix_id not in prefixes:
+                    raise RuntimeError(f"request {rid!r} uses unknown prefix {rec.prefix_id!r}")
+                ids = prefixes.block_ids(rec.prefix_id)
+                if tuple(run.table[: run.num_prefix_blocks].tolist()) != ids:
+                    raise RuntimeError(f"request {rid!r}: table does not start with its prefix")
+            private = run.private_block_ids + list(reserved.get(rid, ()))
+            if sorted(private) != held:
+                raise RuntimeError(
+                    f"{where}request {rid!r}: private blocks {sorted(private)} != allocator's "
+                    f"{held}"
+                )
+            num_private += len(held)
+        for owner, ids in owned.items():
+            if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
+                raise RuntimeError(
+                    f"{where}blocks {ids} owned by {owner!r}, not a request nor a prefix"
+                )
+            if sorted(prefixes.block_ids(owner[1])) != ids:
+                raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
+        if num_private + prefixes.num_blocks + allocator.num_free != group.spec.num_blocks:
+            raise RuntimeError(f"{where}free + private + prefix blocks != max_blocks")

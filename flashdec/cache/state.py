@@ -35,52 +35,80 @@ class PrefixState:
     last_used: int  # registry clock of the last register/attach/detach (bigger = more recent)
 
 
-class RequestRecord:
-    """Mutable per-request bookkeeping, owned by the cache.
+class BlockRun:
+    """One request's blocks in one layer group: a zero-padded host copy of its block table.
 
-    ``table`` is a zero-padded host copy of the request's block table so that building a batch's
-    block tables is a row copy per request instead of a Python list conversion.
+    Logical blocks ``[first_block, num_blocks)`` are held (prefix blocks first, then private
+    ones); a sliding-window group releases blocks wholly before the window, so ``first_block``
+    moves up and table entries before it are stale (never read). ``first_block == num_blocks``
+    means nothing is held. The host table lets a batch's block tables be built by a row copy per
+    request instead of a Python list conversion.
     """
 
-    __slots__ = (
-        "num_blocks",
-        "num_prefix_blocks",
-        "prefix_id",
-        "request_id",
-        "row",
-        "seq_len",
-        "state",
-        "table",
-    )
+    __slots__ = ("first_block", "num_blocks", "num_prefix_blocks", "table")
 
-    def __init__(self, request_id: RequestId, max_blocks_per_seq: int, row: int) -> None:
-        self.request_id = request_id
-        self.state = RequestState.ACTIVE
-        self.seq_len = 0  # committed tokens (prefix tokens included)
+    def __init__(self, max_blocks_per_seq: int) -> None:
         self.table = np.zeros(max_blocks_per_seq, dtype=np.int32)
-        self.num_blocks = 0  # used entries of table: prefix blocks first, then private ones
+        self.num_blocks = 0  # logical end of the held blocks
+        self.first_block = 0  # logical start of the held blocks (0 for full attention)
         self.num_prefix_blocks = 0
-        self.prefix_id: PrefixId | None = None
-        self.row = row  # its row of the cache's device block tables (-1 once terminal)
 
     @property
     def block_ids(self) -> list[int]:
-        return self.table[: self.num_blocks].tolist()
+        """Held physical ids in logical order."""
+        return self.table[self.first_block : self.num_blocks].tolist()
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - self.first_block
 
     @property
     def private_block_ids(self) -> list[int]:
-        return self.table[self.num_prefix_blocks : self.num_blocks].tolist()
+        start = max(self.num_prefix_blocks, self.first_block)
+        return self.table[start : self.num_blocks].tolist()
 
     def push_block(self, block_id: int) -> None:
         self.table[self.num_blocks] = block_id
         self.num_blocks += 1
 
-    def clear(self) -> None:
-        """Forget every block (after release); the committed length is kept for reporting.
+    def clear_blocks(self) -> None:
+        """Forget every block (after release).
 
         The table gets a fresh array: transaction views built earlier keep reading the old one.
         """
         self.table = np.zeros_like(self.table)
         self.num_blocks = 0
+        self.first_block = 0
         self.num_prefix_blocks = 0
+
+
+class RequestRecord(BlockRun):
+    """Mutable per-request bookkeeping, owned by the cache.
+
+    The record itself is the request's :class:`BlockRun` of layer group 0 (the only one of a
+    single-group cache, so the decode hot path reads it directly); ``others`` holds the runs of
+    groups 1, 2, ...
+    """
+
+    __slots__ = ("others", "prefix_id", "request_id", "row", "seq_len", "state")
+
+    def __init__(
+        self, request_id: RequestId, max_blocks_per_seq: int, row: int, others_widths=()
+    ) -> None:
+        super().__init__(max_blocks_per_seq)
+        self.request_id = request_id
+        self.state = RequestState.ACTIVE
+        self.seq_len = 0  # committed tokens (prefix tokens included)
+        self.prefix_id: PrefixId | None = None
+        self.row = row  # its row of the cache's device block tables (-1 once terminal)
+        self.others = tuple(BlockRun(width) for width in others_widths)
+
+    def run(self, group: int) -> BlockRun:
+        return self if group == 0 else self.others[group - 1]
+
+    def clear(self) -> None:
+        """Forget every block of every group; the committed length is kept for reporting."""
+        self.clear_blocks()
+        for run in self.others:
+            run.clear_blocks()
         self.prefix_id = None

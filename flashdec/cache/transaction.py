@@ -66,7 +66,7 @@ class TokenTransactionView:
         request_ids: tuple[RequestId, ...],
         state: TransactionState,
         host: dict[str, np.ndarray],
-        table_rows: Sequence[tuple[np.ndarray, int, Sequence[int]]],
+        table_rows: Sequence[tuple[np.ndarray, int, int, Sequence[int], int]],
         table_width: int,
         device: torch.device,
     ) -> None:
@@ -76,9 +76,9 @@ class TokenTransactionView:
         init(self, "request_ids", request_ids)
         init(self, "state", state)
         init(self, "_host", host)
-        # (committed row of the request's table, its committed block count, reserved blocks):
-        # committed entries never change while the row object lives (terminal requests get a
-        # fresh row), so the table can be built lazily
+        # (committed row of the request's table, its first held and end block, reserved blocks,
+        # the logical index of the first reserved one): committed entries never change while the
+        # row object lives (terminal requests get a fresh row), so the table can be built lazily
         init(self, "_table_rows", tuple(table_rows))
         init(self, "_table_width", table_width)
         init(self, "_device", device)
@@ -92,9 +92,9 @@ class TokenTransactionView:
         if tensor is None:
             if name == "block_tables":
                 host = np.zeros((len(self._table_rows), self._table_width), dtype=np.int32)
-                for i, (row, committed, reserved) in enumerate(self._table_rows):
-                    host[i, :committed] = row[:committed]
-                    host[i, committed : committed + len(reserved)] = reserved
+                for i, (row, first, committed, reserved, start) in enumerate(self._table_rows):
+                    host[i, first:committed] = row[first:committed]
+                    host[i, start : start + len(reserved)] = reserved
             else:
                 host = self._host[name]
             # always a copy: a caller editing it must not reach the host arrays other views share
@@ -108,7 +108,8 @@ class TokenTransactionView:
 
     @property
     def block_ids(self) -> torch.Tensor:
-        """``[num_tokens]`` int32: physical block of each reserved token."""
+        """``[num_tokens]`` int32: physical block of each reserved token in group 0 (-1 for a
+        token a window group does not store)."""
         return self._tensor("block_ids")
 
     @property
@@ -164,9 +165,11 @@ class TransactionSlots:
     ``[blocks * Hkv * block_size, D]``) and one row per request (``seq_lens``,
     ``seq_lens_after``, ``block_tables``, ``request_slots``: a stable index per active request,
     below :attr:`PagedKVCache.num_request_slots`, that a caller can key per-request device state
-    on). ``num_rows`` >= batch counts padding rows (block id ``PAD_BLOCK_ID``, length 0, slot 0)
-    that a CUDA graph captured for a bigger batch reads. These are the cache's own tensors: read
-    them, never write them.
+    on). ``token_rows`` (None: row ``t`` is token ``t``) maps each row to the transaction's
+    token it stores, when a window group stores only some tokens of a prompt import; writers
+    then store ``k[token_rows]``. ``num_rows`` >= batch counts padding rows (block id
+    ``PAD_BLOCK_ID``, length 0, slot 0) that a CUDA graph captured for a bigger batch reads.
+    These are the cache's own tensors: read them, never write them.
     """
 
     __slots__ = (
@@ -182,6 +185,7 @@ class TransactionSlots:
         "seq_lens",
         "seq_lens_after",
         "slot_rows",
+        "token_rows",
     )
 
     def __init__(self, **fields: object) -> None:
@@ -300,6 +304,7 @@ class SlotBuffers:
                 slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
                 block_tables=self.tables[:num_rows],
                 request_slots=self.region(self.TABLE_ROWS, num_rows),
+                token_rows=None,
             )
         return slots
 
@@ -308,14 +313,17 @@ class OpenTransaction:
     """Everything the cache keeps for the one open transaction."""
 
     __slots__ = (
-        "backup",
+        "backups",
         "cache_version",
         "counts",
+        "group_slots",
         "host",
         "next_layer",
+        "num_tokens",
         "request_ids",
         "reserved",
         "slots",
+        "starts",
         "table_rows",
         "transaction_id",
     )
@@ -326,21 +334,28 @@ class OpenTransaction:
         cache_version: int,
         request_ids: tuple[RequestId, ...],
         counts: list[int],
-        reserved: dict[RequestId, list[int]],
-        slots: TransactionSlots,
+        reserved: list[dict[RequestId, list[int]]],
+        starts: list[dict[RequestId, int]],
+        group_slots: list[TransactionSlots],
         host: dict[str, np.ndarray],
-        table_rows: list[tuple[np.ndarray, int, list[int]]],
+        table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]],
     ) -> None:
         self.transaction_id = transaction_id
         self.cache_version = cache_version
         self.request_ids = request_ids
         self.counts = counts  # tokens reserved per request
-        self.reserved = reserved  # request id -> blocks begin took for it (new blocks only)
-        self.slots = slots
+        self.num_tokens = sum(counts)
+        # per KV group: request id -> blocks begin took for it (new blocks only), and the
+        # logical index of the first of them
+        self.reserved = reserved
+        self.starts = starts
+        self.group_slots = tuple(group_slots)
+        self.slots = group_slots[0]
         self.host = host  # host copies of positions, block_ids, offsets, seq_lens, seq_lens_after
-        self.table_rows = table_rows
+        self.table_rows = table_rows  # group 0's, for the views
         self.next_layer = 0  # layers [0, next_layer) are written
-        self.backup: torch.Tensor | None = None  # old K and V bytes of the slots, for abort
+        # per group: old K and V bytes of the slots, for abort
+        self.backups: list[torch.Tensor] | None = None
 
     def view(
         self, state: TransactionState, cache_version: int, width: int, device: torch.device

@@ -14,16 +14,18 @@ from flashdec.cache import PagedKVCache
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a float tensor so equality is bitwise (-0.0 != 0.0, NaN == NaN)."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.detach().cpu().contiguous().view(ints)
 
 
 def snapshot(cache: PagedKVCache) -> dict[str, Any]:
+    groups = range(len(cache.kv_groups))
     requests = {
         rid: (
             cache.request_state(rid),
             cache.seq_len(rid),
-            cache.request_block_ids(rid),
+            [cache.request_block_ids(rid, group=g) for g in groups],
+            [cache.request_first_block(rid, group=g) for g in groups],
             cache.request_prefix(rid),
         )
         for rid in cache.request_ids()
@@ -32,16 +34,18 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
     tx_id = cache.open_transaction_id
     tx = None
     if tx_id is not None:
-        slots = cache.transaction_slots(tx_id)
         view = cache.transaction_view(tx_id)
+        metadata = [view.block_tables.flatten()]
+        for g in groups:
+            slots = cache.transaction_slots(tx_id, group=g)
+            metadata += [slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after]
         tx = (
             tx_id,
             cache.layers_written(tx_id),
             cache.metrics()["num_reserved_blocks"],
-            torch.cat([slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after,
-                       view.block_tables.flatten()]).clone(),
-        )  # fmt: skip
-    return {
+            torch.cat(metadata).clone(),
+        )
+    state = {
         "version": cache.version,
         "metrics": cache.metrics(),
         "num_free_blocks": cache.num_free_blocks,
@@ -50,9 +54,13 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         "open_transaction_id": cache.open_transaction_id,
         "tx": tx,
         "history": list(cache._tx.history),
-        "k": _bits(cache.k_cache).clone(),
-        "v": _bits(cache.v_cache).clone(),
     }
+    storage = [_bits(t).clone() for g in groups for t in cache.group_kv(g)]
+    if len(groups) == 1:  # the SPEC names of a single-group cache's storage
+        state["k"], state["v"] = storage
+    else:
+        state["kv"] = storage
+    return state
 
 
 def assert_same_state(cache: PagedKVCache, before: dict[str, Any]) -> None:
@@ -61,6 +69,9 @@ def assert_same_state(cache: PagedKVCache, before: dict[str, Any]) -> None:
         new = after[key]
         if key in ("k", "v"):
             assert torch.equal(old, new), f"{key}_cache bytes changed"
+        elif key == "kv":
+            for i, (a, b) in enumerate(zip(old, new, strict=True)):
+                assert torch.equal(a, b), f"group {i // 2} {'kv'[i % 2]} storage bytes changed"
         elif key == "tx":
             assert (old is None) == (new is None), "open transaction appeared/disappeared"
             if old is not None:

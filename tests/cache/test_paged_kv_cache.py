@@ -312,8 +312,10 @@ def test_metrics_report_the_agreed_keys(cache):
     }
     m = cache.metrics()
     assert keys <= set(m)
+    groups = m.pop("groups")  # one dict per KV group, the counters are the groups' sums
     assert all(isinstance(val, int) for val in m.values())
     assert m["num_free_blocks"] + m["num_used_blocks"] == cache.max_blocks
+    assert len(groups) == 1 and groups[0]["num_free_blocks"] == m["num_free_blocks"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,86 @@
+"""One KV layer group of a :class:`~flashdec.cache.PagedKVCache`: its storage and block pool.
+
+Layers with the same geometry (SPEC §8.2) share one storage tensor
+``[2, layers_in_group, num_blocks, Hkv, block_size, D]`` (K then V), one block allocator, one
+prefix registry, one device mirror of the block tables and one set of fixed-address slot buffers.
+The request lifecycle and the transaction are the cache's; a group only holds the per-geometry
+parts. FP8 groups carry fixed per-head K/V scales (not calibrated): stored = value / scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdec._blocks import window_block_bound
+from flashdec.cache.allocator import BlockAllocator
+from flashdec.cache.device_tables import DeviceTables
+from flashdec.cache.kv_spec import KVGroupSpec
+from flashdec.cache.prefix_registry import PrefixRegistry
+from flashdec.cache.transaction import SlotBuffers
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn: quantization saturates there
+
+
+class LayerGroup:
+    """Storage, pool and tables of one group (``index`` in the cache, ``layers`` global ids)."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: KVGroupSpec,
+        layers: tuple[int, ...],
+        width: int,
+        device: torch.device,
+        prefix_capacity: int,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.layers = layers  # global layer ids, ascending
+        self.window = spec.window
+        self.block_size = spec.block_size
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.dtype = spec.dtype
+        self.width = width  # block-table width of a request in this group
+        shape = (spec.layer_count, spec.num_blocks, spec.num_kv_heads, spec.block_size,
+                 spec.head_dim)  # fmt: skip
+        # one allocation for K and V (zero-filled so never-written slots hold finite numbers):
+        # the abort backup of a token's slots is then one gather over both
+        self.kv = torch.zeros((2, *shape), dtype=spec.dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
+        self.layer_views = [(self.k[i], self.v[i]) for i in range(spec.layer_count)]
+        self.allocator = BlockAllocator(spec.num_blocks)
+        self.prefixes = PrefixRegistry(self.allocator, prefix_capacity, spec.block_size)
+        self.tables = DeviceTables(width, self.kv.device)
+        self.slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
+        self.pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if spec.dtype == FP8_DTYPE:
+            ones = torch.ones(spec.num_kv_heads, dtype=torch.float32, device=self.kv.device)
+            self.k_scale, self.v_scale = ones, ones.clone()
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    @property
+    def block_bound(self) -> int | None:
+        """Blocks a request can hold at most (window groups), else None."""
+        return None if self.window is None else window_block_bound(self.block_size, self.window)
+
+    def slot_rows_view(self) -> torch.Tensor:
+        """``[2 * layers, blocks * Hkv * block_size, D]``: K then V as rows of head_dim (bytes
+        for FP8, whose index_copy is not implemented everywhere)."""
+        kv = self.kv.view(torch.uint8) if self.is_fp8 else self.kv
+        return kv.view(2 * self.spec.layer_count, -1, self.head_dim)
+
+    def quantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float K/V rows ``[T, Hkv, D]`` as this FP8 group stores them (saturating)."""
+
+        def one(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            scaled = x.float() / scale.view(1, -1, 1)
+            return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+        return one(k, self.k_scale), one(v, self.v_scale)
