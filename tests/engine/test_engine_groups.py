@@ -288,3 +288,43 @@ def test_a_serving_loop_over_groups_never_stalls():
     assert not run.unfinished and not run.deadlock
     assert all(not step.stuck for step in run.steps)
     assert engine.cache.metrics()["groups"][1]["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("policy", ["greedy", "cancel"])
+def test_the_baselines_on_groups_stall_or_cancel_without_breaking_the_cache(policy):
+    """Greedy admits on what prompts need now: at block boundaries of the small full group it
+    runs dry (stuck requests); cancel frees room by cancelling. The cache stays consistent."""
+    from flashdec.engine.loop import ServingLoop, run_loop
+    from flashdec.scheduler import make_scheduler
+
+    spec = "(2,6,4,2,16):float32:2;(2,40,4,1,8):float32:1:window=6"
+    cache = PagedKVCache(kv_spec=spec, layer_groups=LAYER_GROUPS, device="cpu")
+    engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
+    gen = torch.Generator().manual_seed(7)
+
+    class Executor:
+        def prefill(self, imports):
+            for rid, n in imports:
+                layers = [torch.randn(n, *GEOMETRY[g][:2], generator=gen) for g in LAYER_GROUPS]
+                engine.prefill_request_layers(rid, layers, layers)
+
+        def decode(self, batch):
+            tx = engine.begin_step(list(batch))
+            for layer, g in enumerate(LAYER_GROUPS):
+                hkv, d, _ = GEOMETRY[g]
+                kv = torch.randn(len(batch), hkv, d, generator=gen)
+                engine.step_layer(tx, layer, torch.randn(len(batch), HQ, d, generator=gen), kv, kv)
+            engine.commit_step(tx)
+            return ()
+
+    config = SchedulerConfig(max_active_requests=4, max_batch_size=4)
+    loop = ServingLoop(engine, make_scheduler(policy, config), Executor(), check_invariants=True)
+    specs = [RequestSpec(f"r{i}", 4, 12, i) for i in range(4)]  # 4 full blocks each, 6 in all
+    run = run_loop(loop, [(0, s) for s in specs], max_steps=80, patience=10)
+    if policy == "greedy":
+        assert any(step.stuck for step in run.steps)
+    else:
+        assert any(step.cancelled for step in run.steps)
+        assert not any(step.stuck for step in run.steps)
+    assert cache.metrics()["num_active_requests"] == 0
+    cache.validate_invariants()
