@@ -353,3 +353,34 @@ def graph_us_per_call(
         return bench_us(graph.replay, warmup_ms, rep_ms) / calls
     finally:
         del graph
+
+
+def run_in_workers(
+    fn: Callable[..., int],
+    jobs: Sequence[Any],
+    workers: int,
+    timeout_s: float,
+    *extra: Any,
+    round_robin: bool = False,
+) -> int | None:
+    """Sum of ``fn(chunk, *extra)`` over ``workers`` chunks of ``jobs`` (contiguous, or dealt
+    round-robin), each in a spawned process (CUDA cannot be forked), e.g. to compile kernel
+    variants in parallel before a timing pass; None (the reason printed) on a failure or after
+    ``timeout_s``."""
+    import multiprocessing as mp
+
+    workers = max(1, min(workers, len(jobs)))
+    if round_robin:
+        chunks = [list(jobs[i::workers]) for i in range(workers)]
+    else:
+        size = -(-len(jobs) // workers)
+        chunks = [list(jobs[i : i + size]) for i in range(0, len(jobs), size)]
+    start = time.time()
+    try:
+        with mp.get_context("spawn").Pool(len(chunks)) as pool:
+            done = pool.starmap_async(fn, [(c, *extra) for c in chunks]).get(timeout=timeout_s)
+    except Exception as exc:  # the caller's own pass then does what is missing
+        print(f"worker pool failed ({type(exc).__name__}: {exc})", flush=True)
+        return None
+    print(f"{len(chunks)} workers: {sum(done)} of {len(jobs)} jobs in {time.time() - start:.0f} s")
+    return sum(done)

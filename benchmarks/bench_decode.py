@@ -31,9 +31,10 @@ Writes ``<name>.md``, ``.json`` and ``.png`` (default ``benchmarks/results/decod
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -57,6 +58,7 @@ from benchmarks._common import (
     graph_us_per_call,
     markdown_table,
     read_ceiling_tbs,
+    run_in_workers,
     write_results,
 )
 from flashdec.kernels import decode, launch_decode, plan_decode
@@ -87,6 +89,9 @@ PRIMARY = "32/8/128"
 PAGE_HEADS = ["32/8/128", "28/4/128", "16/8/256", "32/1/128"]
 KINDS = ("uniform", "short", "ragged", "skewed")
 FI_PATHS = (("HND", True), ("HND", False), ("NHD", True), ("NHD", False))
+# outputs of unit-variance random data differ by about one bf16 ulp (0.03 at |x| < 8); beyond
+# this limit one of the two is wrong
+DIFF_LIMIT = 0.05
 
 # --quick: every class, the weak shapes of issue 10, five head configs (about 4 min on an H200)
 QUICK = {
@@ -292,6 +297,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="add FP8 e4m3 KV rows (bf16 cases)")
     p.add_argument("--sdpa", action="store_true", help="also time gather + SDPA (slow)")
     p.add_argument("--no-flashinfer", action="store_true")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(12, (os.cpu_count() or 2) - 2)),
+        help="processes that compile kernels before the timing pass (1: none)",
+    )
     p.add_argument("--budget-s", type=float, default=None, help="stop adding cases after this")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="decode")
@@ -385,17 +396,30 @@ class Case:
         return (plan, *self.flashdec_fns_for(plan))
 
     def flashdec_fns_for(self, plan):
+        """``(api, launch)`` of ``plan``: ``decode(..., workspace=ws)`` and the trusted
+        launcher. An FP8 plan (``kv_dtype=float8_e4m3fn``) reads the FP8 copy of the cache with
+        its scales (SPEC §8.5)."""
         ws = plan.allocate_workspace()
-        q, k, v, t, lens = self.q, self.k, self.v, self.tables, self.lens
+        q, t, lens = self.q, self.tables, self.lens
         scale = self.d**-0.5
+        if FP8 is not None and plan.kv_dtype == FP8:
+            k, v, sk, sv = self.fp8_cache()
+            api_scales = {"k_scale": sk, "v_scale": sv}
+            launch_scales = {
+                "k_scale": torch.full((self.hkv,), sk, device=self.device),
+                "v_scale": torch.full((self.hkv,), sv, device=self.device),
+            }
+        else:
+            k, v, api_scales, launch_scales = self.k, self.v, {}, {}
 
         def api():
-            return decode(q, k, v, t, lens, workspace=ws)
+            return decode(q, k, v, t, lens, workspace=ws, **api_scales)
 
         def launch():
             return launch_decode(
-                q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse, self.batch
-            )
+                q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse,
+                self.batch, **launch_scales,
+            )  # fmt: skip
 
         return api, launch
 
@@ -413,18 +437,8 @@ class Case:
         return self._fp8
 
     def flashdec_fp8_fn(self):
-        """``decode`` over the FP8 cache (SPEC §8.5: ``k_scale``/``v_scale``) through a plan and
-        workspace; the plan gets the KV dtype when plan_decode takes one."""
-        k8, v8, sk, sv = self.fp8_cache()
-        extra = {}
-        params = inspect.signature(plan_decode).parameters
-        for name in ("kv_dtype", "kv_cache_dtype"):
-            if name in params:
-                extra[name] = FP8
-                break
-        ws = self.plan(**extra).allocate_workspace()
-        q, t, lens = self.q, self.tables, self.lens
-        return lambda: decode(q, k8, v8, t, lens, workspace=ws, k_scale=sk, v_scale=sv)
+        """``decode`` over the FP8 cache through its own plan (``kv_dtype``) and workspace."""
+        return self.flashdec_fns_for(self.plan(kv_dtype=FP8))[0]
 
     def kv_for(self, layout: str, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The (K, V) pair in FlashInfer's ``layout``: HND is the cache itself, NHD a copy."""
@@ -604,7 +618,8 @@ def output_error(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def measure(mc: MatrixCase, args, flashinfer, fi_ws, ceilings) -> dict[str, Any]:
-    """Time one case; every failure is recorded in the row, never raised."""
+    """Time one case. A path that fails is recorded in the row; a case that cannot even be
+    built (e.g. out of memory) raises, and :func:`run` records that."""
     row = base_row(mc)
     hq, hkv, d = parse_heads(mc.heads)
     case = Case(list(mc.shape.lens), hq, hkv, d, mc.page, DTYPES[mc.dtype], seed=args.seed)
@@ -826,6 +841,17 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
             + ", ".join(f"{k} {v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1]))
         )
         lines.append("")
+    diffs = [r for r in rows if r.get("max_abs_diff_vs_fi") is not None]
+    if diffs:
+        bad = [r for r in diffs if r["max_abs_diff_vs_fi"] > DIFF_LIMIT]
+        worst = max(diffs, key=lambda r: r["max_abs_diff_vs_fi"])
+        lines.append(
+            f"Outputs, FlashDec vs FlashInfer's best path: largest |diff| "
+            f"{worst['max_abs_diff_vs_fi']:.4f} ({_case(worst)}) over {len(diffs)} shapes; "
+            f"{len(bad)} above {DIFF_LIMIT}"
+            + "".join(f"; **{_case(r)}: {r['max_abs_diff_vs_fi']:.3f}**" for r in bad[:6])
+        )
+        lines.append("")
     failed = [r for r in rows if r.get("fd_error") or r.get("error")]
     fi_none = [r for r in rows if "fi_us" in r and not r.get("fi_best_us")]
     lines.append(
@@ -1020,6 +1046,64 @@ ARG_KEYS = (
 )  # fmt: skip
 
 
+PRECOMPILE_MAX_BYTES = 2 * 2**30  # larger cases compile in the timing pass (worker memory)
+
+
+def warm_up_worker(jobs: list[tuple[str, Any]], seed: int, fp8: bool) -> int:
+    """Worker: compile FlashDec's kernel variants of ``("case", MatrixCase)`` jobs and build
+    FlashInfer's JIT modules of ``("flashinfer", heads)`` jobs (on a small batch), so that the
+    timing pass finds them in the on-disk caches."""
+    torch.cuda.init()
+    done = 0
+    flashinfer = None
+    if any(kind == "flashinfer" for kind, _ in jobs):
+        flashinfer, _ = load_flashinfer()
+    for kind, what in jobs:
+        try:
+            if kind == "case":
+                hq, hkv, d = parse_heads(what.heads)
+                case = Case(list(what.shape.lens), hq, hkv, d, what.page, DTYPES[what.dtype], seed)
+                case.flashdec_fns_for(case.plan())[0]()
+                if fp8 and what.dtype == "bf16":
+                    case.flashdec_fp8_fn()()
+            elif flashinfer is not None:
+                heads, dname = what
+                hq, hkv, d = parse_heads(heads)
+                case = Case([40, 70], hq, hkv, d, 16, DTYPES[dname], seed)
+                ws = flashinfer_workspace()
+                for layout, tc in FI_PATHS:
+                    for kv_fp8 in (False, True) if fp8 and dname == "bf16" else (False,):
+                        # a path that fails here fails (and is recorded) in the timing pass
+                        with contextlib.suppress(Exception):
+                            case.flashinfer_fn(flashinfer, tc, ws, layout, fp8=kv_fp8)()
+            torch.cuda.synchronize()
+            done += 1
+        except Exception as exc:  # the timing pass meets (and records) it again
+            print(f"warm-up failed: {kind} {what}: {short_error(exc)}", flush=True)
+        finally:
+            case = None
+            torch.cuda.empty_cache()
+    return done
+
+
+def warm_up(cases: list[MatrixCase], args, flashinfer) -> None:
+    """Compile in parallel what the timing pass would otherwise compile one case at a time."""
+    if args.workers <= 1 or not cases:
+        return
+    jobs: list[tuple[str, Any]] = []
+    if flashinfer is not None:
+        jobs += [("flashinfer", hd) for hd in dict.fromkeys((c.heads, c.dtype) for c in cases)]
+    jobs += [
+        ("case", c)
+        for c in cases
+        if kv_bytes(c.shape.lens, *parse_heads(c.heads)[1:], 2) <= PRECOMPILE_MAX_BYTES
+    ]
+    timeout = max(10.0, min(args.budget_s / 2, 300.0))
+    run_in_workers(
+        warm_up_worker, jobs, args.workers, timeout, args.seed, args.fp8, round_robin=True
+    )
+
+
 def run(args) -> int:
     env = environment()
     flashinfer, fi_error = (
@@ -1032,6 +1116,8 @@ def run(args) -> int:
     print(f"ceilings: copy {ceilings['copy_tbs']:.3f} TB/s, read {ceilings['read_tbs']:.3f} TB/s")
     cases, too_big = build_matrix(args)
     print(f"{len(cases)} cases ({len(too_big)} left out for size)", flush=True)
+    t0 = time.time()
+    warm_up(cases, args, flashinfer)
     payload: dict[str, Any] = {
         "format": FORMAT,
         "args": {k: getattr(args, k) for k in ARG_KEYS},
@@ -1045,7 +1131,6 @@ def run(args) -> int:
     }
     out_dir = Path(args.out_dir)
     fi_ws = flashinfer_workspace() if flashinfer else None
-    t0 = time.time()
     for mc in cases:
         if time.time() - t0 > args.budget_s:
             payload["skipped_budget"].append(" ".join(map(str, mc.key)))

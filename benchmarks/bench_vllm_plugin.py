@@ -410,8 +410,33 @@ def merge_speed(phases: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def tokens_phases_from_children(in_dir: Path) -> list[dict]:
+    """Token phases rebuilt from the engines' own ``*.child.json`` files, for a run whose
+    phase file did not come back (the device returns at most 8 files)."""
+    children = [json.loads(p.read_text()) for p in sorted(in_dir.glob("**/tokens-*.child.json"))]
+    by_tp: dict[int, dict] = {}
+    for child in children:
+        phase = by_tp.setdefault(child["tp"], dict(phase="tokens", tp=child["tp"], models={}))
+        entry = phase["models"].setdefault(child["model"], dict(runs={}, outputs={}))
+        entry["outputs"][child["backend"]] = child
+        entry["runs"][child["backend"]] = {k: v for k, v in child.items() if k != "outputs"}
+    for phase in by_tp.values():
+        for entry in phase["models"].values():
+            outputs = entry.pop("outputs")
+            if {"default", "CUSTOM"} <= outputs.keys() and all(
+                r.get("outputs") for r in outputs.values()
+            ):
+                entry["prompts"] = compare_tokens(outputs["default"], outputs["CUSTOM"])
+                entry["expected_device_launches_per_worker"] = outputs["CUSTOM"]["num_layers"] * (
+                    outputs["CUSTOM"]["new_tokens"] - 1
+                )
+    return list(by_tp.values())
+
+
 def report(in_dir: Path, results_dir: Path | None = None) -> None:
     phases = [json.loads(p.read_text()) for p in sorted(in_dir.glob("**/vllm_plugin_*.json"))]
+    if not any(ph["phase"] == "tokens" for ph in phases):
+        phases += tokens_phases_from_children(in_dir)
     if not phases:
         sys.exit(f"no vllm_plugin_*.json under {in_dir}")
     # the GPU run's environment (the report itself may run anywhere)

@@ -21,6 +21,8 @@ Prints, per shape, the best configuration against the default and FlashInfer's b
 
     PYTHONPATH=. python3 benchmarks/tune_decode.py                 # every weak shape, <= 4 min
     PYTHONPATH=. python3 benchmarks/tune_decode.py --shapes 28/4/128@B=48 --no-flashinfer
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --fp8            # FP8 KV on its own shapes
+    PYTHONPATH=. python3 benchmarks/tune_decode.py --plans          # no GPU: the default plans
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -46,11 +47,14 @@ from benchmarks._common import (
     fmt,
     geomean,
     markdown_table,
+    run_in_workers,
     write_results,
 )
 from benchmarks.bench_decode import (
     DTYPES,
+    FP8,
     Case,
+    MatrixCase,
     Shape,
     flashinfer_best,
     flashinfer_workspace,
@@ -62,7 +66,9 @@ from benchmarks.bench_decode import (
     short_error,
     skew_pair,
     uniform_shape,
+    warm_up_worker,
 )
+from flashdec.kernels import plan_decode
 
 # (head config, shape): the shapes issue 10 names as slower than FlashInfer, and their class
 WEAK_SHAPES: list[tuple[str, Shape]] = [
@@ -77,7 +83,15 @@ WEAK_SHAPES: list[tuple[str, Shape]] = [
     ("32/1/128", uniform_shape(32, 4096)),
     ("32/8/128", skew_pair(32768, 1024, 63)[0]),
 ]
-BLOCK_N = (16, 32, 64, 128)
+# --fp8: FP8 e4m3 KV on the shapes of its >= 1.7x target (bf16 KV >= 512 MiB) and B=1 32k
+FP8_SHAPES: list[tuple[str, Shape]] = [
+    ("32/8/128", uniform_shape(32, 4096)),
+    ("32/8/128", uniform_shape(16, 16384)),
+    ("32/8/128", uniform_shape(1, 32768)),
+    ("28/4/128", uniform_shape(48, 3000)),
+    ("16/8/256", uniform_shape(32, 4096)),
+]
+BLOCK_N = (16, 32, 64, 128)  # and 256 for one-byte (FP8) K/V
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)  # one stage only where the loop has at most two iterations
 # K+V tile bytes of all stages kept below this (H200: 227 KiB of shared memory per block)
@@ -106,7 +120,7 @@ def tile_grid(head_dim: int, elem: int, max_len: int | None = None) -> list[dict
     whose pipelined K+V tiles overflow shared memory."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     out = []
-    for bn in BLOCK_N:
+    for bn in BLOCK_N + ((256,) if elem == 1 else ()):
         for w in WARPS:
             if (w == 2 and bn * block_d > 4096) or (w == 8 and bn * block_d < 4096):
                 continue
@@ -151,9 +165,12 @@ def spec_label(spec: tuple[str, int]) -> str:
     return "auto" if spec[0] == "auto" else f"{spec[0]}={spec[1]}"
 
 
-def make_plan(case: Case, spec: tuple[str, int], tile: dict[str, int]):
+def make_plan(case: Case, spec: tuple[str, int], tile: dict[str, int], kv_dtype=None):
+    """The plan of one split spec and tile (``kv_dtype``: the cache's, e.g. FP8)."""
     kind, n = spec
     kw: dict[str, Any] = dict(tile)
+    if kv_dtype is not None:
+        kw["kv_dtype"] = kv_dtype
     if kind == "splits":
         kw["num_splits"] = n
     elif kind == "pps":
@@ -175,7 +192,7 @@ def build_case(head: str, shape: Shape, page: int, dtype: torch.dtype, seed: int
     return Case(list(shape.lens), hq, hkv, d, page, dtype, seed=seed)
 
 
-def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
+def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int, fp8: bool) -> int:
     """Launch each job once so that Triton compiles (and caches on disk) its variant."""
     torch.cuda.init()
     done = 0
@@ -184,10 +201,12 @@ def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
         if key != (head, label, page):
             case = None
             torch.cuda.empty_cache()
-            shape = next(s for h, s in WEAK_SHAPES if h == head and s.label == label)
+            shapes = WEAK_SHAPES + FP8_SHAPES
+            shape = next(s for h, s in shapes if h == head and s.label == label)
             key, case = (head, label, page), build_case(head, shape, page, DTYPES[dtype_name], seed)
         try:
-            _, launch = case.flashdec_fns_for(make_plan(case, spec, tile))
+            plan = make_plan(case, spec, tile, FP8 if fp8 else None)
+            _, launch = case.flashdec_fns_for(plan)
             launch()
             done += 1
         except Exception as exc:  # reported again (and skipped) by the timing pass
@@ -197,19 +216,12 @@ def _compile_worker(jobs: list[tuple], dtype_name: str, seed: int) -> int:
 
 
 def precompile(jobs: list[tuple], args, timeout_s: float) -> None:
-    """Compile ``jobs`` in ``args.workers`` processes, giving up after ``timeout_s``."""
+    """Compile ``jobs`` in ``args.workers`` processes, giving up after ``timeout_s`` (the timing
+    pass then compiles what is missing)."""
     if args.workers <= 1 or not jobs:
         return
-    jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2]))  # one case per run of jobs
-    chunks = [jobs[i :: args.workers] for i in range(args.workers)]
-    t0 = time.time()
-    try:
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            work = [(c, args.dtype, args.seed) for c in chunks]
-            done = pool.starmap_async(_compile_worker, work).get(timeout=timeout_s)
-        print(f"precompiled {sum(done)} launches in {time.time() - t0:.0f} s", flush=True)
-    except Exception as exc:  # the timing pass compiles what is missing
-        print(f"precompile failed ({short_error(exc)}); compiling while timing", flush=True)
+    jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2]))  # a worker builds few cases
+    run_in_workers(_compile_worker, jobs, args.workers, timeout_s, args.dtype, args.seed, args.fp8)
 
 
 class Sweep:
@@ -242,7 +254,7 @@ class Sweep:
         row: dict[str, Any] = {"shape": key, "phase": phase, "split": spec_label(spec), **tile}
         try:
             case = self.case(head, shape)
-            plan = make_plan(case, spec, tile)
+            plan = make_plan(case, spec, tile, FP8 if self.args.fp8 else None)
             _, launch = case.flashdec_fns_for(plan)
             row.update(
                 block_n=plan.block_n,
@@ -260,9 +272,8 @@ class Sweep:
                 if key not in self.expected:
                     self.expected[key] = out.clone()
                 row["max_diff_vs_default"] = (out - self.expected[key]).abs().max().item()
-                row["pct_copy"] = (
-                    100 * case.kv_bytes / (row["us"] * 1e-6) / 1e12 / self.args.copy_tbs
-                )
+                nbytes = case.kv_bytes // (2 if self.args.fp8 else 1)  # e4m3: half of bf16
+                row["pct_copy"] = 100 * nbytes / (row["us"] * 1e-6) / 1e12 / self.args.copy_tbs
         except Exception as exc:  # one failing configuration is reported and skipped
             torch.cuda.synchronize()
             row["us"], row["error"] = None, short_error(exc)
@@ -304,21 +315,34 @@ def run(args) -> int:
     env["flashinfer"] = getattr(flashinfer, "__version__", None)
     shapes = [
         (h, s)
-        for h, s in WEAK_SHAPES
+        for h, s in (FP8_SHAPES if args.fp8 else WEAK_SHAPES)
         if not args.shapes or any(shape_matches(x, h, s) for x in args.shapes)
     ]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     sweep = Sweep(args, shapes)
+    if args.workers > 1:  # default plans and FlashInfer's JIT modules, built in parallel
+        jobs = [("case", MatrixCase(args.dtype, h, args.page, s)) for h, s in shapes]
+        if flashinfer is not None:
+            jobs += [("flashinfer", (h, args.dtype)) for h in dict.fromkeys(h for h, _ in shapes)]
+        run_in_workers(warm_up_worker, jobs, args.workers, args.budget_s / 2, args.seed,
+                       args.fp8, round_robin=True)  # fmt: skip
     fi: dict[str, dict[str, Any]] = {}
+    bf16_us: dict[str, float | None] = {}  # --fp8: the bf16 cache's default plan, same shape
     fi_ws = flashinfer_workspace() if flashinfer else None
     for head, shape in shapes:  # phase 1: the default and FlashInfer
         if sweep.over_budget():
             break
         key = shape_key(head, shape, args.page)
         sweep.time(head, shape, "default", ("auto", 0), {})
+        if args.fp8:
+            try:
+                bf16 = sweep.case(head, shape).flashdec_fns()[2]
+                bf16_us[key] = graph_time(bf16, args)[0]
+            except Exception as exc:
+                print(f"{key} bf16: {short_error(exc)}", flush=True)
         if flashinfer is not None:
             try:
-                res = flashinfer_best(sweep.case(head, shape), flashinfer, fi_ws, args)
+                res = flashinfer_best(sweep.case(head, shape), flashinfer, fi_ws, args, args.fp8)
                 fi[key] = {k: v for k, v in res.items() if k != "best_fn"}
             except Exception as exc:
                 fi[key] = {"best_us": None, "errors": {"all": short_error(exc)}}
@@ -341,7 +365,7 @@ def run(args) -> int:
         if best is None:
             continue
         _, _, d = parse_heads(head)
-        for tile in tile_grid(d, DTYPES[args.dtype].itemsize, shape.max_len):
+        for tile in tile_grid(d, 1 if args.fp8 else 2, shape.max_len):
             grid.append((head, shape, spec_of(best), tile))
     if not sweep.over_budget():
         jobs = [(h, s.label, args.page, sp, t) for h, s, sp, t in grid]
@@ -366,8 +390,8 @@ def run(args) -> int:
                 "kind": s.kind,
                 "batch": s.batch,
                 "max_len": s.max_len,
-                "kv_mib": kv_bytes(s.lens, *parse_heads(h)[1:], DTYPES[args.dtype].itemsize)
-                / 2**20,
+                "kv_mib": kv_bytes(s.lens, *parse_heads(h)[1:], 1 if args.fp8 else 2) / 2**20,
+                "bf16_default_us": bf16_us.get(shape_key(h, s, args.page)),
             }
             for h, s in shapes
         ],
@@ -424,6 +448,7 @@ def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
                 f"{fmt(fi_us)} ({(fi.get(key) or {}).get('best_path') or '—'})",
                 fmt(d_us / fi_us, 3) if d_us and fi_us else "—",
                 fmt(b_us / fi_us, 3) if b_us and fi_us else "—",
+                fmt(s["bf16_default_us"] / b_us, 2) if s.get("bf16_default_us") and b_us else "—",
                 str(len(rows)),
             ]
         )
@@ -432,7 +457,7 @@ def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
 
 SUMMARY_COLUMNS = [
     "shape", "KV MiB", "default us", "default config", "best us", "best % copy", "best config",
-    "default / best", "FI best us (path)", "default / FI", "best / FI", "timed",
+    "default / best", "FI best us (path)", "default / FI", "best / FI", "bf16 / best", "timed",
 ]  # fmt: skip
 
 
@@ -457,10 +482,13 @@ def render(payload: dict[str, Any]) -> str:
     errors = [r for r in payload["results"] if r.get("error")]
     diffs = [r["max_diff_vs_default"] for r in payload["results"] if "max_diff_vs_default" in r]
     lines = [
-        "# Decode kernel tuning sweep: the weak shapes of issue 10",
+        "# Decode kernel tuning sweep: "
+        + ("FP8 e4m3 KV" if a.get("fp8") else "the weak shapes of issue 10"),
         "",
         environment_markdown(payload["environment"]),
-        f"- dtype {a['dtype']}, page {a['page']}; graph-timed: {a['calls']} calls per CUDA graph, "
+        f"- dtype {a['dtype']}" + (" (q), KV float8_e4m3fn ('bf16 / best': the bf16 cache's "
+        "default plan against the best FP8 configuration)" if a.get("fp8") else "")
+        + f", page {a['page']}; graph-timed: {a['calls']} calls per CUDA graph, "
         f"median replay / calls (do_bench, warmup {a['warmup']} ms, rep {a['rep']} ms); "
         f"'% copy' against {a['copy_tbs']} TB/s; {len(payload['results'])} timings in "
         f"{payload['elapsed_s']:.0f} s (budget {a['budget_s']:.0f} s)",
@@ -490,6 +518,70 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plan_facts(head: str, shape: Shape, page: int, kv_dtype=None) -> dict[str, Any]:
+    """What the default plan does with one shape on this machine's SM count (the H200's 132 on
+    a CPU-only machine): the launch's tile and split, and the numbers the proposals in the
+    tuning report are about: work items per SM, the largest item against an SM's mean share,
+    and the split path's partial-output traffic against the KV bytes."""
+    hq, hkv, d = parse_heads(head)
+    dtype = DTYPES["bf16"]
+    plan = plan_decode(
+        shape.batch, hq, hkv, d, page, shape.max_len, dtype, "cpu",
+        total_tokens=shape.total_tokens, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    sms, tps = plan.sm_count, plan.tokens_per_split
+    if plan.uses_split:  # as the kernel deals them: ceil(len / tps) splits, the last takes the rest
+        counts = [min(max(-(-n // tps), 1), plan.num_splits) for n in shape.lens]
+        sizes = [
+            n - tps * (c - 1) if i == c - 1 else tps
+            for n, c in zip(shape.lens, counts, strict=True)
+            for i in range(c)
+        ]
+        merged = sum(c for c in counts if c > 1)
+    else:
+        sizes, merged = list(shape.lens), 0
+    items = len(sizes) * hkv
+    elem = 1 if kv_dtype is not None else 2
+    kv = kv_bytes(shape.lens, hkv, d, elem)
+    per_sm = shape.total_tokens * hkv / sms  # token-heads of an SM's mean share
+    return {
+        "shape": shape_key(head, shape, page),
+        "split": plan.uses_split,
+        "splits": plan.num_splits,
+        "tokens_per_split": tps,
+        "block_n": plan.block_n,
+        "warps": plan.num_warps,
+        "stages": plan.num_stages,
+        "programs": plan.num_programs if plan.uses_split else items,
+        "items": items,
+        "items_per_sm": items / sms,
+        # > 1: whole waves of programs cannot be even (e.g. 1.45 per SM -> some SMs do 2)
+        "wave_ratio": -(-items // sms) / (items / sms),
+        "largest_item_vs_sm_share": max(sizes) / per_sm,
+        # partial outputs written by stage 1 and read by the merge (float32, D + 1 per row)
+        "partial_traffic": merged * hq * (d + 1) * 4 * 2 / kv if kv else 0.0,
+    }
+
+
+PLAN_COLUMNS = [
+    "shape", "split", "splits", "tokens/split", "block_n", "warps", "stages", "programs",
+    "items", "items/SM", "waves ceil/mean", "largest item / SM share", "partials / KV bytes",
+]  # fmt: skip
+
+
+def plans_markdown(facts: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            f["shape"], "yes" if f["split"] else "no", str(f["splits"]), str(f["tokens_per_split"]),
+            str(f["block_n"]), str(f["warps"]), str(f["stages"]), str(f["programs"]),
+            str(f["items"]), fmt(f["items_per_sm"], 2), fmt(f["wave_ratio"], 2),
+            fmt(f["largest_item_vs_sm_share"], 2), fmt(f["partial_traffic"], 3),
+        ]
+        for f in facts
+    ]  # fmt: skip
+    return markdown_table(PLAN_COLUMNS, rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -508,6 +600,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--copy-tbs", type=float, default=4.27, help="copy ceiling for '% copy'")
     p.add_argument("--budget-s", type=float, default=200, help="stop timing after this")
     p.add_argument("--no-flashinfer", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 e4m3 KV on its own shapes")
+    p.add_argument(
+        "--plans",
+        action="store_true",
+        help="no timing (no GPU needed): print what the default plan does with each shape",
+    )
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="decode_tuning")
     args = p.parse_args(argv)
@@ -518,6 +616,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plans:
+        shapes = FP8_SHAPES if args.fp8 else WEAK_SHAPES
+        facts = [
+            plan_facts(h, s, args.page, FP8 if args.fp8 else None)
+            for h, s in shapes
+            if not args.shapes or any(shape_matches(x, h, s) for x in args.shapes)
+        ]
+        print(plans_markdown(facts))
+        return 0
     if not torch.cuda.is_available():
         print("tune_decode needs a CUDA GPU", file=sys.stderr)
         return 2

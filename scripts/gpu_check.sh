@@ -3,14 +3,15 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests quicktests tune decode decodequick decodefp8 window append engine eager launch
-#   e2e
+#   phases: tests quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
+#   launch e2e
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS
 #   window: sliding-window decode, time and bytes against L = W..32W (~1 min, window.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
 #   decodefp8: FP8 e4m3 KV against bf16 and FlashInfer's FP8 decode (~3 min, decode_fp8.md);
-#   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md)
+#   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md);
+#   tunefp8: the same sweep over FP8 KV (<= 4 min, decode_tuning_fp8.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -49,6 +50,10 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     decode)
       python3 benchmarks/bench_decode.py --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    tunefp8)
+      python3 benchmarks/tune_decode.py --fp8 --name decode_tuning_fp8 --out-dir "$OUT" \
+        ${TUNE_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     decodequick)
       python3 benchmarks/bench_decode.py --quick --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 \
@@ -92,8 +97,10 @@ for f in decode decode_fp8; do
   [ -f "$OUT/$f.md" ] && grep -q "^## Targets" "$OUT/$f.md" \
     && { echo "--- $f.md"; sed -n '/^## Targets/,/^## Summary/p' "$OUT/$f.md"; }
 done
-[ -f "$OUT/decode_tuning.md" ] && sed -n '/^## Best configuration/,/^## Tiles/p' \
-  "$OUT/decode_tuning.md"
+for f in decode_tuning decode_tuning_fp8; do
+  [ -f "$OUT/$f.md" ] && grep -q "^## Tiles" "$OUT/$f.md" \
+    && { echo "--- $f.md"; sed -n '/^## Best configuration/,/^## Tiles/p' "$OUT/$f.md"; }
+done
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
 [ -f "$OUT/window.md" ] && grep "^| " "$OUT/window.md"

@@ -54,6 +54,13 @@ def test_tile_grid_fits_shared_memory_and_pairs_warps_with_tiles(head_dim):
             )
 
 
+def test_fp8_tiles_go_wider():
+    bf16, fp8 = td.tile_grid(128, 2), td.tile_grid(128, 1)
+    assert max(t["block_n"] for t in fp8) == 256 > max(t["block_n"] for t in bf16)
+    assert len(fp8) > len(bf16)
+    assert all(h in bd.HEAD_CONFIGS for h, _ in td.FP8_SHAPES)
+
+
 def test_split_specs_target_items_per_sm():
     assert td.split_specs(bd.uniform_shape(1024, 17), 8, 132) == []  # too short to split
     specs = td.split_specs(bd.uniform_shape(1, 32768), 1, 132)
@@ -156,7 +163,7 @@ def test_report_compares_best_default_and_flashinfer():
     cells = [c.strip() for c in line_a.strip("|").split("|")]
     assert cells[2] == "60.0" and cells[4] == "45.0" and cells[6].startswith("bn 32 w4 s3 auto")
     assert cells[7] == "1.33" and cells[8] == "50.0 (HND-tc)"
-    assert cells[9] == "1.200" and cells[10] == "0.900" and cells[11] == "3"
+    assert cells[9] == "1.200" and cells[10] == "0.900" and cells[11] == "—" and cells[12] == "3"
     line_b = next(x for x in text.splitlines() if x.startswith("| 32/1/128"))
     assert "splits=132 (132 splits, 132 programs)" in line_b and "— (—)" in line_b
     assert "1 configurations failed" in text and "OutOfResources" in text
@@ -174,9 +181,8 @@ def test_args():
         td.parse_args(["--calls", "0"])
 
 
-def test_run_on_the_cpu_with_stand_ins(monkeypatch, tmp_path):
-    """The sweep's control flow, timings faked: every phase runs, every output is compared with
-    the default's, and the report names the best configuration against FlashInfer's."""
+@pytest.fixture
+def cpu_sweep(monkeypatch):
     from tests.test_benchmarks_decode import FakeFlashInfer
 
     clock = iter(range(1000, 100000))
@@ -192,6 +198,30 @@ def test_run_on_the_cpu_with_stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(td, "BLOCK_N", (16, 32))
     monkeypatch.setattr(td, "WARPS", (4,))
     monkeypatch.setattr(td, "STAGES", (2,))
+
+
+def test_fp8_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
+    if bd.FP8 is None:
+        pytest.skip("no float8 in this torch")
+    monkeypatch.setattr(td, "FP8_SHAPES", [("4/2/16", bd.uniform_shape(2, 40))])
+    args = td.parse_args(["--fp8", "--page", "8", "--workers", "1", "--out-dir", str(tmp_path)])
+    assert td.run(args) == 0
+    saved = json.loads((tmp_path / "decode_tuning.json").read_text())
+    assert not [r for r in saved["results"] if r.get("error")]
+    assert [r["block_n"] for r in saved["results"] if r["phase"] == "tile"] == [16, 32, 256]
+    assert (
+        saved["shapes"][0]["bf16_default_us"]
+        and saved["shapes"][0]["kv_mib"]
+        == 80 * 2 * 16 * 2 / 2**20  # tokens x Hkv x D x (K, V) x 1 byte
+    )
+    assert saved["flashinfer"]["4/2/16 p8 B=2 L=40"]["best_path"] == "HND-tc"
+    text = (tmp_path / "decode_tuning.md").read_text()
+    assert "FP8 e4m3 KV" in text and "bf16 / best" in text
+
+
+def test_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
+    """The sweep's control flow, timings faked: every phase runs, every output is compared with
+    the default's, and the report names the best configuration against FlashInfer's."""
     shapes = [("4/2/16", bd.uniform_shape(3, 20)), ("4/1/16", bd.ragged_shape(2, 70))]
     monkeypatch.setattr(td, "WEAK_SHAPES", shapes)
     args = td.parse_args(["--page", "8", "--workers", "1", "--out-dir", str(tmp_path)])
@@ -206,3 +236,24 @@ def test_run_on_the_cpu_with_stand_ins(monkeypatch, tmp_path):
     assert len(lines) == len(saved["results"])
     text = (tmp_path / "decode_tuning.md").read_text()
     assert "| 4/1/16 p8 ragged 2x1..70 |" in text
+
+
+def test_plan_facts_explain_the_weak_shapes(capsys):
+    """--plans needs no GPU: the CPU plans use the H200's SM count."""
+    facts = {td.shape_key(h, s, 16): td.plan_facts(h, s, 16) for h, s in td.WEAK_SHAPES}
+    group7 = facts["28/4/128 p16 B=48 L=3000"]
+    assert not group7["split"] and group7["items"] == 192
+    assert group7["wave_ratio"] == pytest.approx(2 / (192 / 132))  # some SMs run 2 programs
+    mqa = facts["32/1/128 p16 B=1 L=32768"]
+    # 256 splits of 128 tokens: 32 heads x 129 floats x 2 (written, read) per split = 50% of KV
+    assert mqa["splits"] * mqa["tokens_per_split"] >= 32768
+    assert mqa["partial_traffic"] == pytest.approx(256 * 32 * 129 * 4 * 2 / (32768 * 128 * 4))
+    skew = facts["32/8/128 p16 skewed 1x32768+63x1024"]
+    assert skew["split"] and skew["items"] < skew["programs"]  # programs that find no item
+    assert all(f["largest_item_vs_sm_share"] > 0 for f in facts.values())
+    assert td.main(["--plans", "--shapes", "short"]) == 0
+    out = capsys.readouterr().out
+    assert "| 32/8/128 p16 B=1024 L=17 | no |" in out and "B=48" not in out
+    if bd.FP8 is not None:
+        f8 = td.plan_facts("32/8/128", bd.uniform_shape(32, 4096), 16, bd.FP8)
+        assert f8["items"] == 256
