@@ -7,7 +7,8 @@
 #   launch e2e
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS
-#   window: sliding-window decode, time and bytes against L = W..32W (~1 min, window.md);
+#   window: sliding-window decode time, bytes and blocks held, L = W..32W (~1.5 min,
+#     window_groups.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
 #   decodefp8: FP8 e4m3 KV against bf16 and FlashInfer's FP8 decode (~3 min, decode_fp8.md);
 #   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md);
@@ -66,7 +67,7 @@ for phase in $PHASES; do
         "ragged 48x1..12345" --budget-s 200 ${FP8_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     window)
-      python3 benchmarks/bench_window.py --out-dir "$OUT" ${WINDOW_ARGS:-} 2>&1 | tee -a "$LOG"
+      python3 benchmarks/bench_window_groups.py --out-dir "$OUT" ${WINDOW_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     engine)
       python3 benchmarks/run_multi_layer_engine.py --out-dir "$OUT" ${ENGINE_ARGS:-} 2>&1 \
@@ -103,6 +104,6 @@ for f in decode_tuning decode_tuning_fp8; do
 done
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
-[ -f "$OUT/window.md" ] && grep "^| " "$OUT/window.md"
+[ -f "$OUT/window_groups.md" ] && grep "^- W=" "$OUT/window_groups.md"
 [ -f "$OUT/e2e.md" ] && grep "^| \|target\|agreement\|Memory" "$OUT/e2e.md"
 exit $status
