@@ -41,7 +41,7 @@ from flashdec.engine.layer_ops import (
 from flashdec.engine.snapshot import (
     cache_group_shapes,
     grouped_active_row,
-    grouped_pools,
+    grouped_snapshot,
     snapshot_from_cache,
 )
 from flashdec.kernels import triton_runs_on
@@ -487,20 +487,7 @@ class DecodeEngine:
                     cache, self._specs[rid], self._group_shapes, prefix_map, wait
                 )
             rows.append(row)
-        pools = grouped_pools(cache)
-        first = pools[0]
-        return SchedulingSnapshot(
-            step=step,
-            cache_version=cache.version,
-            block_size=first.block_size,
-            total_blocks=first.total_blocks,
-            free_blocks=first.free_blocks,
-            max_blocks_per_seq=first.max_blocks_per_seq,
-            prefixes=prefixes,
-            active=tuple(rows),
-            waiting=self._queue.view(),
-            groups=pools,
-        )
+        return grouped_snapshot(cache, step, prefixes, tuple(rows), self._queue.view())
 
     def _scheduled_active_ids(self) -> list:
         if self._mode != "scheduled":

@@ -241,6 +241,12 @@ def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, serv
             )
         )
     waiting_rows.sort(key=lambda r: r.spec.submission_order)
+    return grouped_snapshot(cache, step, (), tuple(rows), tuple(waiting_rows))
+
+
+def grouped_snapshot(cache, step: int, prefixes, active, waiting) -> SchedulingSnapshot:
+    """A snapshot of a grouped cache: every group's pool, with group 0's in the scalar fields
+    (the one-group form of the same facts)."""
     pools = grouped_pools(cache)
     first = pools[0]
     return SchedulingSnapshot(
@@ -250,7 +256,8 @@ def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, serv
         total_blocks=first.total_blocks,
         free_blocks=first.free_blocks,
         max_blocks_per_seq=first.max_blocks_per_seq,
-        active=tuple(rows),
-        waiting=tuple(waiting_rows),
+        prefixes=prefixes,
+        active=active,
+        waiting=waiting,
         groups=pools,
     )
