@@ -26,7 +26,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from flashdec._checks import check_choice, check_request_id, check_tensor, resolve_sm_scale
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_request_id,
+    check_tensor,
+    resolve_sm_scale,
+)
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
 from flashdec.engine.layer_ops import (
     APPEND_BACKENDS,
@@ -175,6 +181,11 @@ class DecodeEngine:
         sm_scale: softmax scale; ``None`` = ``head_dim ** -0.5``.
         rope_inv_freq: a model's own float32 inverse frequencies ``[rotary_dim // 2]`` (e.g. with
             llama3 scaling), used instead of ``rope_base``.
+        activation_dtype: the dtype of ``q, k, v`` and of the attention output. ``None`` = the
+            cache's dtype (float caches); required — float16 or bfloat16 — when a KV group
+            stores float8_e4m3fn. A float group's storage dtype must equal it. FP8 groups
+            quantize on append and dequantize in decode with the cache's fixed per-head scales
+            (``PagedKVCache.group_kv_scales``; fixed, not calibrated).
     """
 
     def __init__(
@@ -187,18 +198,16 @@ class DecodeEngine:
         sm_scale: float | None = None,
         *,
         rope_inv_freq: torch.Tensor | None = None,
+        activation_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         append_backend = check_choice("append_backend", append_backend, APPEND_BACKENDS)
         decode_backend = check_choice("decode_backend", decode_backend, DECODE_BACKENDS)
         specs = cache.kv_groups
-        for g, spec in enumerate(specs):
-            if spec.dtype == torch.float8_e4m3fn:
-                raise ValueError(
-                    f"KV group {g} stores float8_e4m3fn: the engine does not run FP8 groups yet "
-                    "(its kernels take no K/V scales)"
-                )
+        self.activation_dtype = _activation_dtype(specs, activation_dtype)
+        # per group: the FP8 scales (cache-owned device tensors: fixed addresses) or None
+        self._scales = tuple(cache.group_kv_scales(g) or (None, None) for g in range(len(specs)))
         # per group: RoPE and the softmax scale follow the group's head_dim
         self._ropes = tuple(
             Rope.build(spec.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
@@ -233,7 +242,7 @@ class DecodeEngine:
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
-        self._dtype = specs[0].dtype
+        self._dtype = self.activation_dtype
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
@@ -649,12 +658,12 @@ class DecodeEngine:
                 )
             if self._fused_triton:
                 return self._fast_layer(step, layer_idx, q, k, v)
-            backend, rope = self.append_backend, self.rope
+            backend, rope, (k_scale, v_scale) = self.append_backend, self.rope, self._scales[0]
             q_rot = self.cache.write_token_layer_with(
                 step.transaction_id,
                 layer_idx,
                 lambda k_layer, v_layer, slots: write_rope_layer(
-                    backend, rope, q, k, v, k_layer, v_layer, slots
+                    backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
                 ),
             )
             return self._decode_layer(step, layer_idx, q_rot)
@@ -677,12 +686,12 @@ class DecodeEngine:
             )
         if self._fused_triton:
             return self._fast_group_layer(step, layer_idx, g, q, k, v)
-        backend, rope = self.append_backend, self._ropes[g]
+        backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
         q_rot = self.cache.write_token_layer_with(
             step.transaction_id,
             layer_idx,
             lambda k_layer, v_layer, slots: write_rope_layer(
-                backend, rope, q, k, v, k_layer, v_layer, slots
+                backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
             ),
         )
         return self._decode_group_layer(step, layer_idx, g, q_rot)
@@ -778,20 +787,22 @@ class DecodeEngine:
         try:
             cache = self.cache
             rows = step.num_tokens
-            spec = cache.kv_groups[cache.layer_group(layer_idx)]
+            g = cache.layer_group(layer_idx)
+            spec = cache.kv_groups[g]
             for name, t in (("k", k), ("v", v)):
-                check_tensor(name, t, ndim=3, dtypes=(spec.dtype,), device=cache.device)
+                check_tensor(name, t, ndim=3, dtypes=(self._dtype,), device=cache.device)
                 if tuple(t.shape) != (rows, spec.num_kv_heads, spec.head_dim):
                     raise ValueError(
                         f"{name} must have shape {(rows, spec.num_kv_heads, spec.head_dim)}, "
                         f"got {tuple(t.shape)}"
                     )
             backend = "torch" if self.append_backend == "torch" else "triton"
+            k_scale, v_scale = self._scales[g]
             cache.write_token_layer_with(
                 step.transaction_id,
                 layer_idx,
                 lambda k_layer, v_layer, slots: write_plain_layer(
-                    backend, k, v, k_layer, v_layer, slots
+                    backend, k, v, k_layer, v_layer, slots, k_scale, v_scale
                 ),
             )
         except BaseException:
@@ -837,13 +848,13 @@ class DecodeEngine:
         num_layers = cache.num_layers
         specs = [cache.kv_groups[g] for g in self._layer_groups]
         if isinstance(value, torch.Tensor):
-            kinds = {(spec.num_kv_heads, spec.head_dim, spec.dtype) for spec in specs}
+            kinds = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
             if len(kinds) != 1:
                 raise ValueError(
-                    f"{name}: this cache's KV layer groups differ in Hkv, head_dim or dtype; "
+                    f"{name}: this cache's KV layer groups differ in Hkv or head_dim; "
                     "pass one tensor per layer"
                 )
-            check_tensor(name, value, dtypes=(specs[0].dtype,), device=cache.device)
+            check_tensor(name, value, dtypes=(self._dtype,), device=cache.device)
             if value.dim() not in (3, 4):
                 raise ValueError(
                     f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
@@ -864,8 +875,8 @@ class DecodeEngine:
         if len(value) != num_layers:
             raise ValueError(f"{name} must hold {num_layers} layers, got {len(value)}")
         layers = []
-        for i, (t, spec) in enumerate(zip(value, specs, strict=True)):
-            check_tensor(f"{name}[{i}]", t, dtypes=(spec.dtype,), device=cache.device)
+        for i, t in enumerate(value):
+            check_tensor(f"{name}[{i}]", t, dtypes=(self._dtype,), device=cache.device)
             if t.dim() not in (2, 3):
                 raise ValueError(
                     f"{name}[{i}] must be [Hkv, D] or [T, Hkv, D], got {tuple(t.shape)}"
@@ -946,7 +957,7 @@ class DecodeEngine:
             device = self.cache.device
             if q.device == device and k.device == device and v.device == device:
                 return  # the common case: same shapes as the step's first layer
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v)
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, dtype=self._dtype)
         if step.q_shape is not None and q.shape != step.q_shape:
             raise ValueError(
                 f"q has {q.shape[1]} heads but earlier layers of this step had {step.q_shape[1]}"
@@ -982,7 +993,7 @@ class DecodeEngine:
                 self.cache, step.num_rows, num_heads, step.max_len_after
             ):
                 state = self._decode_state = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after
+                    self.cache, step.num_rows, num_heads, step.max_len_after, dtype=self._dtype
                 )
             step.decode = state
         return state
@@ -992,12 +1003,12 @@ class DecodeEngine:
         seen = step.group_shapes[g]
         shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
         if seen is not None and shapes == (seen[0], seen[1], seen[1]):
-            dtype = self.cache.kv_groups[g].dtype
+            dtype = self._dtype
             if q.dtype is dtype and k.dtype is dtype and v.dtype is dtype:
                 device = self.cache.device
                 if q.device == device and k.device == device and v.device == device:
                     return  # the common case: same shapes as the group's first layer
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, group=g)
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
         if seen is not None and q.shape != seen[0]:
             raise ValueError(
                 f"q has {q.shape[1]} heads but earlier layers of KV group {g} in this step had "
@@ -1034,7 +1045,7 @@ class DecodeEngine:
                 self.cache, step.num_rows, num_heads, step.max_len_after
             ):
                 state = self._group_decode_states[g] = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after, group=g
+                    self.cache, step.num_rows, num_heads, step.max_len_after, g, self._dtype
                 )
             step.group_decode[g] = state
         return state
@@ -1054,6 +1065,7 @@ class DecodeEngine:
                 step.max_len_after,
                 self._sm_scales[g],
                 self._windows[g],
+                *self._scales[g],
             )
         state = self._group_decode_state(step, g, q_rot.shape[1])
         return state.decode(q_rot, k_layer, v_layer, slots, self._sm_scales[g],
@@ -1072,7 +1084,32 @@ class DecodeEngine:
                 step.max_len_after,
                 self.sm_scale,
                 self._windows[0],
+                *self._scales[0],
             )
         state = self._decode_state_of(step, q_rot.shape[1])
         # each layer's output outlives the shared workspace
         return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))
+
+
+def _activation_dtype(specs: Sequence, dtype: object) -> torch.dtype:
+    """The engine's q/k/v/output dtype: ``dtype`` checked against every group's storage."""
+    fp8 = [g for g, spec in enumerate(specs) if spec.dtype == torch.float8_e4m3fn]
+    if dtype is None:
+        if fp8:
+            raise ValueError(
+                f"KV group {fp8[0]} stores float8_e4m3fn: pass activation_dtype=torch.float16 "
+                "or torch.bfloat16 (the dtype of q, k, v and the attention output)"
+            )
+        dtype = specs[0].dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"activation_dtype must be a torch.dtype or None, got {dtype!r}")
+    allowed = (torch.float16, torch.bfloat16) if fp8 else FLOAT_DTYPES
+    if dtype not in allowed:
+        raise ValueError(f"activation_dtype must be one of {allowed}, got {dtype}")
+    for g, spec in enumerate(specs):
+        if g not in fp8 and spec.dtype != dtype:
+            raise ValueError(
+                f"KV group {g} stores {spec.dtype} but activation_dtype is {dtype}: a float "
+                "group's storage dtype must be the activation dtype"
+            )
+    return dtype

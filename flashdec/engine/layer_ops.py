@@ -35,7 +35,13 @@ from flashdec.kernels import (
     launch_kv_append,
     plan_decode,
 )
-from flashdec.reference import apply_rope, apply_rope_inv_freq, dense_decode_attention_ref
+from flashdec.reference import (
+    apply_rope,
+    apply_rope_inv_freq,
+    dense_decode_attention_ref,
+    dequantize_fp8,
+    quantize_fp8,
+)
 
 APPEND_BACKENDS = ("torch", "triton", "fused")
 DECODE_BACKENDS = ("torch", "triton")
@@ -88,10 +94,13 @@ def write_rope_layer(
     v_layer: torch.Tensor,
     slots: TransactionSlots,
     q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k at the reserved positions, store rotated k and v; returns rotated q.
 
     ``q, k, v`` have one row per slot row (padding rows included: their K/V are not stored).
+    An FP8 layer quantizes with its group's fixed ``k_scale, v_scale`` (float32 ``[Hkv]``).
     """
     if backend == "fused":
         return launch_fused_rope_kv_append(
@@ -106,12 +115,14 @@ def write_rope_layer(
             rope.rotary_dim,
             rope.base,
             q_out,
-            **({} if rope.inv_freq is None else {"inv_freq": rope.inv_freq}),
-        )  # fmt: skip  TODO(merge): pass inv_freq= directly
+            rope.inv_freq,
+            k_scale,
+            v_scale,
+        )
     positions = slots.positions
     q_rot = rope.apply(q, positions)
     k_rot = rope.apply(k, positions)
-    write_plain_layer(backend, k_rot, v, k_layer, v_layer, slots)
+    write_plain_layer(backend, k_rot, v, k_layer, v_layer, slots, k_scale, v_scale)
     if q_out is not None:
         q_out.copy_(q_rot)
         return q_out
@@ -125,8 +136,11 @@ def write_plain_layer(
     k_layer: torch.Tensor,
     v_layer: torch.Tensor,
     slots: TransactionSlots,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store ``k, v`` bitwise in the reserved slots (``torch`` or the ``triton`` scatter).
+    """Store ``k, v`` in the reserved slots (``torch`` or the ``triton`` scatter): bitwise in a
+    float layer, quantized with ``k_scale, v_scale`` in an FP8 one.
 
     ``k, v`` hold one row per token of the transaction; a window group's prompt import stores
     only the rows its window keeps (``slots.token_rows``).
@@ -136,11 +150,15 @@ def write_plain_layer(
         if rows is None:
             count = slots.num_tokens
             k, v = k[:count], v[:count]
+        if k_scale is not None:  # scattered as bytes: float8 index_put is not everywhere
+            k = quantize_fp8(k, k_scale).view(torch.uint8)
+            v = quantize_fp8(v, v_scale).view(torch.uint8)
+            k_layer, v_layer = k_layer.view(torch.uint8), v_layer.view(torch.uint8)
         torch_scatter(k_layer, v_layer, k, v, slots)  # it selects token_rows itself
     else:
         if rows is not None:
             k, v = k.index_select(0, rows), v.index_select(0, rows)
-        launch_kv_append(k_layer, v_layer, k, v, slots.block_ids, slots.offsets)
+        launch_kv_append(k_layer, v_layer, k, v, slots.block_ids, slots.offsets, k_scale, v_scale)
 
 
 def torch_paged_decode(
@@ -152,19 +170,30 @@ def torch_paged_decode(
     max_seq_len: int,
     sm_scale: float | None = None,
     window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather the first ``max_seq_len`` tokens of each request, then dense masked attention
     (with ``window``, over each request's last ``window`` positions: table entries before them
-    are gathered but masked, so they must only be in range, as a cache's released ones are)."""
+    are gathered but masked, so they must only be in range, as a cache's released ones are).
+    An FP8 layer is gathered as bytes and dequantized with ``k_scale, v_scale``; the math then
+    runs in float32 and the output is in q's dtype."""
     batch = q.shape[0]
     block_size = k_layer.shape[2]
     num_blocks = max(1, -(-max_seq_len // block_size))
     ids = block_tables[:, :num_blocks].long()  # [B, nb]
     num_kv_heads, head_dim = k_layer.shape[1], k_layer.shape[3]
     dense_shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+    if k_scale is not None:
+        fp8 = k_layer.dtype
+        k_layer, v_layer = k_layer.view(torch.uint8), v_layer.view(torch.uint8)
     k = k_layer[ids].transpose(2, 3).reshape(dense_shape)  # [B, nb, Hkv, bs, D] -> [B, L, Hkv, D]
     v = v_layer[ids].transpose(2, 3).reshape(dense_shape)
-    return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale, window=window)
+    if k_scale is None:
+        return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale, window=window)
+    k, v = dequantize_fp8(k.view(fp8), k_scale), dequantize_fp8(v.view(fp8), v_scale)
+    out = dense_decode_attention_ref(q.float(), k, v, seq_lens, sm_scale, window=window)
+    return out.to(q.dtype)
 
 
 def max_table_tokens(cache: PagedKVCache) -> int:
@@ -197,19 +226,32 @@ class DecodeState:
 
     __slots__ = (
         "_bound",
+        "k_scale",
         "limit",
         "num_q_heads",
         "num_rows",
         "planned_len",
         "q_rot",
+        "v_scale",
         "window",
         "workspace",
     )
 
     def __init__(
-        self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int, group: int = 0
+        self,
+        cache: PagedKVCache,
+        num_rows: int,
+        num_q_heads: int,
+        max_len: int,
+        group: int = 0,
+        dtype: torch.dtype | None = None,
     ):
+        """``dtype``: q's and the output's (default: the group's storage dtype, which an FP8
+        group must not use: its activations are fp16/bf16)."""
         spec = cache.kv_groups[group]
+        dtype = spec.dtype if dtype is None else dtype
+        # an FP8 group's fixed scales: the cache's own device tensors, bound by address
+        self.k_scale, self.v_scale = cache.group_kv_scales(group) or (None, None)
         self.limit = max_table_tokens(cache)
         planned = plan_bucket(cache, max_len, self.limit)
         self.window = spec.window
@@ -220,17 +262,18 @@ class DecodeState:
             spec.head_dim,
             spec.block_size,
             planned,
-            spec.dtype,
+            dtype,
             cache.device,
             max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
             window=spec.window,
+            kv_dtype=spec.dtype,
         )
         self.workspace = DecodeWorkspace.allocate(plan)
         self.num_rows = num_rows
         self.num_q_heads = num_q_heads
         self.planned_len = planned  # the bucket this plan serves
         # rotated q of the layer in flight: written by the fused append, read by decode
-        self.q_rot = torch.empty(num_rows, num_q_heads, spec.head_dim, dtype=spec.dtype,
+        self.q_rot = torch.empty(num_rows, num_q_heads, spec.head_dim, dtype=dtype,
                                  device=cache.device)  # fmt: skip
         self._bound: dict[tuple, tuple] = {}
 
@@ -263,11 +306,12 @@ class DecodeState:
             ws, q_rot = self.workspace, self.q_rot
             append = BoundFusedRopeKVAppend(
                 q, k, v, k_layer, v_layer, slots.block_ids, slots.offsets, slots.positions,
-                rope.rotary_dim, rope.base, q_rot, rope.inv_freq,
+                rope.rotary_dim, rope.base, q_rot, rope.inv_freq, self.k_scale, self.v_scale,
             )  # fmt: skip
             decode = BoundDecode(
                 q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale,
-                ws.plan, out, ws.partial_out, ws.partial_lse, slots.num_rows,
+                ws.plan, out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale,
+                self.v_scale,
             )  # fmt: skip
             pair = self._bound[key] = (append, decode, slots)  # slots kept: the id stays unique
         return pair[0], pair[1]
@@ -284,7 +328,7 @@ class DecodeState:
         ws = self.workspace
         return launch_decode(
             q, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale, ws.plan,
-            out, ws.partial_out, ws.partial_lse, slots.num_rows,
+            out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale, self.v_scale,
         )  # fmt: skip
 
 
@@ -330,6 +374,11 @@ def rope_paged_kv_append(
         raise TypeError(
             f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
         )
+    if cache.group_kv_scales(0) is not None:
+        raise ValueError(
+            "rope_paged_kv_append does not run FP8 caches; use DecodeEngine(cache, "
+            "activation_dtype=...)"
+        )
     batch = len(request_ids)
     check_step_inputs(cache, batch, q, k, v)
     rope = Rope.build(cache.head_dim, rotary_dim, base, None, cache.device)
@@ -347,12 +396,18 @@ def rope_paged_kv_append(
 
 
 def check_step_inputs(
-    cache: PagedKVCache, rows: int, q: object, k: object, v: object, group: int = 0
+    cache: PagedKVCache,
+    rows: int,
+    q: object,
+    k: object,
+    v: object,
+    group: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Structural checks of one layer's ``q [rows, Hq, D]`` and ``k, v [rows, Hkv, D]`` (in
-    layer group ``group``'s geometry)."""
+    layer group ``group``'s geometry; ``dtype``: the activations', default the group's)."""
     spec = cache.kv_groups[group]
-    dtype, device = spec.dtype, cache.device
+    dtype, device = spec.dtype if dtype is None else dtype, cache.device
     q = check_tensor("q", q, ndim=3, dtypes=(dtype,), device=device)
     k = check_tensor("k", k, ndim=3, dtypes=(dtype,), device=device)
     v = check_tensor("v", v, ndim=3, dtypes=(dtype,), device=device)
