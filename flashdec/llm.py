@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdec._blocks import lifetime_blocks
-from flashdec._checks import check_positive_int
+from flashdec._checks import check_choice, check_positive_int
 from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import CapturedStep, DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
@@ -35,6 +35,9 @@ log = logging.getLogger("flashdec")
 # bytes of activations per running request the graphs and the eager forward keep, on top of the
 # weights and the KV pool (a generous bound: hidden states, q/k/v, MLP intermediates, logits)
 _ACTIVATION_RESERVE = 256 * 2**20
+
+FP8_DTYPE = torch.float8_e4m3fn
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto" (or None): the model's dtype; "fp8": float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,13 @@ class LLM:
             activations may use together when ``num_blocks`` is not given.
         append_backend, decode_backend: the engine's (default: ``fused`` / ``triton`` on CUDA,
             ``torch`` / ``torch`` on the CPU).
+        kv_cache_dtype: ``None`` or ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` stores
+            them as float8_e4m3fn (1 byte per element: the KV pool holds twice the tokens of
+            bf16) with fixed per-head scales, not calibrated (``stored = value / kv_scale``,
+            saturating at +-448). Needs an fp16/bf16 model. Prompt attention runs on the
+            unquantized K/V; decode reads the FP8 cache.
+        kv_scale: the fixed K and V scale of every head with ``kv_cache_dtype="fp8"`` (1.0 suits
+            K/V of magnitude up to a few hundred); only with ``"fp8"``.
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -148,7 +158,10 @@ class LLM:
         gpu_memory_fraction: float = 0.9,
         append_backend: str | None = None,
         decode_backend: str | None = None,
+        kv_cache_dtype: str | None = None,
+        kv_scale: float = 1.0,
     ) -> None:
+        fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
         if isinstance(model, (str, os.PathLike)):
             loaded = load_model(model, dtype=dtype, device=device)
             model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
@@ -161,6 +174,13 @@ class LLM:
             model.to(**{k: v for k, v in (("dtype", dtype), ("device", device)) if v})
         self.adapter = DecoderAdapter(model)  # ValueError naming unsupported features
         spec = self.adapter.spec
+        if fp8 and spec.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"kv_cache_dtype='fp8' needs a float16 or bfloat16 model, this one is {spec.dtype} "
+                "(pass dtype=torch.bfloat16)"
+            )
+        self.kv_cache_dtype = FP8_DTYPE if fp8 else spec.dtype
+        self.kv_scale = float(kv_scale)
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = check_positive_int("block_size", block_size)
@@ -186,7 +206,7 @@ class LLM:
         blocks_per_seq = -(-self.max_model_len // block_size)
         if num_blocks is not None:
             num_blocks = check_positive_int("num_blocks", num_blocks)
-        if spec.windowed:
+        if spec.windowed or fp8:
             cache = self._grouped_cache(num_blocks, gpu_memory_fraction)
         else:
             if num_blocks is None:
@@ -204,6 +224,7 @@ class LLM:
             rotary_dim=spec.rotary_dim,
             sm_scale=spec.sm_scale,
             rope_inv_freq=spec.inv_freq,
+            activation_dtype=spec.dtype,
         )
         self.scheduler = BlockAwareScheduler(
             SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)
@@ -224,7 +245,8 @@ class LLM:
         return min((available_host_bytes() or 0) / 4, 4 * 2**30)
 
     def _grouped_cache(self, num_blocks: int | None, fraction: float) -> PagedKVCache:
-        """A cache with one KV layer group per distinct sliding window (None = full attention).
+        """A cache with one KV layer group per distinct sliding window (None = full attention),
+        in ``kv_cache_dtype`` (FP8 groups get ``kv_scale`` for every head).
 
         A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
         its pool needs only that many per running request; the full-attention group gets the
@@ -234,7 +256,8 @@ class LLM:
         windows = sorted(set(spec.layer_windows), key=lambda w: (w is not None, w or 0))
         index = {w: g for g, w in enumerate(windows)}
         counts = [spec.layer_windows.count(w) for w in windows]
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
+        dtype = self.kv_cache_dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()  # FP8: 1 byte per element
         layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * self.block_size * itemsize
         wanted = [
             self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w) + 1
@@ -260,18 +283,20 @@ class LLM:
         else:
             sizes = [num_blocks] * len(windows)
         groups = [
-            KVGroupSpec(2, n, self.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, c, w)
+            KVGroupSpec(2, n, self.block_size, spec.num_kv_heads, spec.head_dim, dtype, c, w)
             for n, c, w in zip(sizes, counts, windows, strict=True)
         ]
         full_pools = [n for n, w in zip(sizes, windows, strict=True) if w is None]
         max_seq_len = self.max_model_len
         if full_pools:  # a request can never hold more than the smallest full pool
             max_seq_len = min(max_seq_len, min(full_pools) * self.block_size)
+        scales = (self.kv_scale, self.kv_scale) if dtype == FP8_DTYPE else None
         return PagedKVCache(
             kv_spec=groups,
             layer_groups=[index[w] for w in spec.layer_windows],
             max_seq_len=max_seq_len,
             device=spec.device,
+            kv_scales=[scales] * len(groups),
         )
 
     def _default_num_blocks(self, blocks_per_seq: int, fraction: float) -> int:
@@ -634,3 +659,18 @@ class _ModelRunner:
         captured = engine.capture_step(tx, lambda: self._forward(tx, slots))
         self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
         return captured.output
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:
+    """Whether the KV cache is FP8; TypeError/ValueError for a bad option or scale."""
+    fp8 = (
+        kv_cache_dtype is not None
+        and check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
+    )
+    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
+        raise TypeError(f"kv_scale must be a float, got {type(kv_scale).__name__}")
+    if not (math.isfinite(kv_scale) and kv_scale > 0):
+        raise ValueError(f"kv_scale must be finite and > 0, got {kv_scale!r}")
+    if kv_scale != 1.0 and not fp8:
+        raise ValueError("kv_scale applies only with kv_cache_dtype='fp8'")
+    return fp8
