@@ -118,6 +118,8 @@ BAD_COMMANDS = [
     (["generate", "--prompt-len", "999999"], "prompt_len must be <= 131072"),
     (["generate", "--prompt-len", "4000"], "exceeds the model's max_position_embeddings"),
     (["generate", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["generate", "--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice"),
+    (["generate", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "needs dtype float16 or"),
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
 ]
@@ -312,6 +314,34 @@ def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):
     assert "TTFT" in out and "tokens/s" in out
     result = json.loads(path.read_text())
     assert result["matches_transformers"] == 2 and len(result["generated"]) == 2
+
+
+def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
+    path = tmp_path / "g.json"
+    argv = ["generate", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--batch", "2",
+            "--prompt-len", "9", "--max-new-tokens", "4", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert [len(g) for g in result["generated"]] == [4, 4]
+    assert result["config"]["kv_cache_dtype"] == "fp8"
+
+
+def test_an_fp8_kv_cache_on_a_float32_model_fails_in_one_line(capsys):
+    argv = [
+        "generate",
+        "--kv-cache-dtype",
+        "fp8",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+        "--max-new-tokens",
+        "2",
+    ]  # fmt: skip  the tiny shape is float32 on the CPU
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "needs a float16 or bfloat16 model" in _assert_one_error_line(out, err)
 
 
 def test_bench_serve_reports_latency_percentiles(capsys):

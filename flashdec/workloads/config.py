@@ -519,6 +519,7 @@ class WindowWorkloadConfig:
 
 
 CUDA_GRAPHS = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "fp8")  # flashdec.LLM's kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -539,9 +540,16 @@ class ModelRunConfig:
                                 maximum=1024)  # fmt: skip
     seed: int = _knob(0, "random seed (weights of a built-in shape, prompts)", minimum=0,
                       maximum=SEED_MAX)  # fmt: skip
+    kv_cache_dtype: str = _knob(
+        "auto", "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a fixed, "
+        "not calibrated, per-head scale of 1.0; needs a float16/bfloat16 model)",
+        choices=KV_CACHE_DTYPES,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.kv_cache_dtype == "fp8" and self.dtype == "float32":
+            raise ValueError("kv_cache_dtype fp8 needs dtype float16 or bfloat16, got float32")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "device 'cuda' was requested, but torch sees no CUDA device; use 'cpu' or 'auto'"

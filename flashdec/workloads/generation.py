@@ -31,6 +31,7 @@ def load_llm(config: ModelRunConfig):
         tokenizer=loaded.tokenizer,
         max_batch_size=config.max_batch_size,
         cuda_graphs=config.graphs(),
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     return llm
 
