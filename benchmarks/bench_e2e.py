@@ -18,6 +18,8 @@ a per-kernel-class profile of one eager step; peak memory against weights + KV p
 TPOT percentiles of a Poisson-arrival run through the serving loop.
 
 Writes ``benchmarks/results/e2e.{md,json,png}``. ``--smoke`` runs the tiny model on the CPU.
+``--kv-cache-dtype fp8`` stores the KV cache as float8_e4m3fn (fixed per-head scale
+``--kv-scale``, not calibrated; the model stays bf16) and writes ``e2e_fp8.*`` by default.
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serve-requests", type=int, default=128)
     p.add_argument("--serve-rate", type=float, default=16.0, help="Poisson arrivals per second")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
-    p.add_argument("--name", default="e2e")
+    p.add_argument("--name", help="results file name (default: e2e, or e2e_fp8 with FP8 KV)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV cache storage: the model's dtype, or float8_e4m3fn")  # fmt: skip
+    p.add_argument("--kv-scale", type=float, default=1.0, help="fixed FP8 K/V scale (per head)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (script check)")
     args = p.parse_args()
+    if args.name is None:
+        args.name = "e2e_fp8" if args.kv_cache_dtype == "fp8" else "e2e"
     if args.smoke:
         args.model, args.batches, args.prompt_len, args.new_tokens = "tiny", [1, 3], 20, 6
         args.reps, args.serve_requests, args.serve_rate = 1, 6, 50.0
@@ -216,11 +223,13 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     from flashdec.engine.layer_ops import write_rope_layer
 
     state = engine._decode_state
+    scales = engine.cache.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
 
     def attention_only():
         for layer in range(spec.num_layers):
             k_layer, v_layer = engine.cache.layer_kv(layer)
-            q_rot = write_rope_layer("fused", engine.rope, q, k, k, k_layer, v_layer, slots)
+            q_rot = write_rope_layer("fused", engine.rope, q, k, k, k_layer, v_layer, slots,
+                                     None, *scales)  # fmt: skip
             state.decode(q_rot, k_layer, v_layer, slots, engine.sm_scale, out)
 
     out = torch.empty_like(q)
@@ -300,7 +309,10 @@ def main() -> None:
     env = environment()
     env["transformers"] = __import__("transformers").__version__
     torch.manual_seed(0)
-    model = build_random_model(args.model, device=device, seed=0)
+    fp8 = args.kv_cache_dtype == "fp8"
+    # FP8 KV needs fp16/bf16 activations: the CPU smoke shape is float32 otherwise
+    model = build_random_model(args.model, device=device, seed=0,
+                               dtype=torch.bfloat16 if fp8 and not on_gpu else None)  # fmt: skip
     spec_vocab = model.config.vocab_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     max_batch = max(args.batches)
@@ -310,8 +322,14 @@ def main() -> None:
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    llm = LLM(model, max_batch_size=max_batch, num_blocks=blocks, max_model_len=total_len + 64)
-    pool_bytes = llm.engine.cache.bytes_per_block * blocks
+    llm = LLM(model, max_batch_size=max_batch, num_blocks=blocks, max_model_len=total_len + 64,
+              kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)  # fmt: skip
+    kv_spec = llm.engine.cache.kv_groups[0]
+    pool_bytes = kv_spec.block_bytes * blocks
+    # K/V bytes per token as stored (FP8: 1 byte per element)
+    kv_itemsize = torch.empty((), dtype=kv_spec.dtype).element_size()
+    kv_token_bytes = 2 * llm.adapter.spec.num_layers * kv_spec.num_kv_heads * kv_spec.head_dim
+    kv_token_bytes *= kv_itemsize
     rows = []
     print(f"model {args.model}: {weight_bytes / 2**30:.2f} GiB weights, KV pool "
           f"{pool_bytes / 2**30:.2f} GiB", flush=True)  # fmt: skip
@@ -343,7 +361,7 @@ def main() -> None:
                 args.new_tokens,
                 args.baseline_reps,
             )
-        kv_bytes = llm.adapter.spec.kv_bytes_per_token * batch * (total_len - args.new_tokens / 2)
+        kv_bytes = kv_token_bytes * batch * (total_len - args.new_tokens / 2)
         floor_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
         row["floor_ms"] = floor_ms
         replay = graph_replay_us(llm, batch)
@@ -385,6 +403,9 @@ def main() -> None:
 def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak,
            copy_tbs) -> None:  # fmt: skip
     vllm_rows = {r["batch"]: r for r in (vllm or {}).get("rows", [])}
+    kv_note = "model-dtype KV"
+    if args.kv_cache_dtype == "fp8":
+        kv_note = f"float8_e4m3fn KV, fixed scale {args.kv_scale}, not calibrated"
     table_rows = []
     for r in rows:
         b = r["batch"]
@@ -431,6 +452,7 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
 - transformers {env["transformers"]}; vLLM: {vllm.get("version") if vllm else "not run"}
 - model: {args.model} (random weights), {weight_bytes / 2**30:.2f} GiB; prompt {args.prompt_len},
   {args.new_tokens} new tokens, greedy, EOS ignored; KV pool {pool_bytes / 2**30:.2f} GiB
+  ({kv_note})
 - copy bandwidth {fmt(copy_tbs, 2)} TB/s
 
 Decode tok/s = B × (N − 1) / (t(N new) − t(1 new)), medians of {args.reps} runs for FlashDec
@@ -465,7 +487,8 @@ Poisson arrivals through the serving loop ({serve.config.num_requests} requests 
     out_dir = Path(args.out_dir)
     payload = {"env": env, "rows": rows, "agreement": agree, "profile": profile_rows,
                "serve": lat, "vllm": vllm, "peak_bytes": peak, "weight_bytes": weight_bytes,
-               "pool_bytes": pool_bytes}  # fmt: skip
+               "pool_bytes": pool_bytes, "kv_cache_dtype": args.kv_cache_dtype,
+               "kv_scale": args.kv_scale}  # fmt: skip
     md, js = write_results(args.name, markdown, payload, out_dir)
     labels = [f"B={r['batch']}" for r in rows]
     bar_plot(
