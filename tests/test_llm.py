@@ -208,17 +208,18 @@ def _bf16_model(name: str):
 def _teacher_forced_logits(llm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """float32 decode logits ``[len(tokens), V]`` after ``prompt``, feeding ``tokens`` in turn
     (the same context for every KV dtype, unlike free-running generation)."""
-    engine = llm.engine
+    engine, device = llm.engine, llm.adapter.spec.device
     engine.add_request("forced")
     engine.admit("forced")
     tx = engine.begin_prefill(["forced"], [len(prompt)])
-    llm.adapter.prefill(torch.tensor(prompt), lambda i, k, v: engine.prefill_layer(tx, i, k, v))
+    ids = torch.tensor(prompt, device=device)
+    llm.adapter.prefill(ids, lambda i, k, v: engine.prefill_layer(tx, i, k, v))
     engine.commit_step(tx)
     rows = []
     for token in tokens:
         tx = engine.begin_step(["forced"])
         attention = lambda i, q, k, v, tx=tx: engine.step_layer(tx, i, q, k, v)  # noqa: E731
-        rows.append(llm.adapter.decode(torch.tensor([token]), attention)[0].float())
+        rows.append(llm.adapter.decode(torch.tensor([token], device=device), attention)[0].float())
         engine.commit_step(tx)
     return torch.stack(rows)
 
@@ -299,3 +300,24 @@ def test_kv_cache_dtype_checks():
         flashdec.LLM(model, kv_cache_dtype="fp8", kv_scale="1")
     with pytest.raises(ValueError, match="only with kv_cache_dtype='fp8'"):
         flashdec.LLM(model, kv_scale=2.0)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_cache_on_the_gpu_graphs_equal_eager():
+    """FP8 KV through the fused quantizing append and the FP8 decode kernel: CUDA-graph replay
+    gives the eager tokens, and teacher-forced logits stay within FP8 error of bf16's."""
+    model = build_random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=0)
+    prompts = _prompts(model.config.vocab_size)
+    graphed = flashdec.LLM(model, max_batch_size=4, kv_cache_dtype="fp8")
+    eager = flashdec.LLM(model, max_batch_size=4, kv_cache_dtype="fp8", cuda_graphs=False)
+    assert graphed.cuda_graphs and graphed.engine.append_backend == "fused"
+    assert graphed.generate(prompts, NEW) == eager.generate(prompts, NEW)
+    assert graphed._runner.graph_replays > 0
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (17,), generator=gen).tolist()
+    tokens = torch.randint(0, model.config.vocab_size, (24,), generator=gen).tolist()
+    want = _teacher_forced_logits(flashdec.LLM(model, cuda_graphs=False), prompt, tokens)
+    got = _teacher_forced_logits(
+        flashdec.LLM(model, kv_cache_dtype="fp8", cuda_graphs=False), prompt, tokens
+    )
+    assert ((got - want).norm() / want.norm()).item() < 0.25
