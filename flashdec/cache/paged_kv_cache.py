@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from flashdec._blocks import held_block_range
+from flashdec._blocks import held_range
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_positive_int,
@@ -116,7 +116,7 @@ def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) ->
     (its own decode reads it, even with a window of 1); blocks from the second value on are
     taken new, everything in between is already held.
     """
-    keep, end = held_block_range(start + count, bs, window)
+    keep, end = held_range(start + count, bs, window)
     stored = min(keep, end - 1)
     if run.first_block == run.num_blocks:  # nothing held
         return stored, stored
@@ -771,6 +771,9 @@ class PagedKVCache:
                         f"{end_blocks} blocks of {bs}{where}, more than max_blocks_per_seq="
                         f"{width}"
                     )
+                if index == 0 and window is None:  # the hot path: the record is the run
+                    wanted += end_blocks - rec.num_blocks
+                    continue
                 run = rec if index == 0 else rec.others[index - 1]
                 if window is None:
                     wanted += end_blocks - run.num_blocks
@@ -789,9 +792,10 @@ class PagedKVCache:
         """Allocate every group's planned blocks (all or nothing)."""
         try:
             if one_each:
-                plan.positions = np.fromiter(
-                    (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
-                )
+                if self._groups[0].window is not None:  # else group 0's take fills them in
+                    plan.positions = np.fromiter(
+                        (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
+                    )
             else:
                 plan.positions = np.concatenate([
                     np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
@@ -833,24 +837,45 @@ class PagedKVCache:
 
     def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
         """A full-attention group's reservation of one token per request (the decode step's
-        hot path)."""
+        hot path); group 0's also fills in the positions."""
         bs, index = group.block_size, group.index
-        num = len(plan.records)
+        records = plan.records
+        num = len(records)
         block_ids = np.empty(num, dtype=np.int64)
         allocate = group.allocator.allocate
-        runs = plan.records if index == 0 else [rec.others[index - 1] for rec in plan.records]
-        for i, (rec, run) in enumerate(zip(plan.records, runs, strict=True)):
-            logical = rec.seq_len // bs
-            if logical < run.num_blocks:
-                block_ids[i] = run.table[logical]
-                part.table_rows.append((run.table, 0, run.num_blocks, (), 0))
-            else:
-                (block,) = allocate(1, request_owner(rec.request_id))
-                part.reserved[rec.request_id] = [block]
-                part.starts[rec.request_id] = logical
-                part.updates.append((rec.row, logical, block))
-                block_ids[i] = block
-                part.table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
+        reserved, starts, updates, table_rows = (part.reserved, part.starts, part.updates,
+                                                 part.table_rows)  # fmt: skip
+        if index == 0:  # the record is its own group-0 run
+            positions = np.empty(num, dtype=np.int64)
+            for i, rec in enumerate(records):
+                pos = rec.seq_len
+                logical = pos // bs
+                positions[i] = pos
+                if logical < rec.num_blocks:
+                    block_ids[i] = rec.table[logical]
+                    table_rows.append((rec.table, 0, rec.num_blocks, (), 0))
+                else:
+                    (block,) = allocate(1, request_owner(rec.request_id))
+                    reserved[rec.request_id] = [block]
+                    starts[rec.request_id] = logical
+                    updates.append((rec.row, logical, block))
+                    block_ids[i] = block
+                    table_rows.append((rec.table, 0, rec.num_blocks, (block,), logical))
+            plan.positions = positions
+        else:
+            for i, rec in enumerate(records):
+                run = rec.others[index - 1]
+                logical = rec.seq_len // bs
+                if logical < run.num_blocks:
+                    block_ids[i] = run.table[logical]
+                    table_rows.append((run.table, 0, run.num_blocks, (), 0))
+                else:
+                    (block,) = allocate(1, request_owner(rec.request_id))
+                    reserved[rec.request_id] = [block]
+                    starts[rec.request_id] = logical
+                    updates.append((rec.row, logical, block))
+                    block_ids[i] = block
+                    table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
         part.block_ids = block_ids
 
     def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
@@ -915,7 +940,7 @@ class PagedKVCache:
         for rec, n in zip(records, counts, strict=True):
             run = rec if index == 0 else rec.others[index - 1]
             first, held_end = run.first_block, run.num_blocks
-            keep, end = held_block_range(rec.seq_len + n, bs, window)
+            keep, end = held_range(rec.seq_len + n, bs, window)
             # held blocks before the window go back, then reserved ones before it (an import
             # skips whole blocks, so the reserved run may start past the held one)
             gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
@@ -1489,7 +1514,7 @@ class PagedKVCache:
                         f"{where}{rec.state.value} request {rid!r} still holds blocks"
                     )
                 continue
-            first, end = held_block_range(rec.seq_len, bs, window)
+            first, end = held_range(rec.seq_len, bs, window)
             ok = (run.first_block, run.num_blocks) == (first, end)
             if not ok or run.num_blocks > run.table.shape[0]:
                 raise RuntimeError(
