@@ -166,6 +166,16 @@ class _Reservation:
         self.table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]] = []
 
 
+def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
+    """int32 block id of every token of a reservation (-1 where the group stores none)."""
+    block_ids = part.block_ids.astype(np.int32)
+    if part.token_rows is None:
+        return block_ids
+    every = np.full(num_tokens, -1, dtype=np.int32)
+    every[part.token_rows] = block_ids
+    return every
+
+
 class _Plan:
     """A transaction's batch (shared by every group) and one reservation per group."""
 
@@ -1157,11 +1167,7 @@ class PagedKVCache:
         starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
         positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
         first = plan.groups[0]
-        block_ids = first.block_ids.astype(np.int32)
-        if first.token_rows is not None:  # tokens group 0 does not store show block id -1
-            every = np.full(positions.shape[0], -1, dtype=np.int32)
-            every[first.token_rows] = block_ids
-            block_ids = every
+        block_ids = _every_token(first, positions.shape[0])
         host = {
             "positions": positions,
             "block_ids": block_ids,
@@ -1174,6 +1180,7 @@ class PagedKVCache:
             [part.reserved for part in plan.groups], [part.starts for part in plan.groups],
             slots, host, first.table_rows,
         )  # fmt: skip
+        tx.parts = plan.groups
         if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
             tx.backups = [
                 group.slot_rows_view().index_select(1, group_slots.slot_rows)
@@ -1250,11 +1257,21 @@ class PagedKVCache:
         open_tx.next_layer = self._num_layers
         return result
 
-    def transaction_view(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """A fresh detached view of an *open* transaction (group 0's blocks)."""
+    def transaction_view(
+        self, tx: TokenTransactionView | int, *, group: int = 0
+    ) -> TokenTransactionView:
+        """A fresh detached view of an *open* transaction, with ``group``'s blocks (block id -1
+        for a token a window group does not store)."""
         open_tx = self._tx.resolve(tx)
+        g = self._check_group(group)
+        override = None
+        if g.index:
+            part = open_tx.parts[g.index]
+            positions = open_tx.host["positions"]
+            override = (_every_token(part, positions.shape[0]), positions % g.block_size,
+                        part.table_rows)  # fmt: skip
         return open_tx.view(
-            TransactionState.OPEN, open_tx.cache_version, self._groups[0].width, self._device
+            TransactionState.OPEN, open_tx.cache_version, g.width, self._device, override
         )
 
     def layers_written(self, tx: TokenTransactionView | int) -> int:

@@ -225,6 +225,17 @@ def test_prompt_import_longer_than_the_window_stores_only_the_tail():
     assert cache.metrics()["groups"][1]["num_reserved_blocks"] == 3 + 1
     view = cache.transaction_view(tx)  # group 0 stores every token
     assert (view.block_ids >= 0).all()
+    window_view = cache.transaction_view(tx, group=1)
+    assert window_view.block_ids[:18].tolist() == [-1] * 18
+    assert window_view.block_ids[18:].tolist() == slots.block_ids.tolist()
+    assert window_view.offsets.tolist() == [p % 2 for p in range(23)] + [0, 1]
+    tables = window_view.block_tables  # reserved blocks at their logical indices
+    assert (
+        tables.shape == (2, 64)
+        and tables[0, 9:12].tolist()
+        == cache.transaction_slots(tx, group=1).block_ids[[0, 2, 4]].tolist()
+    )
+    assert tables[0, :9].tolist() == [0] * 9
     history.write(tx, ["long", "short"], [23, 2])
     cache.validate_invariants()
     cache.commit_token(tx)
