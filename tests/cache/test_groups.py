@@ -33,7 +33,8 @@ class History:
     def rows(self, layer: int, count: int) -> torch.Tensor:
         spec = self.cache.kv_groups[self.cache.layer_group(layer)]
         shape = (count, spec.num_kv_heads, spec.head_dim)
-        return torch.randn(shape, generator=self.gen).to(spec.dtype)
+        rows = torch.randn(shape, generator=self.gen).to(self.cache.device)
+        return rows if spec.dtype == torch.float8_e4m3fn else rows.to(spec.dtype)
 
     def write(self, tx, rids, counts) -> None:
         total = sum(counts)
@@ -63,7 +64,7 @@ class History:
         for layer in range(cache.num_layers):
             g = cache.layer_group(layer)
             spec = cache.kv_groups[g]
-            table = cache.block_tables([rid], group=g)[0]
+            table = cache.block_tables([rid], group=g)[0].tolist()
             start = 0 if spec.window is None else max(0, length + 1 - spec.window)
             k_layer, v_layer = cache.layer_kv(layer)
             for pos in range(start, length):
