@@ -197,7 +197,7 @@ class PagedKVCache:
     Args:
         num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry of a
             single-group cache (``head_dim`` even: RoPE rotates pairs of dims). Omit them when
-            ``kv_spec`` is given.
+            ``kv_spec`` is given (which may also come first, in place of ``num_layers``).
         dtype: fp16, bf16 or fp32 (single-group form; default fp16).
         device: ``"cpu"`` or a CUDA device that exists (ValueError otherwise).
         prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``); 0 turns
@@ -222,7 +222,7 @@ class PagedKVCache:
 
     def __init__(
         self,
-        num_layers: int | None = None,
+        num_layers: int | str | Sequence[KVGroupSpec] | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         block_size: int | None = None,
@@ -238,6 +238,12 @@ class PagedKVCache:
         kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
     ) -> None:
+        if kv_spec is None and (
+            isinstance(num_layers, str)
+            or (isinstance(num_layers, Sequence) and num_layers and
+                all(isinstance(g, KVGroupSpec) for g in num_layers))
+        ):  # fmt: skip
+            kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
         if kv_spec is None:
             if layer_groups is not None or kv_scales is not None:
                 raise ValueError("layer_groups and kv_scales need kv_spec")

@@ -96,6 +96,11 @@ def test_construction_and_read_api():
     for name in ("num_kv_heads", "head_dim", "block_size", "max_blocks_per_seq"):
         with pytest.raises(RuntimeError, match="differs between this cache's KV groups"):
             getattr(cache, name)
+    positional = PagedKVCache(SPEC, device="cpu")  # the spec may come first
+    assert positional.kv_groups == groups and positional.num_layers == 3
+    assert PagedKVCache(list(groups), device="cpu").kv_groups == groups
+    with pytest.raises(ValueError, match="either kv_spec or the geometry"):
+        PagedKVCache(SPEC, 2, device="cpu")
     same = PagedKVCache(kv_spec=list(groups[:1]), device="cpu")
     assert same.k_cache.shape == (2, 32, 2, 4, 8) and same.block_size == 4
     m = cache.metrics()
