@@ -34,8 +34,17 @@ from flashdec._checks import (
     check_shape,
     check_tensor,
 )
-from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
+from flashdec.cache.layout import (
+    GEOMETRY_ARGS,
+    check_groups,
+    check_scales,
+    layer_order,
+    legacy_group,
+    scale_pair,
+    table_widths,
+)
 from flashdec.cache.state import (
     BlockRun,
     PrefixId,
@@ -60,7 +69,6 @@ LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 _NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-_GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
 
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
@@ -121,33 +129,6 @@ def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) ->
     if run.first_block == run.num_blocks:  # nothing held
         return stored, stored
     return stored, max(stored, run.num_blocks)
-
-
-def _scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[Hkv]`` CPU tensors, checked."""
-    if spec.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{name}: a {spec.dtype} group takes no scales (only float8_e4m3fn)")
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise TypeError(f"{name} must be a (k_scale, v_scale) pair")
-    out = []
-    for which, value in zip(("k_scale", "v_scale"), pair, strict=True):
-        if isinstance(value, torch.Tensor):
-            if value.dtype != torch.float32 or tuple(value.shape) not in ((spec.num_kv_heads,),):
-                raise ValueError(
-                    f"{name} {which} must be a float or a float32 tensor [{spec.num_kv_heads}], "
-                    f"got {value.dtype} {tuple(value.shape)}"
-                )
-            tensor = value.detach().to("cpu", copy=True)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            tensor = torch.full((spec.num_kv_heads,), float(value), dtype=torch.float32)
-        else:
-            raise TypeError(
-                f"{name} {which} must be a float or a tensor, got {type(value).__name__}"
-            )
-        if not bool(torch.isfinite(tensor).all()) or not bool((tensor > 0).all()):
-            raise ValueError(f"{name} {which} must be finite and > 0")
-        out.append(tensor)
-    return out[0], out[1]
 
 
 class _Reservation:
@@ -248,18 +229,18 @@ class PagedKVCache:
             if layer_groups is not None or kv_scales is not None:
                 raise ValueError("layer_groups and kv_scales need kv_spec")
             groups = (
-                self._legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
+                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
                                    dtype),
             )  # fmt: skip
         else:
             geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
-            given = [n for n, x in zip(_GEOMETRY_ARGS, geometry, strict=True) if x is not None]
+            given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
             if given:
                 raise ValueError(
                     f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
                     f"{', '.join(given)})"
                 )
-            groups = self._check_groups(kv_spec)
+            groups = check_groups(kv_spec)
         capacity = check_positive_int(
             "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
         )
@@ -273,12 +254,12 @@ class PagedKVCache:
                 "shared prefixes need a single full-attention KV group; this cache has "
                 f"{format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
             )
-        widths = self._table_widths(groups, max_blocks_per_seq, max_seq_len)
-        order = self._layer_order(groups, layer_groups)
+        widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
+        order = layer_order(groups, layer_groups)
         if not isinstance(restore_on_abort, bool):
             raise TypeError("restore_on_abort must be a bool")
         device = _device_of(device)
-        scales = self._check_scales(groups, kv_scales)
+        scales = check_scales(groups, kv_scales)
         self._restore_on_abort = restore_on_abort
         self._specs = groups
 
@@ -312,129 +293,6 @@ class PagedKVCache:
         self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
         self._version = 0
         self._appended = False  # a legacy append wrote tokens (scales are fixed then)
-
-    # ---- construction helpers ------------------------------------------------------------
-    @staticmethod
-    def _legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype):
-        for name, value in zip(_GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim,
-                               block_size, max_blocks), strict=True):  # fmt: skip
-            if value is None:
-                raise TypeError(f"{name} is required (or pass kv_spec=)")
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_kv_heads", num_kv_heads)
-        check_positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
-        check_positive_int("block_size", block_size)
-        check_positive_int("max_blocks", max_blocks)
-        if dtype is None:
-            dtype = torch.float16
-        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        return KVGroupSpec(2, max_blocks, block_size, num_kv_heads, head_dim, dtype, num_layers)
-
-    @staticmethod
-    def _check_groups(kv_spec: object) -> tuple[KVGroupSpec, ...]:
-        if isinstance(kv_spec, str):
-            groups = parse_kv_spec(kv_spec)
-        elif isinstance(kv_spec, Sequence) and not isinstance(kv_spec, bytes):
-            groups = tuple(kv_spec)
-            format_kv_spec(groups)  # TypeError / ValueError for a bad sequence
-        else:
-            raise TypeError(
-                f"kv_spec must be a str or a sequence of KVGroupSpec, got {type(kv_spec).__name__}"
-            )
-        for index, group in enumerate(groups):
-            if group.kv_size != 2:
-                raise ValueError(
-                    f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
-                    "stores K and V: kv_size 2)"
-                )
-            if group.head_dim % 2:
-                raise ValueError(
-                    f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
-                    f"got {group.head_dim}"
-                )
-        return groups
-
-    @staticmethod
-    def _table_widths(
-        groups: tuple[KVGroupSpec, ...], max_blocks_per_seq: object, max_seq_len: object
-    ) -> list[int]:
-        """Each group's block-table width, from one token limit every group can hold."""
-        if max_blocks_per_seq is not None and max_seq_len is not None:
-            raise ValueError("pass max_blocks_per_seq or max_seq_len, not both")
-        if max_blocks_per_seq is not None:
-            check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
-            sizes = {g.block_size for g in groups}
-            if len(sizes) > 1:
-                raise ValueError(
-                    f"max_blocks_per_seq is ambiguous with block sizes {sorted(sizes)}; pass "
-                    "max_seq_len (tokens) instead"
-                )
-            max_seq_len = max_blocks_per_seq * groups[0].block_size
-        elif max_seq_len is not None:
-            check_positive_int("max_seq_len", max_seq_len)
-        else:
-            full = [g.num_blocks * g.block_size for g in groups if g.window is None]
-            max_seq_len = min(full) if full else max(g.num_blocks * g.block_size for g in groups)
-        widths = []
-        for index, group in enumerate(groups):
-            width = -(-max_seq_len // group.block_size)
-            if group.window is None and width > group.num_blocks:
-                what = "max_blocks_per_seq" if max_blocks_per_seq is not None else "max_seq_len"
-                value = max_blocks_per_seq if max_blocks_per_seq is not None else max_seq_len
-                where = "" if len(groups) == 1 else f" (KV group {index})"
-                raise ValueError(
-                    f"{what} ({value}) must not exceed what max_blocks "
-                    f"({group.num_blocks}) can hold{where}: a request can never hold more "
-                    "blocks than the pool"
-                )
-            widths.append(width)
-        return widths
-
-    @staticmethod
-    def _layer_order(groups: tuple[KVGroupSpec, ...], layer_groups: object) -> list[int]:
-        if layer_groups is None:
-            return [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
-        if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Sequence):
-            raise TypeError(
-                f"layer_groups must be a sequence of ints, got {type(layer_groups).__name__}"
-            )
-        order = list(layer_groups)
-        for i, g in enumerate(order):
-            if isinstance(g, bool) or not isinstance(g, int):
-                raise TypeError(f"layer_groups[{i}] must be an int, got {type(g).__name__}")
-            if not 0 <= g < len(groups):
-                raise ValueError(f"layer_groups[{i}] = {g} is not a group in [0, {len(groups)})")
-        counts = Counter(order)
-        for g, spec in enumerate(groups):
-            if counts[g] != spec.layer_count:
-                raise ValueError(
-                    f"layer_groups names group {g} {counts[g]} times but its spec has "
-                    f"layer_count {spec.layer_count}"
-                )
-        return order
-
-    @staticmethod
-    def _check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
-        """Per group None or (k_scale, v_scale) as float32 ``[Hkv]`` CPU tensors."""
-        if kv_scales is None:
-            return [None] * len(groups)
-        if isinstance(kv_scales, (str, bytes)) or not isinstance(kv_scales, Sequence):
-            raise TypeError(
-                f"kv_scales must be a sequence (one entry per group), got "
-                f"{type(kv_scales).__name__}"
-            )
-        if len(kv_scales) != len(groups):
-            raise ValueError(f"kv_scales has {len(kv_scales)} entries for {len(groups)} groups")
-        result = []
-        for g, (spec, pair) in enumerate(zip(groups, kv_scales, strict=True)):
-            if pair is None:
-                result.append(None)
-                continue
-            result.append(_scale_pair(f"kv_scales[{g}]", spec, pair))
-        return result
 
     def __repr__(self) -> str:
         if not self._single:
@@ -510,7 +368,7 @@ class PagedKVCache:
     def set_kv_scales(self, group: int, k_scale: Any, v_scale: Any) -> None:
         """Set an FP8 group's fixed K/V scales; only before anything is stored in the group."""
         g = self._check_group(group)
-        k, v = _scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
+        k, v = scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
         if self._tx.next_id() > 1 or self._appended:
             raise RuntimeError(
                 f"cannot set the scales of KV group {group}: tokens were already written with "
