@@ -651,6 +651,8 @@ class PagedKVCache:
                 run = rec if index == 0 else rec.others[index - 1]
                 if window is None:
                     wanted += end_blocks - run.num_blocks
+                elif n == 1:  # one token: a new block unless its block is held
+                    wanted += not run.first_block <= rec.seq_len // bs < run.num_blocks
                 else:
                     wanted += end_blocks - _window_span(run, rec.seq_len, n, bs, window)[1]
             free = group.allocator.num_free
@@ -677,7 +679,10 @@ class PagedKVCache:
                 ])  # fmt: skip
             for group, part in zip(self._groups, plan.groups, strict=True):
                 if group.window is not None:
-                    self._take_window(group, plan, part)
+                    if one_each:
+                        self._take_window_one_each(group, plan, part)
+                    else:
+                        self._take_window(group, plan, part)
                 elif one_each:
                     self._take_one_each(group, plan, part)
                 else:
@@ -752,6 +757,30 @@ class PagedKVCache:
                     table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
         part.block_ids = block_ids
 
+    def _take_window_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
+        """A window group's one-token reservation: the token's block is held, or it is new
+        (the block after the held ones, or the only one when none is held)."""
+        bs, index = group.block_size, group.index
+        records = plan.records
+        block_ids = np.empty(len(records), dtype=np.int64)
+        allocate = group.allocator.allocate
+        for i, rec in enumerate(records):
+            run = rec if index == 0 else rec.others[index - 1]
+            logical = rec.seq_len // bs
+            if run.first_block <= logical < run.num_blocks:
+                block_ids[i] = run.table[logical]
+                part.table_rows.append((run.table, run.first_block, run.num_blocks, (), 0))
+            else:
+                (block,) = allocate(1, request_owner(rec.request_id))
+                part.reserved[rec.request_id] = [block]
+                part.starts[rec.request_id] = logical
+                part.updates.append((rec.row, logical, block))
+                block_ids[i] = block
+                part.table_rows.append(
+                    (run.table, run.first_block, run.num_blocks, (block,), logical)
+                )
+        part.block_ids = block_ids
+
     def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
         """A window group's reservation: blocks only for the tokens the window keeps (and the
         last one); the other tokens are not stored (``part.token_rows`` lists the stored)."""
@@ -813,12 +842,14 @@ class PagedKVCache:
         release = group.allocator.release
         for rec, n in zip(records, counts, strict=True):
             run = rec if index == 0 else rec.others[index - 1]
-            first, held_end = run.first_block, run.num_blocks
+            blocks = reserved.get(rec.request_id) if reserved else None
             keep, end = held_range(rec.seq_len + n, bs, window)
+            first, held_end = run.first_block, run.num_blocks
+            if not blocks and keep <= first:  # the common step: nothing moves
+                continue
             # held blocks before the window go back, then reserved ones before it (an import
             # skips whole blocks, so the reserved run may start past the held one)
             gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
-            blocks = reserved.get(rec.request_id)
             if blocks:
                 start = starts[rec.request_id]
                 run.table[start : start + len(blocks)] = blocks
