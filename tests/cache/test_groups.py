@@ -403,3 +403,37 @@ def test_groups_accept_kvgroupspec_sequences():
         history.step(["a"])
     assert len(cache.request_block_ids("a", group=1)) == blocks_for_tokens(12, 4, 4) == 1
     history.check_readable("a")
+
+
+def test_legacy_append_on_a_single_window_layer_releases_blocks():
+    cache = PagedKVCache(kv_spec="(2,4,2,1,4):float32:1:window=3", device="cpu", max_seq_len=64)
+    cache.add_request("a")
+    written = []
+    for step in range(9):
+        k = torch.full((1, 1, 4), float(step))
+        cache.append(["a"], k, -k)
+        written.append(k[0])
+        cache.validate_invariants()
+        assert len(cache.request_block_ids("a")) == blocks_for_tokens(step + 1, 2, 3)
+    table = cache.block_tables(["a"])[0].tolist()
+    k_layer, v_layer = cache.layer_kv(0)
+    for pos in range(9 + 1 - 3, 9):  # what the next decode reads
+        assert torch.equal(k_layer[table[pos // 2], :, pos % 2], written[pos])
+        assert torch.equal(v_layer[table[pos // 2], :, pos % 2], -written[pos])
+    assert cache.num_free_blocks == 4 - 2
+
+
+def test_padded_step_over_groups_pads_every_group():
+    cache = make()
+    history = History(cache)
+    for rid in ("a", "b"):
+        cache.add_request(rid)
+    history.prefill(["a", "b"], [6, 1])
+    tx = cache.begin_token(["a", "b"], pad_to=4)
+    for g in range(2):
+        slots = cache.transaction_slots(tx, group=g)
+        assert slots.num_rows == 4 and slots.block_ids[2:].tolist() == [-1, -1]
+        assert slots.seq_lens_after.tolist() == [7, 2, 0, 0]
+        assert slots.block_tables.shape == (4, cache.group_max_blocks_per_seq(g))
+    cache.abort_token(tx)
+    cache.validate_invariants()
