@@ -181,8 +181,9 @@ class PagedKVCache:
             ``kv_spec`` is given (which may also come first, in place of ``num_layers``).
         dtype: fp16, bf16 or fp32 (single-group form; default fp16).
         device: ``"cpu"`` or a CUDA device that exists (ValueError otherwise).
-        prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``); 0 turns
-            the feature off. Shared prefixes need a single full-attention group.
+        prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``; per group
+            with several); 0 turns the feature off. Shared prefixes need full-attention groups
+            of one block size (a window group would release them: refused).
         max_blocks_per_seq: block-table width (None: ``max_blocks``; never more). With
             ``kv_spec`` only when every group has the same block size.
         kv_spec: the layer groups, as spec text or ``KVGroupSpec`` s (``parse_kv_spec``); dtypes
@@ -249,10 +250,17 @@ class PagedKVCache:
                 f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
                 f"({groups[0].num_blocks})"
             )
-        if capacity and (len(groups) > 1 or groups[0].window is not None):
+        if capacity and (
+            any(g.window is not None for g in groups) or len({g.block_size for g in groups}) > 1
+        ):
             raise ValueError(
-                "shared prefixes need a single full-attention KV group; this cache has "
-                f"{format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
+                "shared prefixes need full-attention KV groups of one block size; this cache "
+                f"has {format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
+            )
+        if capacity > min(g.num_blocks for g in groups):
+            raise ValueError(
+                f"prefix_cache_capacity_blocks ({capacity}) must not exceed any group's "
+                f"num_blocks ({min(g.num_blocks for g in groups)})"
             )
         widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
         order = layer_order(groups, layer_groups)
@@ -563,7 +571,8 @@ class PagedKVCache:
             group.allocator.release(record.run(group.index).private_block_ids, owner)
             group.tables.release(record.row)
         if record.prefix_id is not None:
-            self._prefixes.detach(record.prefix_id)
+            for group in self._groups:
+                group.prefixes.detach(record.prefix_id)
         record.clear()
         record.state = state
         record.row = -1
@@ -1233,48 +1242,62 @@ class PagedKVCache:
         return view
 
     # ---- shared prefixes -----------------------------------------------------------------
-    def _prefix_group(self) -> LayerGroup:
-        group = self._groups[0]
-        if not self._single or group.window is not None:
+    def _prefix_groups(self) -> list[LayerGroup]:
+        if self._has_window:
             raise RuntimeError(
-                "shared prefixes need a single full-attention KV group; this cache has "
+                "shared prefixes need full-attention KV groups; this cache has "
                 f"{format_kv_spec(self._specs)!r}"
             )
-        return group
+        return self._groups
 
-    def register_prefix(
-        self, prefix_id: PrefixId, k_blocks: torch.Tensor, v_blocks: torch.Tensor
-    ) -> PrefixState:
-        """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks."""
+    def _check_prefix_blocks(self, k_blocks: object, v_blocks: object) -> list[tuple]:
+        """Per group ``(k, v)`` ``[layers_in_group, n, Hkv, block_size, D]``; a single-group
+        cache takes the tensors themselves, a grouped one a sequence with one per group."""
+        groups = self._groups
+        if self._single:
+            pairs = [(k_blocks, v_blocks)]
+        else:
+            for name, value in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+                if not isinstance(value, (list, tuple)) or len(value) != len(groups):
+                    raise TypeError(
+                        f"{name} must be a list of {len(groups)} tensors (one per KV group), "
+                        f"got {type(value).__name__}"
+                    )
+            pairs = list(zip(k_blocks, v_blocks, strict=True))
+        checked = []
+        num_blocks = None
+        for g, (k, v) in zip(groups, pairs, strict=True):
+            at = "" if self._single else f"[{g.index}]"
+            k = check_tensor(f"k_blocks{at}", k, ndim=5, dtypes=(g.dtype,), device=self._device)
+            v = check_tensor(f"v_blocks{at}", v, ndim=5, dtypes=(g.dtype,), device=self._device)
+            n = k.shape[1] if num_blocks is None else num_blocks
+            expected = (len(g.layers), n, g.num_kv_heads, g.block_size, g.head_dim)
+            check_shape(f"k_blocks{at}", k, expected)
+            check_shape(f"v_blocks{at}", v, expected)
+            num_blocks = n
+            if n < 1:
+                raise ValueError("a prefix needs at least one block (k_blocks.shape[1] >= 1)")
+            if n > g.width:
+                raise ValueError(f"a prefix of {n} blocks exceeds max_blocks_per_seq={g.width}")
+            checked.append((k, v))
+        return checked
+
+    def register_prefix(self, prefix_id: PrefixId, k_blocks: Any, v_blocks: Any) -> PrefixState:
+        """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks
+        (a grouped cache: lists with one ``[layers_in_group, n, ...]`` tensor per group)."""
         pid = check_request_id("prefix_id", prefix_id)
-        g = self._prefix_group()
-        k_blocks = check_tensor(
-            "k_blocks", k_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
-        )
-        v_blocks = check_tensor(
-            "v_blocks", v_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
-        )
-        num_blocks = k_blocks.shape[1]
-        expected = (
-            self._num_layers,
-            num_blocks,
-            g.num_kv_heads,
-            g.block_size,
-            g.head_dim,
-        )
-        check_shape("k_blocks", k_blocks, expected)
-        check_shape("v_blocks", v_blocks, expected)
-        if num_blocks < 1:
-            raise ValueError("a prefix needs at least one block (k_blocks.shape[1] >= 1)")
-        if num_blocks > g.width:
-            raise ValueError(
-                f"a prefix of {num_blocks} blocks exceeds max_blocks_per_seq={g.width}"
-            )
+        groups = self._prefix_groups()
+        blocks = self._check_prefix_blocks(k_blocks, v_blocks)
+        num_blocks = blocks[0][0].shape[1]
         self._tx.ensure_none_open("register a prefix")
-        block_ids, _ = self._prefixes.register(pid, num_blocks)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        g.k[:, index] = k_blocks
-        g.v[:, index] = v_blocks
+        # the registries see the same calls, so their LRU orders agree: evicting the longest
+        # run any group needs fits every group
+        victims = max((g.prefixes.plan_register(pid, num_blocks) for g in groups), key=len)
+        for group, (k, v) in zip(groups, blocks, strict=True):
+            block_ids, _ = group.prefixes.register(pid, num_blocks, victims)
+            index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+            group.k[:, index] = k
+            group.v[:, index] = v
         self._version += 1
         return self._prefixes.state(pid)
 
@@ -1282,8 +1305,8 @@ class PagedKVCache:
         """Start an empty active request with a resident prefix (its blocks shared)."""
         record = self._record(request_id)
         pid = check_request_id("prefix_id", prefix_id)
-        g = self._prefix_group()
-        block_ids = self._prefixes.block_ids(pid)  # ValueError when unknown
+        groups = self._prefix_groups()
+        self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
         self._require_active(record, "attach a prefix to")
         if record.seq_len or record.num_blocks or record.prefix_id is not None:
@@ -1291,13 +1314,16 @@ class PagedKVCache:
                 f"attach_prefix needs an empty request; {record.request_id!r} already holds "
                 f"{record.seq_len} tokens"
             )
-        n = len(block_ids)
-        record.table[:n] = block_ids
-        g.pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
-        record.num_blocks = record.num_prefix_blocks = n
+        for group in groups:
+            block_ids = group.prefixes.block_ids(pid)
+            run = record.run(group.index)
+            n = len(block_ids)
+            run.table[:n] = block_ids
+            group.pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
+            run.num_blocks = run.num_prefix_blocks = n
+            group.prefixes.attach(pid)
         record.prefix_id = pid
-        record.seq_len = n * g.block_size
-        self._prefixes.attach(pid)
+        record.seq_len = record.num_blocks * groups[0].block_size
         self._version += 1
 
     def evict_prefix(self, prefix_id: PrefixId) -> None:
@@ -1305,11 +1331,15 @@ class PagedKVCache:
         pid = check_request_id("prefix_id", prefix_id)
         self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("evict a prefix")
-        self._prefixes.evict(pid)
+        self._prefixes.check_evictable(pid)
+        for group in self._groups:
+            group.prefixes.evict(pid)
         self._version += 1
 
-    def prefix_state(self, prefix_id: PrefixId) -> PrefixState:
-        return self._prefixes.state(check_request_id("prefix_id", prefix_id))
+    def prefix_state(self, prefix_id: PrefixId, *, group: int = 0) -> PrefixState:
+        """The prefix as ``group`` holds it (the groups agree on all but the block ids)."""
+        g = self._check_group(group)
+        return g.prefixes.state(check_request_id("prefix_id", prefix_id))
 
     def prefix_ids(self) -> list[PrefixId]:
         """Resident prefixes in registration order."""
@@ -1322,7 +1352,7 @@ class PagedKVCache:
         states = Counter(rec.state for rec in self._requests.values())
         open_tx = self._tx.open
         groups = [self._group_metrics(group, open_tx) for group in self._groups]
-        num_prefix_blocks = self._prefixes.num_blocks
+        num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
         num_used = sum(g["num_used_blocks"] for g in groups)
         return {
             "version": self._version,
@@ -1390,7 +1420,7 @@ class PagedKVCache:
                 attached[rec.prefix_id] += 1
         for group in self._groups:
             self._validate_group(group, open_tx)
-        self._prefixes.check_integrity(attached)
+            group.prefixes.check_integrity(attached)
         rows = [rec.row for rec in self._requests.values() if rec.state is RequestState.ACTIVE]
         if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
             raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
@@ -1436,15 +1466,19 @@ class PagedKVCache:
                 )
             if run.table[run.num_blocks :].any():
                 raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
-            if rec.prefix_id is None or index != 0:
+            if rec.prefix_id is None:
                 if run.num_prefix_blocks:
                     raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
             else:
                 if rec.prefix_id not in prefixes:
-                    raise RuntimeError(f"request {rid!r} uses unknown prefix {rec.prefix_id!r}")
+                    raise RuntimeError(
+                        f"{where}request {rid!r} uses unknown prefix {rec.prefix_id!r}"
+                    )
                 ids = prefixes.block_ids(rec.prefix_id)
                 if tuple(run.table[: run.num_prefix_blocks].tolist()) != ids:
-                    raise RuntimeError(f"request {rid!r}: table does not start with its prefix")
+                    raise RuntimeError(
+                        f"{where}request {rid!r}: table does not start with its prefix"
+                    )
             private = run.private_block_ids + list(reserved.get(rid, ()))
             if sorted(private) != held:
                 raise RuntimeError(

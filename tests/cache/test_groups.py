@@ -136,7 +136,7 @@ def test_default_layer_groups_are_consecutive_and_all_window_caches_size_from_th
         ({"max_blocks_per_seq": 4}, ValueError, "ambiguous"),
         ({"max_seq_len": 129}, ValueError, "max_seq_len"),
         ({"max_seq_len": 8, "max_blocks_per_seq": 2}, ValueError, "not both"),
-        ({"prefix_cache_capacity_blocks": 2}, ValueError, "single full-attention"),
+        ({"prefix_cache_capacity_blocks": 2}, ValueError, "full-attention KV groups of one"),
         ({"kv_scales": [None, (1.0, 1.0)]}, ValueError, "takes no scales"),
         ({"kv_scales": [None]}, ValueError, "1 entries for 2 groups"),
     ],
@@ -339,7 +339,7 @@ def test_rejected_calls_on_a_grouped_cache_change_nothing():
     assert_rejected(cache, RuntimeError, "out of order",
                     lambda: cache.write_token_layer(tx, 2, rows(2, 1), rows(2, 1)))  # fmt: skip
     assert_rejected(cache, RuntimeError, "1 of 3 layers", lambda: cache.commit_token(tx))
-    assert_rejected(cache, RuntimeError, "single full-attention",
+    assert_rejected(cache, RuntimeError, "need full-attention KV groups",
                     lambda: cache.register_prefix("p", rows(0, 1), rows(0, 1)))  # fmt: skip
     cache.abort_token(tx)
 
@@ -437,3 +437,50 @@ def test_padded_step_over_groups_pads_every_group():
         assert slots.block_tables.shape == (4, cache.group_max_blocks_per_seq(g))
     cache.abort_token(tx)
     cache.validate_invariants()
+
+
+def test_shared_prefixes_span_every_full_group():
+    spec = "(2,10,2,2,4):float32:1;(2,6,2,1,8):float32:2"
+    cache = PagedKVCache(spec, layer_groups=[1, 0, 1], device="cpu", prefix_cache_capacity_blocks=4)
+    gen = torch.Generator().manual_seed(0)
+
+    def blocks(n):
+        shapes = [(1, n, 2, 2, 4), (2, n, 1, 2, 8)]
+        return [torch.randn(s, generator=gen) for s in shapes]
+
+    k, v = blocks(2), blocks(2)
+    with pytest.raises(TypeError, match="list of 2 tensors"):
+        cache.register_prefix("p", k[0], v[0])
+    state = cache.register_prefix("p", k, v)
+    assert state.num_blocks == 2 and cache.prefix_state("p", group=1).num_blocks == 2
+    cache.add_request("a")
+    cache.attach_prefix("a", "p")
+    assert cache.seq_len("a") == 4 and cache.prefix_state("p").refcount == 1
+    history = History(cache, seed=4)
+    history.step(["a"])
+    cache.validate_invariants()
+    tables = [cache.block_tables(["a"], group=g)[0].tolist() for g in range(2)]
+    for layer, g, local in ((0, 1, 0), (1, 0, 0), (2, 1, 1)):
+        k_layer, _ = cache.layer_kv(layer)
+        for pos in range(4):  # the prefix's tokens read back through each group's table
+            got = k_layer[tables[g][pos // 2], :, pos % 2]
+            assert torch.equal(got, k[g][local, pos // 2, :, pos % 2])
+    m = cache.metrics()
+    assert m["num_prefix_blocks"] == 4 and [x["num_prefix_blocks"] for x in m["groups"]] == [2, 2]
+    # LRU eviction stays in step across groups although their pools differ
+    cache.finish_request("a")
+    cache.evict_prefix("p")
+    cache.register_prefix("q", blocks(2), blocks(2))
+    cache.add_request("b")
+    history.prefill(["b"], [5])  # 3 blocks in each group: group 1 has 1 free, group 0 has 5
+    cache.register_prefix("r", blocks(2), blocks(2))  # only group 1 must evict "q": both do
+    assert cache.prefix_ids() == ["r"]
+    with pytest.raises(ValueError, match="unknown prefix"):
+        cache.prefix_state("q", group=1)
+    assert cache.group_free_blocks(0) == 5 and cache.group_free_blocks(1) == 1
+    assert_rejected(cache, RuntimeError, "capacity", lambda: cache.register_prefix(
+        "s", blocks(5), blocks(5)))  # fmt: skip
+    cache.finish_request("b")
+    cache.evict_prefix("r")
+    cache.validate_invariants()
+    assert cache.num_free_blocks == cache.max_blocks
