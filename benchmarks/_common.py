@@ -324,3 +324,63 @@ def geomean(values: Sequence[float]) -> float | None:
     if not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def cuda_graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """Capture ``calls`` back-to-back calls of ``fn`` in one CUDA graph (after a warm-up on a
+    side stream); several calls per graph amortise the replay's own launch cost."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_us_per_call(
+    fn: Callable[[], Any], calls: int = 20, warmup_ms: float = 10, rep_ms: float = 40
+) -> float:
+    """Device time of one call: ``calls`` calls captured in one CUDA graph, the median replay
+    time (``bench_us``: L2 flushed before each replay) divided by ``calls``. Raises on failure."""
+    graph = cuda_graph_of_calls(fn, calls)
+    try:
+        return bench_us(graph.replay, warmup_ms, rep_ms) / calls
+    finally:
+        del graph
+
+
+def run_in_workers(
+    fn: Callable[..., int],
+    jobs: Sequence[Any],
+    workers: int,
+    timeout_s: float,
+    *extra: Any,
+    round_robin: bool = False,
+) -> int | None:
+    """Sum of ``fn(chunk, *extra)`` over ``workers`` chunks of ``jobs`` (contiguous, or dealt
+    round-robin), each in a spawned process (CUDA cannot be forked), e.g. to compile kernel
+    variants in parallel before a timing pass; None (the reason printed) on a failure or after
+    ``timeout_s``."""
+    import multiprocessing as mp
+
+    workers = max(1, min(workers, len(jobs)))
+    if round_robin:
+        chunks = [list(jobs[i::workers]) for i in range(workers)]
+    else:
+        size = -(-len(jobs) // workers)
+        chunks = [list(jobs[i : i + size]) for i in range(0, len(jobs), size)]
+    start = time.time()
+    try:
+        with mp.get_context("spawn").Pool(len(chunks)) as pool:
+            done = pool.starmap_async(fn, [(c, *extra) for c in chunks]).get(timeout=timeout_s)
+    except Exception as exc:  # the caller's own pass then does what is missing
+        print(f"worker pool failed ({type(exc).__name__}: {exc})", flush=True)
+        return None
+    print(f"{len(chunks)} workers: {sum(done)} of {len(jobs)} jobs in {time.time() - start:.0f} s")
+    return sum(done)

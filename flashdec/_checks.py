@@ -16,6 +16,11 @@ from typing import NamedTuple
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FP8 KV caches (e4m3, finite-only): what they store is ``x / scale`` saturated to +-FP8_MAX; the
+# queries, new keys/values and outputs beside them are fp16 or bf16
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 KV_LAYOUTS = ("token_major", "dim_major")
 DEFAULT_ROPE_BASE = 10000.0
@@ -73,6 +78,11 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_window(window: object) -> int | None:
+    """A sliding-window length: ``None`` (full attention) or an int >= 1."""
+    return None if window is None else check_positive_int("window", window)
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> str:
@@ -135,6 +145,65 @@ def check_inv_freq(
     return table
 
 
+def kv_dtype_matches(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether a cache of ``kv_dtype`` serves queries/new tokens of ``dtype``: the same float
+    dtype, or an FP8 cache beside fp16/bf16."""
+    return kv_dtype == dtype or (kv_dtype == FP8_DTYPE and dtype in FP8_COMPUTE_DTYPES)
+
+
+def kv_dtypes_for(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache dtypes :func:`kv_dtype_matches` accepts beside ``dtype``."""
+    return (dtype, FP8_DTYPE) if dtype in FP8_COMPUTE_DTYPES else (dtype,)
+
+
+KVScale = float | torch.Tensor
+
+
+def check_kv_scales(
+    kv_dtype: torch.dtype,
+    k_scale: object,
+    v_scale: object,
+    num_kv_heads: int,
+    device: torch.device | str,
+) -> tuple[KVScale | None, KVScale | None]:
+    """The dequantisation scales of a cache: both required for an FP8 cache (each a positive
+    finite float, or a float32 tensor ``[num_kv_heads]`` on the cache's device, whose values are
+    the caller's responsibility), neither allowed for a float cache. Floats come back as float."""
+    if kv_dtype != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale/v_scale apply only to float8_e4m3fn caches; this cache is {kv_dtype} "
+                "(pass no scales)"
+            )
+        return None, None
+    if k_scale is None or v_scale is None:
+        missing = " and ".join(
+            n for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is None
+        )
+        raise ValueError(
+            f"a float8_e4m3fn cache needs k_scale and v_scale (a float or a float32 tensor "
+            f"[num_kv_heads]); {missing} missing"
+        )
+    return (
+        _check_kv_scale("k_scale", k_scale, num_kv_heads, device),
+        _check_kv_scale("v_scale", v_scale, num_kv_heads, device),
+    )
+
+
+def _check_kv_scale(name: str, value: object, num_kv_heads: int, device) -> KVScale:
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, ndim=1, dtypes=(torch.float32,), device=device)
+        check_shape(name, value, (num_kv_heads,))
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a float or a float32 tensor [num_kv_heads], got {type(value).__name__}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
+
+
 def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     if sm_scale is None:
         return head_dim**-0.5
@@ -189,8 +258,8 @@ def check_paged_decode_inputs(
         and type(kv_layout) is str
         and kv_layout in KV_LAYOUTS
         and dtype in FLOAT_DTYPES
-        and k_cache.dtype == dtype
-        and v_cache.dtype == dtype
+        and (k_cache.dtype == dtype or kv_dtype_matches(dtype, k_cache.dtype))
+        and v_cache.dtype == k_cache.dtype
         and block_tables.dtype in INDEX_DTYPES
         and seq_lens.dtype in INDEX_DTYPES
         and k_cache.device == device
@@ -221,8 +290,9 @@ def check_paged_decode_inputs(
 def _explain_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout) -> None:
     check_kv_layout(kv_layout)
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
-    v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    kv_dtypes = kv_dtypes_for(q.dtype)
+    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=kv_dtypes, device=q.device)
+    v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=q.device)
     check_int_tensor("block_tables", block_tables, ndim=2, device=q.device)
     check_int_tensor("seq_lens", seq_lens, ndim=1, device=q.device)
     if k_cache.shape != v_cache.shape:
@@ -256,13 +326,13 @@ class PagedDecodeStats(NamedTuple):
     """What the range checks of a paged decode read off its metadata.
 
     ``min_id`` / ``max_id`` cover the *used* table entries only (the first
-    ``ceil(seq_len / block_size)`` of each row, at most the table's width); both are None when
-    no entry is used.
+    ``ceil(seq_len / block_size)`` of each row, at most the table's width; with a sliding window
+    only those from the window's first block on); both are None when no entry is used.
     """
 
     min_len: int
     max_len: int
-    total_len: int
+    total_len: int  # tokens the call attends to (with a window, each length capped at it)
     min_id: int | None
     max_id: int | None
 
@@ -288,7 +358,8 @@ def paged_decode_stats(
         mask &= columns >= first[:, None]
     ids = block_tables.to("cpu", torch.int64)[mask]
     min_id, max_id = (int(ids.min()), int(ids.max())) if ids.numel() else (None, None)
-    return PagedDecodeStats(int(lens.min()), int(lens.max()), int(lens.sum()), min_id, max_id)
+    attended = lens if window is None else lens.clamp(max=window)
+    return PagedDecodeStats(int(lens.min()), int(lens.max()), int(attended.sum()), min_id, max_id)
 
 
 def check_paged_decode_stats(stats: PagedDecodeStats, dims: PagedDecodeDims) -> None:

@@ -192,11 +192,7 @@ def _check_memory(parser: argparse.ArgumentParser, config) -> None:
     if not hasattr(config, "memory_estimate"):
         return  # the scheduler workload's traces are tiny and fixed
     est = config.memory_estimate()
-    kv = (
-        f"KV cache {_size(est.kv_cache_bytes)} = 2 x {config.layers} layers x "
-        f"{config.num_blocks} blocks x {config.block_size} tokens x {config.num_kv_heads} KV "
-        f"heads x {config.head_dim} dims x {config.placement().element_bytes} bytes"
-    )
+    kv = f"KV cache {_size(est.kv_cache_bytes)} = {config.kv_description()}"
     if est.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(est.device)
         if est.device_bytes > free:

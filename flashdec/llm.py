@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdec._blocks import lifetime_blocks
 from flashdec._checks import check_positive_int
-from flashdec.cache import PagedKVCache
+from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import CapturedStep, DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
 from flashdec.engine.loop import LoopStep, ServingLoop
@@ -160,12 +161,6 @@ class LLM:
             model.to(**{k: v for k, v in (("dtype", dtype), ("device", device)) if v})
         self.adapter = DecoderAdapter(model)  # ValueError naming unsupported features
         spec = self.adapter.spec
-        if spec.windowed:
-            windows = sorted({w for w in spec.layer_windows if w is not None})
-            raise ValueError(
-                f"FlashDec cannot run this {type(model).__name__} yet: sliding-window layers "
-                f"(windows {windows}) need the KV layer-group cache"
-            )
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = check_positive_int("block_size", block_size)
@@ -189,14 +184,18 @@ class LLM:
             )
 
         blocks_per_seq = -(-self.max_model_len // block_size)
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(blocks_per_seq, gpu_memory_fraction)
-        num_blocks = check_positive_int("num_blocks", num_blocks)
-        cache = PagedKVCache(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, num_blocks,
-            dtype=spec.dtype, device=spec.device,
-            max_blocks_per_seq=min(blocks_per_seq, num_blocks),
-        )  # fmt: skip
+        if num_blocks is not None:
+            num_blocks = check_positive_int("num_blocks", num_blocks)
+        if spec.windowed:
+            cache = self._grouped_cache(num_blocks, gpu_memory_fraction)
+        else:
+            if num_blocks is None:
+                num_blocks = self._default_num_blocks(blocks_per_seq, gpu_memory_fraction)
+            cache = PagedKVCache(
+                spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, num_blocks,
+                dtype=spec.dtype, device=spec.device,
+                max_blocks_per_seq=min(blocks_per_seq, num_blocks),
+            )  # fmt: skip
         on_cuda = spec.device.type == "cuda"
         self.engine = DecodeEngine(
             cache,
@@ -214,16 +213,72 @@ class LLM:
         self._next_id = 0
         self.last_stats: GenerationStats | None = None
 
+    def _kv_budget_bytes(self, fraction: float) -> float:
+        """Bytes the KV pools may take: ``fraction`` of the GPU after the weights and the
+        activations, or on the CPU a quarter of the available host memory (at most 4 GiB)."""
+        device = self.adapter.spec.device
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            used = torch.cuda.memory_allocated(device)
+            return fraction * total - used - _ACTIVATION_RESERVE
+        return min((available_host_bytes() or 0) / 4, 4 * 2**30)
+
+    def _grouped_cache(self, num_blocks: int | None, fraction: float) -> PagedKVCache:
+        """A cache with one KV layer group per distinct sliding window (None = full attention).
+
+        A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
+        its pool needs only that many per running request; the full-attention group gets the
+        rest of the budget. ``num_blocks`` (when given) sizes every group's pool.
+        """
+        spec = self.adapter.spec
+        windows = sorted(set(spec.layer_windows), key=lambda w: (w is not None, w or 0))
+        index = {w: g for g, w in enumerate(windows)}
+        counts = [spec.layer_windows.count(w) for w in windows]
+        itemsize = torch.empty((), dtype=spec.dtype).element_size()
+        layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * self.block_size * itemsize
+        wanted = [
+            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w) + 1
+            for w in windows
+        ]
+        if num_blocks is None:
+            budget = self._kv_budget_bytes(fraction)
+            shapes = list(zip(wanted, counts, windows, strict=True))
+            fixed = sum(n * c * layer_block_bytes for n, c, w in shapes if w is not None)
+            full_layers = sum(c for c, w in zip(counts, windows, strict=True) if w is None)
+            sizes = []
+            for n, w in zip(wanted, windows, strict=True):
+                if w is None:
+                    n = min(n, int((budget - fixed) // (full_layers * layer_block_bytes)))
+                elif full_layers == 0:
+                    n = min(n, int(budget // (sum(counts) * layer_block_bytes)))
+                if n < 1:
+                    raise ValueError(
+                        f"no memory left for a KV cache: budget {budget / 2**30:.2f} GiB after "
+                        "the weights; pass num_blocks= or a larger gpu_memory_fraction"
+                    )
+                sizes.append(n)
+        else:
+            sizes = [num_blocks] * len(windows)
+        groups = [
+            KVGroupSpec(2, n, self.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, c, w)
+            for n, c, w in zip(sizes, counts, windows, strict=True)
+        ]
+        full_pools = [n for n, w in zip(sizes, windows, strict=True) if w is None]
+        max_seq_len = self.max_model_len
+        if full_pools:  # a request can never hold more than the smallest full pool
+            max_seq_len = min(max_seq_len, min(full_pools) * self.block_size)
+        return PagedKVCache(
+            kv_spec=groups,
+            layer_groups=[index[w] for w in spec.layer_windows],
+            max_seq_len=max_seq_len,
+            device=spec.device,
+        )
+
     def _default_num_blocks(self, blocks_per_seq: int, fraction: float) -> int:
         spec = self.adapter.spec
         per_block = spec.kv_bytes_per_token * self.block_size
         wanted = self.max_batch_size * blocks_per_seq + 1
-        if spec.device.type == "cuda":
-            total = torch.cuda.get_device_properties(spec.device).total_memory
-            used = torch.cuda.memory_allocated(spec.device)
-            budget = fraction * total - used - _ACTIVATION_RESERVE
-        else:
-            budget = min((available_host_bytes() or 0) / 4, 4 * 2**30)
+        budget = self._kv_budget_bytes(fraction)
         affordable = int(budget // per_block)
         if affordable < 1:
             raise ValueError(

@@ -3,9 +3,15 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests quicktests tune decode append engine eager launch e2e
-#   extra arguments per phase: TUNE_ARGS, DECODE_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS,
-#   LAUNCH_ARGS, E2E_ARGS
+#   phases: tests quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
+#   launch e2e
+#   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
+#   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS
+#   window: sliding-window decode, time and bytes against L = W..32W (~1 min, window.md);
+#   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
+#   decodefp8: FP8 e4m3 KV against bf16 and FlashInfer's FP8 decode (~3 min, decode_fp8.md);
+#   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md);
+#   tunefp8: the same sweep over FP8 KV (<= 4 min, decode_tuning_fp8.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -45,6 +51,23 @@ for phase in $PHASES; do
     decode)
       python3 benchmarks/bench_decode.py --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
+    tunefp8)
+      python3 benchmarks/tune_decode.py --fp8 --name decode_tuning_fp8 --out-dir "$OUT" \
+        ${TUNE_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    decodequick)
+      python3 benchmarks/bench_decode.py --quick --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 \
+        | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    decodefp8)
+      python3 benchmarks/bench_decode.py --fp8 --name decode_fp8 --out-dir "$OUT" \
+        --heads 32/8/128 28/4/128 16/8/256 32/1/128 --pages 16 --warmup 5 --rep 20 \
+        --shapes "B=1 L=32768" "B=32 L=4096" "B=16 L=16384" "B=1024 L=17" \
+        "ragged 48x1..12345" --budget-s 200 ${FP8_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    window)
+      python3 benchmarks/bench_window.py --out-dir "$OUT" ${WINDOW_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
     engine)
       python3 benchmarks/run_multi_layer_engine.py --out-dir "$OUT" ${ENGINE_ARGS:-} 2>&1 \
         | tee -a "$LOG"
@@ -70,7 +93,16 @@ done
 echo "=== summary ==="
 grep -h "=== phase .*rc=" "$LOG"
 [ -f "$OUT/decode.md" ] && sed -n '/^## Summary/,/^## All shapes/p' "$OUT/decode.md"
+for f in decode decode_fp8; do
+  [ -f "$OUT/$f.md" ] && grep -q "^## Targets" "$OUT/$f.md" \
+    && { echo "--- $f.md"; sed -n '/^## Targets/,/^## Summary/p' "$OUT/$f.md"; }
+done
+for f in decode_tuning decode_tuning_fp8; do
+  [ -f "$OUT/$f.md" ] && grep -q "^## Tiles" "$OUT/$f.md" \
+    && { echo "--- $f.md"; sed -n '/^## Best configuration/,/^## Tiles/p' "$OUT/$f.md"; }
+done
 [ -f "$OUT/append.md" ] && grep "^| " "$OUT/append.md"
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
+[ -f "$OUT/window.md" ] && grep "^| " "$OUT/window.md"
 [ -f "$OUT/e2e.md" ] && grep "^| \|target\|agreement\|Memory" "$OUT/e2e.md"
 exit $status

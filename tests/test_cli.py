@@ -359,3 +359,48 @@ def test_bad_specs_are_one_line_errors(spec, message, capsys):
     out, err = capsys.readouterr()
     assert message in _assert_one_error_line(out, err)
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["workload", "synthetic", "--kv-spec", "(2,8,8,2,32):float32"], "group 0"),
+        (["workload", "integrated", "--kv-spec", "(2,8,8,2,32):float32:1;"], "group 1"),
+        (["workload", "synthetic", "--kv-spec", "(2,48,8,2,32):float32:1", "--head-dim", "8"],
+         "--head-dim"),
+        (["workload", "window", "--kv-spec", "(2,64,8,1,8):float32:2"], "window group"),
+    ],
+)  # fmt: skip
+def test_kv_spec_errors_are_one_line(args, message, capsys, runs):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in _assert_one_error_line(out, err)
+    assert not runs
+
+
+def test_workloads_run_on_a_kv_spec(tmp_path, capsys):
+    spec = "(2,48,8,2,32):float32:2;(2,24,8,1,16):float32:1:window=16"
+    path = tmp_path / "r.json"
+    argv = ["workload", "integrated", "--kv-spec", spec, "--prefix-hit-rate", "0",
+            "--num-requests", "6", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "group 1 (window 16, layers [2])" in out and "<= 3 per request" in out
+    assert json.loads(path.read_text())["groups"][1]["window"] == 16
+
+
+def test_window_workload_prints_both_concurrencies(tmp_path, capsys):
+    path = tmp_path / "w.json"
+    argv = ["workload", "window", "--kv-spec",
+            "(2,64,8,1,8):float32:1;(2,16,8,1,8):float32:2:window=12", "--generation-tokens",
+            "60", "--num-requests", "6", "--context-tokens", "4", "--max-new-tokens", "60",
+            "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "admitted at once, with windows" in out and "admitted at once, windows removed" in out
+    assert "window groups flat" in out
+    result = json.loads(path.read_text())
+    assert result["windowed"]["admitted_at_once"] == 5
+    assert result["all_full"]["admitted_at_once"] == 2

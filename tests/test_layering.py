@@ -35,6 +35,7 @@ ALLOWED = {
     "cli": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
             "engine", "models", "llm", "workloads"},
     "__main__": {"cli"},
+    "vllm_plugin": {"_checks", "kernels"},  # optional: imported by vLLM, never by the package
     "__init__": set(),  # resolves public names lazily, by string
 }  # fmt: skip
 

@@ -14,7 +14,9 @@ from flashdec.models import build_random_model
 from tests.models.greedy import hf_greedy
 from tests.models.test_loading import _save_tokenizer
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3"]
+# the -swa shapes have 16-token sliding windows (Qwen2: every other layer; Mistral: all layers)
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-swa",
+            "tiny-mistral-swa"]  # fmt: skip
 PROMPT_LENS = (5, 17, 33)  # 5 + 16 new tokens crosses the first 16-token block boundary
 NEW = 16
 
@@ -67,6 +69,34 @@ def test_staggered_arrivals_join_the_running_batch(name):
     assert [llm.output(rids[i]) for i in range(3)] == _expected(name)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2-swa", "tiny-mistral-swa"])
+def test_sliding_window_layers_hold_bounded_blocks(name):
+    """Windowed layers live in their own KV group: exact tokens with staggered arrivals, and a
+    request never holds more than ceil(window / block_size) + 1 of that group's blocks."""
+    model = _model(name)
+    prompts = _prompts(model.config.vocab_size)
+    llm = flashdec.LLM(model, max_batch_size=2, block_size=4)
+    cache = llm.engine.cache
+    window_groups = [g for g, spec in enumerate(cache.kv_groups) if spec.window is not None]
+    assert window_groups and all(cache.kv_groups[g].window == 16 for g in window_groups)
+    rids = [llm.add_request(prompts[0], NEW)]
+    peak = {g: 0 for g in window_groups}
+    steps = 0
+    while llm.has_unfinished() or len(rids) < 3:
+        if steps in (2, 4):
+            rids.append(llm.add_request(prompts[len(rids)], NEW))
+        if llm.has_unfinished():
+            llm.step()
+            groups = cache.metrics()["groups"]
+            for g in window_groups:
+                peak[g] = max(peak[g], groups[g]["max_blocks_per_request"])
+            cache.validate_invariants()
+        steps += 1
+    assert [llm.output(r) for r in rids] == _expected(name)
+    # 33 + 16 tokens would take 13 blocks of 4 without the window
+    assert all(0 < blocks <= 16 // 4 + 1 for blocks in peak.values()), peak
+
+
 def test_triton_kernels_through_the_interpreter_give_the_same_tokens():
     """The GPU path (fused RoPE+append, split-KV decode), interpreted on the CPU."""
     model = _model("tiny-qwen2")
@@ -74,6 +104,15 @@ def test_triton_kernels_through_the_interpreter_give_the_same_tokens():
     llm = flashdec.LLM(model, max_batch_size=2, append_backend="fused", decode_backend="triton")
     assert (llm.engine.append_backend, llm.engine.decode_backend) == ("fused", "triton")
     assert llm.generate(prompts, 6) == [t[:6] for t in _expected("tiny-qwen2")[:2]]
+
+
+def test_sliding_window_through_the_interpreter_gives_the_same_tokens():
+    """Windowed decode kernels (interpreted) on prompts longer than the window."""
+    model = _model("tiny-mistral-swa")
+    prompts = _prompts(model.config.vocab_size)[1:]  # 17 and 33 tokens, window 16
+    llm = flashdec.LLM(model, max_batch_size=2, block_size=8, append_backend="fused",
+                       decode_backend="triton")  # fmt: skip
+    assert llm.generate(prompts, 4) == [t[:4] for t in _expected("tiny-mistral-swa")[1:]]
 
 
 def test_eos_stops_a_sequence_unless_ignored():

@@ -48,16 +48,29 @@ def _params(fn):
 def test_signatures_follow_the_spec():
     assert _params(flashdec.decode) == [
         "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "block_size",
-        "num_warps", "kv_layout", "num_stages", "out", "workspace",
+        "num_warps", "kv_layout", "num_stages", "out", "workspace", "window", "k_scale",
+        "v_scale",
     ]  # fmt: skip
+    for fn, names in (
+        (flashdec.decode, ("window", "k_scale", "v_scale")),
+        (flashdec.kv_append, ("k_scale", "v_scale")),
+        (flashdec.fused_rope_kv_append, ("k_scale", "v_scale")),
+    ):
+        params = inspect.signature(fn).parameters
+        for name in names:
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert params[name].default is None
     assert _params(flashdec.paged_decode_attention_ref) == [
         "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "kv_layout", "window",
+        "k_scale", "v_scale",
     ]  # fmt: skip
     assert _params(flashdec.dense_decode_attention_ref) == [
         "q", "k_cache", "v_cache", "seq_lens", "sm_scale", "window",
     ]  # fmt: skip
     assert _params(flashdec.apply_rope) == ["x", "positions", "rotary_dim", "base"]
-    assert _params(flashdec.kv_append) == ["k_cache", "v_cache", "k", "v", "block_ids", "offsets"]
+    assert _params(flashdec.kv_append) == [
+        "k_cache", "v_cache", "k", "v", "block_ids", "offsets", "k_scale", "v_scale",
+    ]  # fmt: skip
     assert _params(flashdec.fused_rope_kv_append)[:9] == [
         "q", "k", "v", "k_cache", "v_cache", "block_ids", "offsets", "positions", "rotary_dim",
     ]  # fmt: skip

@@ -9,6 +9,11 @@ A step is ``begin_step`` (all validation, the reservation, one metadata upload) 
 per layer (a thin launch of RoPE + append and decode over fixed-address buffers) →
 ``commit_step``. Once ``begin_step`` has run, the layers of a step can be captured in a CUDA
 graph (``capture_step``) and replayed for later steps of the same batch (``replay_step``).
+
+Over a cache with several KV layer groups (SPEC §8.2) each layer runs in its group: its storage,
+block tables and lengths, its geometry (RoPE and the softmax scale follow the group's head_dim)
+and its sliding window; each group has its own decode plan and workspace per step. A classic
+one-group cache takes exactly the path it always took.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ from flashdec.engine.layer_ops import (
     write_plain_layer,
     write_rope_layer,
 )
-from flashdec.engine.snapshot import snapshot_from_cache
+from flashdec.engine.snapshot import (
+    cache_group_shapes,
+    grouped_active_row,
+    grouped_pools,
+    snapshot_from_cache,
+)
 from flashdec.kernels import triton_runs_on
 from flashdec.scheduler import (
     ActiveRequest,
@@ -88,10 +98,15 @@ class _OpenStep:
 
     __slots__ = (
         "decode",
+        "group_decode",
+        "group_outputs",
+        "group_shapes",
+        "group_slots",
         "kind",
         "kv_shape",
         "max_len_after",
         "num_rows",
+        "num_tokens",
         "outputs",
         "positions",
         "q_shape",
@@ -101,19 +116,34 @@ class _OpenStep:
         "transaction_id",
     )
 
-    def __init__(self, kind: str, view: TokenTransactionView, slots, positions, lens_after):
+    def __init__(
+        self, kind: str, view: TokenTransactionView, slots, positions, lens_after, group_slots=()
+    ):
         self.kind = kind  # "decode" (one token each) or "prefill" (a prompt import)
         self.transaction_id = view.transaction_id
         self.request_ids = view.request_ids
-        self.slots = slots
+        self.slots = slots  # group 0's
         self.num_rows = slots.num_rows
+        self.num_tokens = view.num_tokens  # tokens of the transaction (every group's input rows)
         self.positions = positions
         self.seq_lens_after = lens_after
         self.max_len_after = max(lens_after)
         self.decode: DecodeState | None = None
         self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
         self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
-        self.kv_shape = (slots.num_rows if kind == "decode" else slots.num_tokens, 0, 0)
+        self.kv_shape = (slots.num_rows if kind == "decode" else self.num_tokens, 0, 0)
+        # with several KV layer groups, the same per group (one entry each)
+        self.group_slots = group_slots
+        self.group_decode: list[DecodeState | None] = [None] * len(group_slots)
+        self.group_outputs: list[torch.Tensor | None] = [None] * len(group_slots)  # [Lg, ...]
+        self.group_shapes: list[tuple | None] = [None] * len(group_slots)  # (q, kv) shapes
+
+    @property
+    def generations(self) -> tuple[int, ...]:
+        """The slot buffers' generation in every group (a captured graph reads them)."""
+        if not self.group_slots:
+            return (self.slots.generation,)
+        return tuple(slots.generation for slots in self.group_slots)
 
 
 class CapturedStep:
@@ -122,13 +152,13 @@ class CapturedStep:
     ``output`` is what the captured body returned (tensors the graph rewrites on every replay).
     """
 
-    def __init__(self, engine, graph, output, num_rows: int, generation: int, keep: tuple):
+    def __init__(self, engine, graph, output, num_rows: int, generation, keep: tuple):
         self.engine = engine
         self.graph = graph
         self.output = output
         self.num_rows = num_rows
-        self.generation = generation
-        self._keep = keep  # buffers the graph reads (its decode workspace)
+        self.generation = generation  # the slot buffers' generation(s) it read
+        self._keep = keep  # buffers the graph reads (its decode workspaces)
 
 
 class DecodeEngine:
@@ -162,8 +192,22 @@ class DecodeEngine:
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         append_backend = check_choice("append_backend", append_backend, APPEND_BACKENDS)
         decode_backend = check_choice("decode_backend", decode_backend, DECODE_BACKENDS)
-        self.rope = Rope.build(cache.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
-        self.sm_scale = resolve_sm_scale(sm_scale, cache.head_dim)
+        specs = cache.kv_groups
+        for g, spec in enumerate(specs):
+            if spec.dtype == torch.float8_e4m3fn:
+                raise ValueError(
+                    f"KV group {g} stores float8_e4m3fn: the engine does not run FP8 groups yet "
+                    "(its kernels take no K/V scales)"
+                )
+        # per group: RoPE and the softmax scale follow the group's head_dim
+        self._ropes = tuple(
+            Rope.build(spec.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
+            for spec in specs
+        )
+        self._sm_scales = tuple(resolve_sm_scale(sm_scale, spec.head_dim) for spec in specs)
+        self._windows = tuple(spec.window for spec in specs)
+        self.rope = self._ropes[0]
+        self.sm_scale = self._sm_scales[0]
         if not triton_runs_on(cache.device) and "torch" not in (append_backend, decode_backend):
             log.warning(
                 "Triton kernels cannot run on %s tensors in this process (set TRITON_INTERPRET=1 "
@@ -177,6 +221,19 @@ class DecodeEngine:
         self.decode_backend = decode_backend
         self._fused_triton = (append_backend, decode_backend) == ("fused", "triton")
         self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
+        self._num_groups = len(specs)
+        self._num_layers = cache.num_layers
+        self._multi = len(specs) > 1  # several KV layer groups: the per-group paths
+        self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
+        # each layer's index inside its group (its row of the group's per-step outputs)
+        self._layer_local = tuple(
+            cache.group_layers(g).index(i) for i, g in enumerate(self._layer_groups)
+        )
+        self._group_decode_states: list[DecodeState | None] = [None] * len(specs)
+        # what the scheduler derives requests' needs from: empty for one full-attention group
+        self._group_shapes = cache_group_shapes(cache)
+        self._block_size = specs[0].block_size
+        self._dtype = specs[0].dtype
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
@@ -192,6 +249,12 @@ class DecodeEngine:
         self._queue = WaitingQueue()
         self._service_wait: dict[Any, int] = {}
         self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
+
+    @property
+    def group_shapes(self) -> tuple[tuple[int, int | None], ...]:
+        """Each KV layer group's ``(block_size, window)`` as the scheduler counts blocks; empty
+        for a cache of one full-attention group."""
+        return self._group_shapes
 
     @property
     def rotary_dim(self) -> int:
@@ -312,7 +375,12 @@ class DecodeEngine:
             raise ValueError(f"submission_order {spec.submission_order} is already used")
         # the queue checks the order against every waiting request and takes the lifetime
         # geometry of the resident prefixes (which cannot change while anything waits)
-        self._queue.submit(spec, block_size=self.cache.block_size, prefixes=self._prefix_infos())
+        self._queue.submit(
+            spec,
+            block_size=self._block_size,
+            prefixes=self._prefix_infos(),
+            group_shapes=self._group_shapes,
+        )
         self._mode = "scheduled"
         self._orders.add(spec.submission_order)
         self._specs[spec.request_id] = spec
@@ -365,7 +433,10 @@ class DecodeEngine:
     def _own_snapshot(self, step: int) -> SchedulingSnapshot:
         """The snapshot with the engine's counters, in O(active): rows of unchanged active
         requests are reused (equal snapshots then compare element by identity)."""
+        if self._group_shapes:
+            return self._own_group_snapshot(step)
         cache = self.cache
+        block_size = self._block_size
         prefixes = self._prefix_infos()
         prefix_map = {p.prefix_id: p for p in prefixes}
         rows, cached = [], self._active_rows
@@ -384,22 +455,51 @@ class DecodeEngine:
                     committed_tokens=tokens,
                     committed_blocks=blocks,
                     committed_private_blocks=blocks - shared,
-                    lifetime_private_blocks=lifetime_private_blocks(
-                        spec, cache.block_size, prefix_map
-                    ),
+                    lifetime_private_blocks=lifetime_private_blocks(spec, block_size, prefix_map),
                     service_wait_steps=wait,
                 )
             rows.append(row)
         return SchedulingSnapshot(
             step=step,
             cache_version=cache.version,
-            block_size=cache.block_size,
+            block_size=block_size,
             total_blocks=cache.max_blocks,
             free_blocks=cache.num_free_blocks,
             max_blocks_per_seq=cache.max_blocks_per_seq,
             prefixes=prefixes,
             active=tuple(rows),
             waiting=self._queue.view(),
+        )
+
+    def _own_group_snapshot(self, step: int) -> SchedulingSnapshot:
+        """``_own_snapshot`` of a cache with KV layer groups (or one window group): every
+        group's pool, and each active request's blocks per group."""
+        cache = self.cache
+        prefixes = self._prefix_infos()
+        prefix_map = {p.prefix_id: p for p in prefixes}
+        rows, cached = [], self._active_rows
+        for rid in self._scheduled_active_ids():
+            tokens = cache.seq_len(rid)
+            wait = self._service_wait.get(rid, 0)
+            row = cached.get(rid)
+            if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
+                row = cached[rid] = grouped_active_row(
+                    cache, self._specs[rid], self._group_shapes, prefix_map, wait
+                )
+            rows.append(row)
+        pools = grouped_pools(cache)
+        first = pools[0]
+        return SchedulingSnapshot(
+            step=step,
+            cache_version=cache.version,
+            block_size=first.block_size,
+            total_blocks=first.total_blocks,
+            free_blocks=first.free_blocks,
+            max_blocks_per_seq=first.max_blocks_per_seq,
+            prefixes=prefixes,
+            active=tuple(rows),
+            waiting=self._queue.view(),
+            groups=pools,
         )
 
     def _scheduled_active_ids(self) -> list:
@@ -531,8 +631,16 @@ class DecodeEngine:
         view = self.cache.begin_token(list(rids), pad_to=pad_to)
         slots = self.cache.transaction_slots(view)
         positions = view.host_positions.tolist()
-        self._open = _OpenStep("decode", view, slots, positions, [p + 1 for p in positions])
+        self._open = _OpenStep("decode", view, slots, positions, [p + 1 for p in positions],
+                               self._all_group_slots(view))  # fmt: skip
         return view
+
+    def _all_group_slots(self, view: TokenTransactionView) -> tuple:
+        """Every group's slots of a transaction (empty for a one-group cache: ``slots``)."""
+        if not self._multi:
+            return ()
+        cache = self.cache
+        return tuple(cache.transaction_slots(view, group=g) for g in range(self._num_groups))
 
     def step_layer(
         self, tx, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -544,6 +652,8 @@ class DecodeEngine:
         """
         step = self._require_open_step(tx, "decode")
         try:
+            if self._multi:
+                return self._group_layer(step, layer_idx, q, k, v)
             self._check_layer_inputs(step, q, k, v)
             if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -565,6 +675,31 @@ class DecodeEngine:
             self._abort_open_step()
             raise
 
+    def _group_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
+        """``step_layer`` on a cache with several KV layer groups: the layer's group's
+        storage, slots, geometry and window."""
+        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
+            g = self._layer_groups[layer_idx]
+        else:
+            g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+        self._check_group_layer_inputs(step, g, q, k, v)
+        if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "step_layer is being captured in a CUDA graph outside capture_step: the "
+                "engine would count layers the graph has not run yet; use capture_step"
+            )
+        if self._fused_triton:
+            return self._fast_group_layer(step, layer_idx, g, q, k, v)
+        backend, rope = self.append_backend, self._ropes[g]
+        q_rot = self.cache.write_token_layer_with(
+            step.transaction_id,
+            layer_idx,
+            lambda k_layer, v_layer, slots: write_rope_layer(
+                backend, rope, q, k, v, k_layer, v_layer, slots
+            ),
+        )
+        return self._decode_group_layer(step, layer_idx, g, q_rot)
+
     def commit_step(self, tx) -> StepResult:
         """Publish the step: every request's seq_len grows by its tokens, once."""
         step = self._require_open_step(tx)
@@ -575,7 +710,7 @@ class DecodeEngine:
             request_ids=step.request_ids,
             positions=tuple(step.positions),
             seq_lens=tuple(step.seq_lens_after),
-            num_layers=self.cache.num_layers,
+            num_layers=self._num_layers,
         )
 
     def abort_step(self, tx) -> None:
@@ -618,15 +753,15 @@ class DecodeEngine:
         finally:
             self._capturing = False
         graph.replay()
-        return CapturedStep(self, graph, output, step.num_rows, step.slots.generation,
-                            (step.decode,))  # fmt: skip
+        return CapturedStep(self, graph, output, step.num_rows, step.generations,
+                            (step.decode, *step.group_decode))  # fmt: skip
 
     def replay_step(self, tx, captured: CapturedStep) -> Any:
         """Write every layer of the open step by replaying ``captured``; returns its output."""
         step = self._require_open_step(tx, "decode")
         if not isinstance(captured, CapturedStep) or captured.engine is not self:
             raise TypeError("captured must be a CapturedStep of this engine")
-        if (captured.num_rows, captured.generation) != (step.num_rows, step.slots.generation):
+        if (captured.num_rows, captured.generation) != (step.num_rows, step.generations):
             raise ValueError(
                 f"captured step has {captured.num_rows} rows (buffers generation "
                 f"{captured.generation}); this step has {step.num_rows} (generation "
@@ -645,21 +780,23 @@ class DecodeEngine:
         slots = self.cache.transaction_slots(view)
         starts = [self.cache.seq_len(rid) for rid in rids]
         after = [s + n for s, n in zip(starts, num_tokens, strict=True)]
-        self._open = _OpenStep("prefill", view, slots, starts, after)
+        self._open = _OpenStep("prefill", view, slots, starts, after, self._all_group_slots(view))
         return view
 
     def prefill_layer(self, tx, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's prompt ``k, v [sum(num_tokens), Hkv, D]`` (already rotated, as the
-        cache keeps them) in the reserved slots; any failure aborts the whole import."""
+        cache keeps them; the layer's group's Hkv and D) in the reserved slots — a window group
+        keeps only the rows its window needs; any failure aborts the whole import."""
         step = self._require_open_step(tx, "prefill")
         try:
             cache = self.cache
-            rows = step.slots.num_tokens
+            rows = step.num_tokens
+            spec = cache.kv_groups[cache.layer_group(layer_idx)]
             for name, t in (("k", k), ("v", v)):
-                check_tensor(name, t, ndim=3, dtypes=(cache.dtype,), device=cache.device)
-                if tuple(t.shape) != (rows, cache.num_kv_heads, cache.head_dim):
+                check_tensor(name, t, ndim=3, dtypes=(spec.dtype,), device=cache.device)
+                if tuple(t.shape) != (rows, spec.num_kv_heads, spec.head_dim):
                     raise ValueError(
-                        f"{name} must have shape {(rows, cache.num_kv_heads, cache.head_dim)}, "
+                        f"{name} must have shape {(rows, spec.num_kv_heads, spec.head_dim)}, "
                         f"got {tuple(t.shape)}"
                     )
             backend = "torch" if self.append_backend == "torch" else "triton"
@@ -675,35 +812,79 @@ class DecodeEngine:
             raise
 
     def prefill_request_layers(
-        self, request_id: object, k_layers: torch.Tensor, v_layers: torch.Tensor
+        self,
+        request_id: object,
+        k_layers: torch.Tensor | Sequence[torch.Tensor],
+        v_layers: torch.Tensor | Sequence[torch.Tensor],
     ) -> int:
         """Import caller-built prompt tokens for every layer, all or nothing.
 
         ``k_layers, v_layers``: ``[num_layers, Hkv, D]`` (one token) or
-        ``[num_layers, T, Hkv, D]`` (T tokens). Returns the request's new seq_len.
+        ``[num_layers, T, Hkv, D]`` (T tokens) — or one tensor per layer, ``[Hkv, D]`` or
+        ``[T, Hkv, D]`` in that layer's group's geometry (needed when the cache's KV layer
+        groups differ in Hkv, head_dim or dtype). Returns the request's new seq_len.
         """
         self._require_no_open_step("prefill_request_layers")
         self._require_state(request_id, EngineRequestState.ACTIVE, "prefill")
+        ks = self._prompt_layers("k_layers", k_layers)
+        vs = self._prompt_layers("v_layers", v_layers)
+        count = ks[0].shape[0]
+        specs = [self.cache.kv_groups[g] for g in self._layer_groups]
+        for name, layers in (("k_layers", ks), ("v_layers", vs)):
+            for i, (t, spec) in enumerate(zip(layers, specs, strict=True)):
+                expected = (count, spec.num_kv_heads, spec.head_dim)
+                if tuple(t.shape) != expected or count == 0:
+                    raise ValueError(
+                        f"{name}: layer {i} must have shape {expected} (T >= 1, the same T for "
+                        f"every layer), got {tuple(t.shape)}"
+                    )
+        tx = self.begin_prefill([request_id], [count])
+        for layer in range(self.cache.num_layers):
+            self.prefill_layer(tx, layer, ks[layer], vs[layer])
+        self.commit_step(tx)
+        return self.cache.seq_len(request_id)
+
+    def _prompt_layers(self, name: str, value: object) -> list[torch.Tensor]:
+        """``prefill_request_layers``' K or V as one ``[T, Hkv, D]`` tensor per layer."""
         cache = self.cache
-        for name, t in (("k_layers", k_layers), ("v_layers", v_layers)):
-            check_tensor(name, t, dtypes=(cache.dtype,), device=cache.device)
-            if t.dim() not in (3, 4):
+        num_layers = cache.num_layers
+        specs = [cache.kv_groups[g] for g in self._layer_groups]
+        if isinstance(value, torch.Tensor):
+            kinds = {(spec.num_kv_heads, spec.head_dim, spec.dtype) for spec in specs}
+            if len(kinds) != 1:
+                raise ValueError(
+                    f"{name}: this cache's KV layer groups differ in Hkv, head_dim or dtype; "
+                    "pass one tensor per layer"
+                )
+            check_tensor(name, value, dtypes=(specs[0].dtype,), device=cache.device)
+            if value.dim() not in (3, 4):
                 raise ValueError(
                     f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
-                    f"{tuple(t.shape)}"
+                    f"{tuple(value.shape)}"
                 )
-        if k_layers.dim() == 3:
-            k_layers, v_layers = k_layers.unsqueeze(1), v_layers.unsqueeze(1)
-        expected = (cache.num_layers, k_layers.shape[1], cache.num_kv_heads, cache.head_dim)
-        for name, t in (("k_layers", k_layers), ("v_layers", v_layers)):
-            if tuple(t.shape) != expected or expected[1] == 0:
-                raise ValueError(f"{name} must have shape {expected} (T >= 1), got "
-                                 f"{tuple(t.shape)}")  # fmt: skip
-        tx = self.begin_prefill([request_id], [expected[1]])
-        for layer in range(cache.num_layers):
-            self.prefill_layer(tx, layer, k_layers[layer], v_layers[layer])
-        self.commit_step(tx)
-        return cache.seq_len(request_id)
+            if value.dim() == 3:
+                value = value.unsqueeze(1)
+            if value.shape[0] != num_layers:
+                raise ValueError(
+                    f"{name} must have {num_layers} layers (dim 0), got {tuple(value.shape)}"
+                )
+            return list(value.unbind(0))
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(
+                f"{name} must be a tensor or a list of per-layer tensors, got "
+                f"{type(value).__name__}"
+            )
+        if len(value) != num_layers:
+            raise ValueError(f"{name} must hold {num_layers} layers, got {len(value)}")
+        layers = []
+        for i, (t, spec) in enumerate(zip(value, specs, strict=True)):
+            check_tensor(f"{name}[{i}]", t, dtypes=(spec.dtype,), device=cache.device)
+            if t.dim() not in (2, 3):
+                raise ValueError(
+                    f"{name}[{i}] must be [Hkv, D] or [T, Hkv, D], got {tuple(t.shape)}"
+                )
+            layers.append(t.unsqueeze(0) if t.dim() == 2 else t)
+        return layers
 
     # ------------------------------------------------------------------ prefixes
     def register_prefix(self, prefix_id, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
@@ -768,12 +949,16 @@ class DecodeEngine:
 
     def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
         shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
-        if step.q_shape is not None and shapes == (step.q_shape, step.kv_shape, step.kv_shape):
-            cache = self.cache
-            if q.dtype is cache.dtype and k.dtype is q.dtype and v.dtype is q.dtype:
-                device = cache.device
-                if q.device == device and k.device == device and v.device == device:
-                    return  # the common case: same shapes as the step's first layer
+        if (
+            step.q_shape is not None
+            and shapes == (step.q_shape, step.kv_shape, step.kv_shape)
+            and q.dtype is self._dtype
+            and k.dtype is q.dtype
+            and v.dtype is q.dtype
+        ):
+            device = self.cache.device
+            if q.device == device and k.device == device and v.device == device:
+                return  # the common case: same shapes as the step's first layer
         q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v)
         if step.q_shape is not None and q.shape != step.q_shape:
             raise ValueError(
@@ -815,6 +1000,78 @@ class DecodeEngine:
             step.decode = state
         return state
 
+    def _check_group_layer_inputs(self, step: _OpenStep, g: int, q, k, v) -> None:
+        """``_check_layer_inputs`` for a layer of group ``g`` (its Hkv, D and dtype)."""
+        seen = step.group_shapes[g]
+        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
+        if seen is not None and shapes == (seen[0], seen[1], seen[1]):
+            dtype = self.cache.kv_groups[g].dtype
+            if q.dtype is dtype and k.dtype is dtype and v.dtype is dtype:
+                device = self.cache.device
+                if q.device == device and k.device == device and v.device == device:
+                    return  # the common case: same shapes as the group's first layer
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, group=g)
+        if seen is not None and q.shape != seen[0]:
+            raise ValueError(
+                f"q has {q.shape[1]} heads but earlier layers of KV group {g} in this step had "
+                f"{seen[0][1]}"
+            )
+        step.group_shapes[g] = (q.shape, k.shape)
+
+    def _fast_group_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+        """``_fast_layer`` for a layer of group ``g``: its plan, slots and window."""
+        state = self._group_decode_state(step, g, q.shape[1])
+        outputs = step.group_outputs[g]
+        if outputs is None:  # one allocation per step and group for its layers' outputs
+            count = len(self.cache.group_layers(g))
+            outputs = step.group_outputs[g] = torch.empty(
+                (count, *q.shape), dtype=q.dtype, device=q.device
+            )
+        out = outputs[self._layer_local[layer_idx]]
+        k_layer, v_layer = self._layer_views[layer_idx]
+        append, decode = state.bound(self._ropes[g], step.group_slots[g], self._sm_scales[g], q,
+                                     k, v, k_layer, v_layer, out)  # fmt: skip
+        q_rot = state.q_rot
+        self.cache.write_token_layer_with(
+            step.transaction_id,
+            layer_idx,
+            lambda k_cache, v_cache, slots: append(q, k, v, k_cache, v_cache, q_rot),
+        )
+        return decode(q_rot, k_layer, v_layer, out)
+
+    def _group_decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
+        state = step.group_decode[g]
+        if state is None:
+            state = self._group_decode_states[g]
+            if state is None or not state.fits(
+                self.cache, step.num_rows, num_heads, step.max_len_after
+            ):
+                state = self._group_decode_states[g] = DecodeState(
+                    self.cache, step.num_rows, num_heads, step.max_len_after, group=g
+                )
+            step.group_decode[g] = state
+        return state
+
+    def _decode_group_layer(
+        self, step: _OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
+    ) -> torch.Tensor:
+        k_layer, v_layer = self._layer_views[layer_idx]
+        slots = step.group_slots[g]
+        if self.decode_backend == "torch":
+            return torch_paged_decode(
+                q_rot,
+                k_layer,
+                v_layer,
+                slots.block_tables,
+                slots.seq_lens_after,
+                step.max_len_after,
+                self._sm_scales[g],
+                self._windows[g],
+            )
+        state = self._group_decode_state(step, g, q_rot.shape[1])
+        return state.decode(q_rot, k_layer, v_layer, slots, self._sm_scales[g],
+                            torch.empty_like(q_rot))  # fmt: skip
+
     def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
         k_layer, v_layer = self.cache.layer_kv(layer_idx)
         slots = step.slots
@@ -827,6 +1084,7 @@ class DecodeEngine:
                 slots.seq_lens_after,
                 step.max_len_after,
                 self.sm_scale,
+                self._windows[0],
             )
         state = self._decode_state_of(step, q_rot.shape[1])
         # each layer's output outlives the shared workspace

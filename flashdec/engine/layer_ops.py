@@ -6,6 +6,9 @@ and the layer order; the functions here store K/V into those slots (``torch`` in
 gather + dense math, or the ``triton`` split-KV kernel with a plan + workspace made once per step).
 The Triton calls are the *trusted* launchers: the cache validated its own reservation, so no
 index check (and no host sync) is repeated per layer.
+
+With KV layer groups each layer runs in its group's storage, with its group's slots, geometry and
+sliding window (``group=`` below; group 0 is the only group of a classic cache).
 """
 
 from __future__ import annotations
@@ -123,11 +126,20 @@ def write_plain_layer(
     v_layer: torch.Tensor,
     slots: TransactionSlots,
 ) -> None:
-    """Store ``k, v`` bitwise in the reserved slots (``torch`` or the ``triton`` scatter)."""
+    """Store ``k, v`` bitwise in the reserved slots (``torch`` or the ``triton`` scatter).
+
+    ``k, v`` hold one row per token of the transaction; a window group's prompt import stores
+    only the rows its window keeps (``slots.token_rows``).
+    """
+    rows = slots.token_rows
     if backend == "torch":
-        count = slots.num_tokens
-        torch_scatter(k_layer, v_layer, k[:count], v[:count], slots)
+        if rows is None:
+            count = slots.num_tokens
+            k, v = k[:count], v[:count]
+        torch_scatter(k_layer, v_layer, k, v, slots)  # it selects token_rows itself
     else:
+        if rows is not None:
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
         launch_kv_append(k_layer, v_layer, k, v, slots.block_ids, slots.offsets)
 
 
@@ -139,8 +151,11 @@ def torch_paged_decode(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     sm_scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Gather the first ``max_seq_len`` tokens of each request, then dense masked attention."""
+    """Gather the first ``max_seq_len`` tokens of each request, then dense masked attention
+    (with ``window``, over each request's last ``window`` positions: table entries before them
+    are gathered but masked, so they must only be in range, as a cache's released ones are)."""
     batch = q.shape[0]
     block_size = k_layer.shape[2]
     num_blocks = max(1, -(-max_seq_len // block_size))
@@ -149,19 +164,30 @@ def torch_paged_decode(
     dense_shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
     k = k_layer[ids].transpose(2, 3).reshape(dense_shape)  # [B, nb, Hkv, bs, D] -> [B, L, Hkv, D]
     v = v_layer[ids].transpose(2, 3).reshape(dense_shape)
-    return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale)
+    return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale, window=window)
 
 
-def plan_bucket(cache: PagedKVCache, max_len: int) -> int:
-    """The length a step's decode plan is sized for: the next power of two of its longest
-    request (capped at the table width). One rule for when a plan is reused: while this value
-    stays the same."""
-    limit = cache.max_blocks_per_seq * cache.block_size
+def max_table_tokens(cache: PagedKVCache) -> int:
+    """The most tokens every group's block table can hold (all groups' tables are sized for
+    the same token limit)."""
+    return min(
+        cache.group_max_blocks_per_seq(g) * spec.block_size
+        for g, spec in enumerate(cache.kv_groups)
+    )
+
+
+def plan_bucket(cache: PagedKVCache, max_len: int, limit: int | None = None) -> int:
+    """The length a step's decode plans are sized for: the next power of two of its longest
+    request (capped at what the tables hold; ``limit`` passes that, once computed). One rule
+    for when a plan is reused, in every group: while this value stays the same."""
+    if limit is None:
+        limit = max_table_tokens(cache)
     return max(min(1 << max(0, (max_len - 1).bit_length()), limit), max_len)
 
 
 class DecodeState:
-    """A Triton decode plan and its workspace, shared by every layer of a step.
+    """A Triton decode plan and its workspace, shared by every layer of a step (of one layer
+    group: ``group``, whose geometry and sliding window the plan has).
 
     The plan is sized for :func:`plan_bucket` of the longest request, so one plan serves every
     step until the batch outgrows the bucket (the kernel derives each request's range from the
@@ -169,27 +195,42 @@ class DecodeState:
     well chosen). Reused while the step has the same rows, head count and bucket.
     """
 
-    __slots__ = ("_bound", "num_q_heads", "num_rows", "planned_len", "q_rot", "workspace")
+    __slots__ = (
+        "_bound",
+        "limit",
+        "num_q_heads",
+        "num_rows",
+        "planned_len",
+        "q_rot",
+        "window",
+        "workspace",
+    )
 
-    def __init__(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int):
-        planned = plan_bucket(cache, max_len)
+    def __init__(
+        self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int, group: int = 0
+    ):
+        spec = cache.kv_groups[group]
+        self.limit = max_table_tokens(cache)
+        planned = plan_bucket(cache, max_len, self.limit)
+        self.window = spec.window
         plan = plan_decode(
             num_rows,
             num_q_heads,
-            cache.num_kv_heads,
-            cache.head_dim,
-            cache.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
             planned,
-            cache.dtype,
+            spec.dtype,
             cache.device,
-            max_blocks_per_seq=cache.max_blocks_per_seq,
+            max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
+            window=spec.window,
         )
         self.workspace = DecodeWorkspace.allocate(plan)
         self.num_rows = num_rows
         self.num_q_heads = num_q_heads
         self.planned_len = planned  # the bucket this plan serves
         # rotated q of the layer in flight: written by the fused append, read by decode
-        self.q_rot = torch.empty(num_rows, num_q_heads, cache.head_dim, dtype=cache.dtype,
+        self.q_rot = torch.empty(num_rows, num_q_heads, spec.head_dim, dtype=spec.dtype,
                                  device=cache.device)  # fmt: skip
         self._bound: dict[tuple, tuple] = {}
 
@@ -197,7 +238,7 @@ class DecodeState:
         return (
             num_rows == self.num_rows
             and num_q_heads == self.num_q_heads
-            and plan_bucket(cache, max_len) == self.planned_len
+            and plan_bucket(cache, max_len, self.limit) == self.planned_len
         )
 
     def bound(
@@ -306,14 +347,16 @@ def rope_paged_kv_append(
 
 
 def check_step_inputs(
-    cache: PagedKVCache, rows: int, q: object, k: object, v: object
+    cache: PagedKVCache, rows: int, q: object, k: object, v: object, group: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Structural checks of one layer's ``q [rows, Hq, D]`` and ``k, v [rows, Hkv, D]``."""
-    dtype, device = cache.dtype, cache.device
+    """Structural checks of one layer's ``q [rows, Hq, D]`` and ``k, v [rows, Hkv, D]`` (in
+    layer group ``group``'s geometry)."""
+    spec = cache.kv_groups[group]
+    dtype, device = spec.dtype, cache.device
     q = check_tensor("q", q, ndim=3, dtypes=(dtype,), device=device)
     k = check_tensor("k", k, ndim=3, dtypes=(dtype,), device=device)
     v = check_tensor("v", v, ndim=3, dtypes=(dtype,), device=device)
-    hkv, dim = cache.num_kv_heads, cache.head_dim
+    hkv, dim = spec.num_kv_heads, spec.head_dim
     if q.shape[0] != rows or q.shape[2] != dim:
         raise ValueError(f"q must have shape [{rows}, num_q_heads, {dim}], got {tuple(q.shape)}")
     if q.shape[1] == 0 or q.shape[1] % hkv:

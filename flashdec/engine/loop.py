@@ -26,6 +26,7 @@ from flashdec.scheduler import (
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
+    needs_new_block,
 )
 
 
@@ -187,6 +188,9 @@ class ServingLoop:
         finds one; the greedy and cancel baselines can run dry at a block boundary.
         """
         engine, cache = self.engine, self.engine.cache
+        shapes = engine.group_shapes
+        if shapes:
+            return self._unblock_groups(batch, step, shapes)
         bs = cache.block_size
         needing = [rid for rid in batch if cache.seq_len(rid) % bs == 0]
         if len(needing) <= cache.num_free_blocks:
@@ -196,6 +200,29 @@ class ServingLoop:
             engine.cancel_request(rid)
         needing = [rid for rid in needing if rid not in victims]
         return needing[cache.num_free_blocks :], victims
+
+    def _unblock_groups(self, batch: list, step: int, shapes) -> tuple[list, list]:
+        """``_unblock`` with KV layer groups: a request is stuck when some group has no block
+        for it (each group's pool serves the batch in batch order)."""
+        engine, cache = self.engine, self.engine.cache
+        lens = {rid: cache.seq_len(rid) for rid in batch}
+
+        def needing_in(g: int, ids: list) -> list:
+            bs, window = shapes[g]
+            return [rid for rid in ids if needs_new_block(lens[rid], bs, window)]
+
+        groups = range(len(shapes))
+        if all(len(needing_in(g, batch)) <= cache.group_free_blocks(g) for g in groups):
+            return [], []
+        needing = [rid for rid in batch if any(needing_in(g, [rid]) for g in groups)]
+        victims = list(self.scheduler.select_victims(engine.scheduling_snapshot(step), needing))
+        for rid in victims:
+            engine.cancel_request(rid)
+        left = [rid for rid in batch if rid not in victims]
+        stuck = set()
+        for g in groups:
+            stuck.update(needing_in(g, left)[cache.group_free_blocks(g) :])
+        return [rid for rid in left if rid in stuck], victims
 
     # ------------------------------------------------------------------ running and stopping
     def close(self) -> tuple[tuple, tuple]:

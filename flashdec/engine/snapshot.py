@@ -3,6 +3,10 @@
 The cache is the single source of truth for lengths, blocks and prefixes; the caller supplies
 what only it knows — each request's spec, which ids wait and which run, and the fairness counters.
 Nothing is mutated; every argument is checked before anything is read.
+
+A cache with several KV layer groups (or one sliding-window group) gives a snapshot with one
+``GroupPool`` per group and each active request's blocks per group; a classic cache gives the
+plain one-group snapshot.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from collections.abc import Iterable, Mapping
 
 from flashdec._checks import check_positive_int
 from flashdec.cache import PagedKVCache, RequestState
+from flashdec.scheduler.rows import lifetime_private_blocks_by_group
 from flashdec.scheduler.snapshot import (
     ActiveRequest,
+    GroupBlocks,
+    GroupPool,
     PrefixInfo,
     SchedulingSnapshot,
     WaitingRequest,
@@ -47,6 +54,58 @@ def _counters(
             raise ValueError(f"{name} has a counter for {rid!r}, which is not in its id list")
         check_positive_int(f"{name}[{rid!r}]", count, minimum=0)
     return dict(value)
+
+
+def cache_group_shapes(cache: PagedKVCache) -> tuple[tuple[int, int | None], ...]:
+    """Each group's ``(block_size, window)`` as a scheduler derives needs from them; empty for
+    a cache of one full-attention group (the plain snapshot)."""
+    specs = cache.kv_groups
+    if len(specs) == 1 and specs[0].window is None:
+        return ()
+    return tuple((spec.block_size, spec.window) for spec in specs)
+
+
+def grouped_pools(cache: PagedKVCache) -> tuple[GroupPool, ...]:
+    """Every group's pool as it is now."""
+    return tuple(
+        GroupPool(
+            spec.block_size,
+            spec.num_blocks,
+            cache.group_free_blocks(g),
+            cache.group_max_blocks_per_seq(g),
+            spec.window,
+        )
+        for g, spec in enumerate(cache.kv_groups)
+    )
+
+
+def grouped_active_row(
+    cache: PagedKVCache,
+    spec: RequestSpec,
+    shapes: tuple[tuple[int, int | None], ...],
+    prefix_map: Mapping,
+    service_wait_steps: int,
+) -> ActiveRequest:
+    """An active request's row with its blocks in every group, read from the cache."""
+    rid = spec.request_id
+    prefix = prefix_map[spec.prefix_id] if spec.prefix_id is not None else None
+    lifetimes = lifetime_private_blocks_by_group(spec, shapes, prefix_map)
+    groups = []
+    for g, lifetime in enumerate(lifetimes):
+        blocks = len(cache.request_block_ids(rid, group=g))
+        shared = 0 if prefix is None else prefix.num_blocks_by_group[g]
+        groups.append(GroupBlocks(blocks, blocks - shared, lifetime))
+    first = groups[0]
+    return ActiveRequest(
+        request_id=rid,
+        spec=spec,
+        committed_tokens=cache.seq_len(rid),
+        committed_blocks=first.committed_blocks,
+        committed_private_blocks=first.committed_private_blocks,
+        lifetime_private_blocks=first.lifetime_private_blocks,
+        service_wait_steps=service_wait_steps,
+        blocks_by_group=tuple(groups),
+    )
 
 
 def snapshot_from_cache(
@@ -104,6 +163,11 @@ def snapshot_from_cache(
     if seen:
         raise ValueError(f"waiting ids are already known to the cache: {seen!r}")
 
+    shapes = cache_group_shapes(cache)
+    if shapes:
+        return _group_snapshot(
+            cache, step, specs, waiting, active, wait_steps, skips, service, shapes
+        )
     block_size = cache.block_size
     prefixes = []
     for pid in cache.prefix_ids():
@@ -154,4 +218,39 @@ def snapshot_from_cache(
         prefixes=tuple(prefixes),
         active=tuple(active_rows),
         waiting=tuple(waiting_rows),
+    )
+
+
+def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, service, shapes):
+    """``snapshot_from_cache`` of a cache with KV layer groups (shared prefixes need a single
+    full-attention group, so there are none)."""
+    rows = []
+    for rid in active:
+        if cache.request_prefix(rid) != specs[rid].prefix_id:
+            raise ValueError(
+                f"active request {rid!r} has prefix {cache.request_prefix(rid)!r} attached in the "
+                f"cache but its spec names {specs[rid].prefix_id!r}"
+            )
+        rows.append(grouped_active_row(cache, specs[rid], shapes, {}, service.get(rid, 0)))
+    waiting_rows = []
+    for rid in waiting:
+        needs = lifetime_private_blocks_by_group(specs[rid], shapes, {})
+        waiting_rows.append(
+            WaitingRequest(
+                rid, specs[rid], needs[0], wait_steps.get(rid, 0), skips.get(rid, 0), needs
+            )
+        )
+    waiting_rows.sort(key=lambda r: r.spec.submission_order)
+    pools = grouped_pools(cache)
+    first = pools[0]
+    return SchedulingSnapshot(
+        step=step,
+        cache_version=cache.version,
+        block_size=first.block_size,
+        total_blocks=first.total_blocks,
+        free_blocks=first.free_blocks,
+        max_blocks_per_seq=first.max_blocks_per_seq,
+        active=tuple(rows),
+        waiting=tuple(waiting_rows),
+        groups=pools,
     )

@@ -8,6 +8,11 @@
   from ``base`` or the model's own table; dims past ``rotary_dim`` unchanged), write the rotated
   k and the plain v into the cache, return the rotated q.
 
+FP8 caches (``torch.float8_e4m3fn``, beside fp16/bf16 inputs): both writers take ``k_scale`` /
+``v_scale`` (a float or a float32 tensor ``[num_kv_heads]``) and store ``x / scale`` saturated
+to +-448 and rounded to nearest even — bitwise what :func:`flashdec.reference.quantize_fp8`
+stores (the fused kernel quantises the float32 rotated k, with no intermediate rounding).
+
 The public functions check every shape, dtype, device and index value and raise before anything
 is written; the index values are checked on the device and read back in one small transfer,
 cached per metadata tensor like ``decode``'s (:mod:`flashdec.kernels.validation`). The
@@ -27,15 +32,26 @@ from triton.language.extra import libdevice
 from flashdec._checks import (
     DEFAULT_ROPE_BASE,
     FLOAT_DTYPES,
+    FP8_DTYPE,
+    FP8_MAX,
     INDEX_DTYPES,
     check_append_stats,
     check_inv_freq,
+    check_kv_scales,
     check_rope_base,
     check_rotary_dim,
     check_tensor,
+    kv_dtype_matches,
+    kv_dtypes_for,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device, next_power_of_2
+from flashdec.kernels._scales import scale_tensor
 from flashdec.kernels.validation import append_metadata_stats, lookup, metadata_key, remember
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+# Triton 3.6's interpreter rounds float -> FP8 wrongly (half-up, no carry into the exponent) but
+# converts exact e4m3 values exactly: when interpreting, round in float32 first
+_ROUND_BY_HAND = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -46,6 +62,8 @@ def _kv_append_kernel(
     v_cache_ptr,
     block_ids_ptr,
     offsets_ptr,
+    k_scale_ptr,  # float32 [Hkv], read only with QUANTIZE
+    v_scale_ptr,
     stride_kb,
     stride_kh,
     stride_kd,
@@ -64,6 +82,7 @@ def _kv_append_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # FP8 cache: store x / scale, saturated
 ):
     b = tl.program_id(0)
     block = tl.load(block_ids_ptr + b).to(tl.int64)
@@ -78,10 +97,39 @@ def _kv_append_kernel(
     v = tl.load(
         v_ptr + b * stride_vb + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask
     )
+    if QUANTIZE:
+        k = _quantize_fp8(k, k_scale_ptr, offs_h, NUM_KV_HEADS, k_cache_ptr.dtype.element_ty)
+        v = _quantize_fp8(v, v_scale_ptr, offs_h, NUM_KV_HEADS, v_cache_ptr.dtype.element_ty)
     kc = k_cache_ptr + block * stride_kcb + slot * stride_kct
     vc = v_cache_ptr + block * stride_vcb + slot * stride_vct
     tl.store(kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd, k, mask=mask)
     tl.store(vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask)
+
+
+@triton.jit
+def _quantize_fp8(x, scale_ptr, offs_h, NUM_KV_HEADS: tl.constexpr, dtype: tl.constexpr):
+    """Rows ``x [BLOCK_H, BLOCK_D]`` of heads ``offs_h`` as FP8: ``x / scale[head]`` (IEEE
+    division, as the reference), saturated to +-448, rounded to nearest even."""
+    scale = tl.load(scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
+    y = tl.div_rn(x.to(tl.float32), scale[:, None])
+    y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+    if _ROUND_BY_HAND:
+        y = _round_to_e4m3(y)
+    return y.to(dtype)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even: the grid step
+    is 2**(e - 3) for exponent e (>= -6, below which the subnormal step 2**-9 holds), and adding
+    then subtracting 2**23 rounds to an integer multiple in float32's own RTNE."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    units = tl.abs(y) / step  # exact: a power-of-two step
+    rounded = ((units + 8388608.0) - 8388608.0) * step
+    # the sign bit put back as a bit: -0.0 and tiny negatives stay negative zeros
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -(2**31))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -106,6 +154,8 @@ def _fused_rope_kv_append_kernel(
     positions_ptr,
     inv_freq_ptr,
     q_out_ptr,
+    k_scale_ptr,  # float32 [Hkv], read only with QUANTIZE
+    v_scale_ptr,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -135,6 +185,7 @@ def _fused_rope_kv_append_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,  # accurate sin/cos on the GPU (angles reach 1e4+ radians)
+    QUANTIZE: tl.constexpr,  # FP8 cache: store x / scale, saturated (k from its float32 rotation)
 ):
     b = tl.program_id(0)
     half: tl.constexpr = ROTARY_DIM // 2
@@ -194,11 +245,18 @@ def _fused_rope_kv_append_kernel(
     )
     kc = k_cache_ptr + block * stride_kcb + slot * stride_kct
     kc_ptrs = kc + offs_hk[:, None] * stride_kch + offs_d[None, :] * stride_kcd
-    tl.store(kc_ptrs, k_rot.to(k_cache_ptr.dtype.element_ty), mask=mask_k)
     v = tl.load(
         v_ptr + b * stride_vb + offs_hk[:, None] * stride_vh + offs_d[None, :] * stride_vd,
         mask=mask_k,
     )
+    if QUANTIZE:
+        k_store = _quantize_fp8(
+            k_rot, k_scale_ptr, offs_hk, NUM_KV_HEADS, k_cache_ptr.dtype.element_ty
+        )
+        v = _quantize_fp8(v, v_scale_ptr, offs_hk, NUM_KV_HEADS, v_cache_ptr.dtype.element_ty)
+    else:
+        k_store = k_rot.to(k_cache_ptr.dtype.element_ty)
+    tl.store(kc_ptrs, k_store, mask=mask_k)
     vc = v_cache_ptr + block * stride_vcb + slot * stride_vct
     tl.store(vc + offs_hk[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask_k)
 
@@ -228,13 +286,17 @@ def launch_kv_append(
     v: torch.Tensor,
     block_ids: torch.Tensor,
     offsets: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Trusted scatter of ``k, v [B, Hkv, D]`` into the cache: no checks, no host sync. Rows
-    with a negative block id write nothing."""
+    with a negative block id write nothing. An FP8 cache needs ``k_scale``/``v_scale`` as
+    contiguous float32 device tensors ``[Hkv]``."""
     batch, num_kv_heads, head_dim = k.shape
     if batch == 0:
         return
-    key = (num_kv_heads, head_dim)
+    quantize = k_cache.dtype == FP8_DTYPE
+    key = (num_kv_heads, head_dim, quantize)
     consts = _APPEND_CONSTEXPRS.get(key)
     if consts is None:
         consts = _APPEND_CONSTEXPRS[key] = (
@@ -242,10 +304,13 @@ def launch_kv_append(
             head_dim,
             next_power_of_2(num_kv_heads),
             next_power_of_2(head_dim),
+            quantize,
         )
+    if not quantize:  # never read: block_ids stands in for the scale pointers
+        k_scale = v_scale = block_ids
     _KV_APPEND(
         batch,
-        (k, v, k_cache, v_cache, block_ids, offsets),
+        (k, v, k_cache, v_cache, block_ids, offsets, k_scale, v_scale),
         (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
         consts,
         4,
@@ -253,8 +318,9 @@ def launch_kv_append(
 
 
 def _fused_launch(
-    q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out, inv_freq
-) -> tuple:
+    q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out, inv_freq,
+    k_scale, v_scale,
+) -> tuple:  # fmt: skip
     """The arguments of one fused RoPE + append launch."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -262,7 +328,10 @@ def _fused_launch(
         rotary_dim = head_dim
     if inv_freq is None:
         inv_freq = _base_inv_freq(q.device, rotary_dim, base)
-    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim)
+    quantize = k_cache.dtype == FP8_DTYPE
+    if not quantize:  # never read: positions stands in for the scale pointers
+        k_scale = v_scale = positions
+    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim, quantize)
     consts = _FUSED_CONSTEXPRS.get(key)
     if consts is None:
         consts = _FUSED_CONSTEXPRS[key] = (
@@ -274,10 +343,14 @@ def _fused_launch(
             next_power_of_2(num_kv_heads),
             next_power_of_2(head_dim),
             not INTERPRET,
+            quantize,
         )
     return (
         batch,
-        (q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out),
+        (
+            q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out, k_scale,
+            v_scale,
+        ),
         (
             *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
             *q_out.stride(), inv_freq.stride(0),
@@ -300,30 +373,34 @@ def launch_fused_rope_kv_append(
     base: float,
     q_out: torch.Tensor | None,
     inv_freq: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Trusted fused RoPE + append: no checks, no host sync; returns the rotated q. Rows with a
     negative block id rotate q but write nothing to the cache. ``inv_freq`` (float32
-    ``[rotary_dim // 2]``) replaces the table derived from ``base``."""
+    ``[rotary_dim // 2]``) replaces the table derived from ``base``. An FP8 cache needs
+    ``k_scale``/``v_scale`` as contiguous float32 device tensors ``[Hkv]``."""
     if q_out is None:
         q_out = torch.empty_like(q)
     if q.shape[0] == 0:
         return q_out
     _FUSED(*_fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
-                          base, q_out, inv_freq))  # fmt: skip
+                          base, q_out, inv_freq, k_scale, v_scale))  # fmt: skip
     return q_out
 
 
 class BoundFusedRopeKVAppend:
     """:func:`launch_fused_rope_kv_append` bound to one step's slots and RoPE table: a call takes
     the layer's ``q, k, v, k_cache, v_cache, q_out`` — with the dtypes and strides of the ones it
-    was bound with — and launches with no per-call argument building."""
+    was bound with — and launches with no per-call argument building. An FP8 cache's
+    ``k_scale``/``v_scale`` tensors are bound (fixed addresses: update values in place)."""
 
     __slots__ = ("_launch",)
 
     def __init__(self, q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
-                 base, q_out, inv_freq=None) -> None:  # fmt: skip
+                 base, q_out, inv_freq=None, k_scale=None, v_scale=None) -> None:  # fmt: skip
         args = _fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions,
-                             rotary_dim, base, q_out, inv_freq)  # fmt: skip
+                             rotary_dim, base, q_out, inv_freq, k_scale, v_scale)  # fmt: skip
         self._launch = _FUSED.bind(*args, dynamic=(0, 1, 2, 3, 4, 9))
 
     def __call__(self, q, k, v, k_cache, v_cache, q_out) -> torch.Tensor:
@@ -338,11 +415,20 @@ def _check_append_inputs(
     v: object,
     block_ids: object,
     offsets: object,
-) -> None:
-    """Structural checks of a scatter (no host sync)."""
+    k_scale: object = None,
+    v_scale: object = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Structural checks of a scatter (no host sync); returns the scales as device tensors
+    (None for a float cache)."""
     if not _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets):
         _explain_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
     check_kernel_device("k_cache", k_cache)  # type: ignore[arg-type]
+    dtype = k_cache.dtype  # type: ignore[union-attr]
+    if k_scale is None and v_scale is None and dtype != FP8_DTYPE:
+        return None, None
+    heads, device = k_cache.shape[1], k_cache.device  # type: ignore[union-attr]
+    k_scale, v_scale = check_kv_scales(dtype, k_scale, v_scale, heads, device)
+    return scale_tensor(k_scale, heads, device), scale_tensor(v_scale, heads, device)
 
 
 def _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets) -> bool:
@@ -362,9 +448,9 @@ def _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets) -> bool:
         return False
     rows = (k_shape[0],)
     return (
-        dtype in FLOAT_DTYPES
-        and k.dtype == dtype
-        and v.dtype == dtype
+        k.dtype in FLOAT_DTYPES
+        and (k.dtype == dtype or kv_dtype_matches(k.dtype, dtype))
+        and v.dtype == k.dtype
         and v_cache.dtype == dtype
         and block_ids.dtype in INDEX_DTYPES
         and offsets.dtype in INDEX_DTYPES
@@ -383,7 +469,7 @@ def _append_inputs_ok(k_cache, v_cache, k, v, block_ids, offsets) -> bool:
 
 
 def _explain_append_inputs(k_cache, v_cache, k, v, block_ids, offsets) -> None:
-    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES)
+    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
     device = k_cache.device
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
     if k_cache.shape != v_cache.shape:
@@ -392,8 +478,10 @@ def _explain_append_inputs(k_cache, v_cache, k, v, block_ids, offsets) -> None:
             f"{tuple(v_cache.shape)}"
         )
     _, num_kv_heads, _, head_dim = k_cache.shape
-    k = check_tensor("k", k, ndim=3, dtypes=(k_cache.dtype,), device=device)
-    v = check_tensor("v", v, ndim=3, dtypes=(k_cache.dtype,), device=device)
+    # beside an FP8 cache, k and v are fp16 or bf16 (quantised on the way in)
+    k_dtypes = tuple(d for d in FLOAT_DTYPES if k_cache.dtype in kv_dtypes_for(d))
+    k = check_tensor("k", k, ndim=3, dtypes=k_dtypes, device=device)
+    v = check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
     batch = k.shape[0]
     for name, value, shape in (
         ("k", k, (batch, num_kv_heads, head_dim)),
@@ -443,15 +531,23 @@ def kv_append(
     v: torch.Tensor,
     block_ids: torch.Tensor,
     offsets: torch.Tensor,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Write ``k, v [B, Hkv, D]`` into token-major ``k/v_cache [num_blocks, Hkv, block_size, D]``
     at block ``block_ids[b]``, offset ``offsets[b]`` (bitwise). Validates everything first; a
     rejected call writes nothing. Slot metadata is validated once per unmodified tensor (see
     :func:`flashdec.decode` for the rule).
+
+    FP8 caches (k, v fp16/bf16) need ``k_scale`` and ``v_scale`` (a float or a float32 tensor
+    ``[num_kv_heads]``) and store ``x / scale`` saturated to +-448; float caches take none.
     """
-    _check_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
+    k_scale, v_scale = _check_append_inputs(
+        k_cache, v_cache, k, v, block_ids, offsets, k_scale, v_scale
+    )
     _check_append_values(k_cache, block_ids, offsets, None)
-    launch_kv_append(k_cache, v_cache, k, v, block_ids, offsets)
+    launch_kv_append(k_cache, v_cache, k, v, block_ids, offsets, k_scale, v_scale)
 
 
 def fused_rope_kv_append(
@@ -468,6 +564,8 @@ def fused_rope_kv_append(
     *,
     q_out: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One kernel: rotate ``q [B, Hq, D]`` and ``k`` at ``positions [B]``, write rotated k and v
     into the cache slots, return rotated q (in ``q_out`` when given; it may be ``q`` itself).
@@ -476,10 +574,16 @@ def fused_rope_kv_append(
     scaling) replaces the frequencies derived from ``base``. Validates everything first; a
     rejected call writes nothing. Slot metadata is validated once per unmodified tensor (see
     :func:`flashdec.decode` for the rule).
+
+    FP8 caches (q, k, v fp16/bf16) need ``k_scale`` and ``v_scale`` (a float or a float32
+    tensor ``[num_kv_heads]``): the float32 rotated k and v are stored as ``x / scale``
+    saturated to +-448; rotated q comes back in q's dtype. Float caches take no scales.
     """
-    _check_append_inputs(k_cache, v_cache, k, v, block_ids, offsets)
+    k_scale, v_scale = _check_append_inputs(
+        k_cache, v_cache, k, v, block_ids, offsets, k_scale, v_scale
+    )
     device = k_cache.device
-    q = check_tensor("q", q, ndim=3, dtypes=(k_cache.dtype,), device=device)
+    q = check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=device)
     batch, _, head_dim = q.shape
     if batch != k.shape[0] or head_dim != k.shape[2]:
         raise ValueError(
@@ -502,5 +606,5 @@ def fused_rope_kv_append(
     _check_append_values(k_cache, block_ids, offsets, positions)
     return launch_fused_rope_kv_append(
         q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out,
-        inv_freq,
+        inv_freq, k_scale, v_scale,
     )  # fmt: skip

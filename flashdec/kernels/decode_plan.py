@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_kv_layout, check_positive_int
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    check_kv_layout,
+    check_positive_int,
+    check_window,
+    kv_dtype_matches,
+)
 from flashdec.kernels._runtime import next_power_of_2, sm_count
 
 # Split path: (split, KV head) work items the heuristic aims for per SM. Two wide-tile programs
@@ -110,6 +117,12 @@ class DecodePlan:
     sm_count: int
     num_programs: int  # split path: stage-1 programs (each takes work items round-robin)
     block_b: int  # split path: requests scanned for the work list (power of two >= batch)
+    window: int | None = None  # sliding window: attend to each request's last `window` tokens
+    kv_dtype: torch.dtype | None = None  # the cache's dtype (None: q's); float8_e4m3fn = FP8 KV
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def group_size(self) -> int:
@@ -210,6 +223,8 @@ def plan_decode(
     num_stages: int | None = None,
     programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM,
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
+    window: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> DecodePlan:
     """Compute the launch configuration for one batch layout.
 
@@ -218,6 +233,15 @@ def plan_decode(
     split. ``total_tokens`` (sum of the batch's lengths, default ``batch * max_seq_len``) feeds the
     split heuristic. ``num_splits`` / ``tokens_per_split`` force the split (tests, tuning);
     ``block_n`` / ``num_warps`` / ``num_stages`` override the tile table.
+
+    ``window`` (a sliding-window layer group) makes every launch of the plan attend to each
+    request's last ``window`` positions only; the splits then cut that range, so the heuristic
+    sizes them for ``min(max_seq_len, window)`` tokens per request (and ``total_tokens``, the
+    tokens attended, is capped at ``batch * window``).
+
+    ``dtype`` is q's (and the output's); ``kv_dtype`` the cache's when it differs: an FP8 cache
+    (``torch.float8_e4m3fn``) beside fp16/bf16 q. The tile keeps the shape of q's dtype (the
+    K/V tiles are converted to it in registers), so an FP8 tile moves half the bytes.
     """
     for name, value in (
         ("batch", batch),
@@ -228,6 +252,7 @@ def plan_decode(
     ):
         check_positive_int(name, value)
     check_positive_int("max_seq_len", max_seq_len, minimum=0)
+    window = check_window(window)
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -236,6 +261,13 @@ def plan_decode(
         raise ValueError(f"head_dim must be <= 256, got {head_dim}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    if kv_dtype is None:
+        kv_dtype = dtype
+    elif not kv_dtype_matches(dtype, kv_dtype):
+        raise TypeError(
+            f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
+            f"{kv_dtype}"
+        )
     check_kv_layout(kv_layout)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -244,6 +276,11 @@ def plan_decode(
         max_blocks_per_seq = max(1, math.ceil(max_seq_len / block_size))
     check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
     group = num_q_heads // num_kv_heads
+    # what one request's splits cut: its last `window` tokens at most (the kernel starts the
+    # range at a tile boundary, and the last split absorbs those few extra tokens)
+    read_len = max_seq_len if window is None else min(max_seq_len, window)
+    if total_tokens is not None and window is not None:
+        total_tokens = min(total_tokens, batch * read_len)
 
     num_sms = sm_count(device)
     if num_splits is not None:
@@ -255,18 +292,18 @@ def plan_decode(
     if num_splits is None and tokens_per_split is None:
         target = target_tokens_per_split(
             batch,
-            batch * max_seq_len if total_tokens is None else total_tokens,
-            max_seq_len,
+            batch * read_len if total_tokens is None else total_tokens,
+            read_len,
             num_kv_heads,
             num_sms,
             programs_per_sm=programs_per_sm,
             min_tokens_per_split=min_tokens_per_split,
         )
-        will_split = split_count(max_seq_len, target) > 1
+        will_split = split_count(read_len, target) > 1
     elif num_splits is not None:
         will_split = num_splits > 1
     else:
-        will_split = tokens_per_split < max_seq_len
+        will_split = tokens_per_split < read_len
     # the split path aims at DEFAULT_PROGRAMS_PER_SM work items per SM; a single pass runs one
     # program per (request, KV head)
     load = 0.0 if will_split else batch * num_kv_heads / num_sms
@@ -287,15 +324,15 @@ def plan_decode(
     if tokens_per_split is not None:
         if tokens_per_split % bn:
             raise ValueError(f"tokens_per_split must be a multiple of block_n={bn}")
-        splits = max(1, math.ceil(max_seq_len / tokens_per_split))
+        splits = max(1, math.ceil(read_len / tokens_per_split))
         if num_splits is not None:
             splits = num_splits
         per_split = tokens_per_split
     elif num_splits is not None:
         splits = num_splits
-        per_split = max(bn, math.ceil(math.ceil(max(1, max_seq_len) / splits) / bn) * bn)
+        per_split = max(bn, math.ceil(math.ceil(max(1, read_len) / splits) / bn) * bn)
     else:
-        splits, per_split = balance_splits(max_seq_len, target, bn)
+        splits, per_split = balance_splits(read_len, target, bn)
     if splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
     # Work items of the split path: (split, KV head) pairs; with known lengths each request
@@ -327,4 +364,6 @@ def plan_decode(
         sm_count=num_sms,
         num_programs=num_programs,
         block_b=next_power_of_2(batch),
+        window=window,
+        kv_dtype=kv_dtype,
     )

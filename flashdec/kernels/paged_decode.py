@@ -26,15 +26,19 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import (
+    FP8_DTYPE,
     PagedDecodeDims,
+    check_kv_scales,
     check_paged_decode_inputs,
     check_paged_decode_stats,
     check_positive_int,
     check_tensor,
+    check_window,
     resolve_sm_scale,
     same_device,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
+from flashdec.kernels._scales import scale_tensor
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, plan_decode
 from flashdec.kernels.validation import decode_metadata_stats, lookup, metadata_key, remember
 
@@ -42,9 +46,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _page_ids(table, offs_n, hi, stride_btn, PAGE_SIZE: tl.constexpr):
+def _page_ids(table, offs_n, mask_n, stride_btn, PAGE_SIZE: tl.constexpr):
     """Physical block id of every token position (int64: caches can exceed 2**31 elements)."""
-    ids = tl.load(table + (offs_n // PAGE_SIZE) * stride_btn, mask=offs_n < hi, other=0)
+    ids = tl.load(table + (offs_n // PAGE_SIZE) * stride_btn, mask=mask_n, other=0)
     return ids.to(tl.int64)
 
 
@@ -54,7 +58,7 @@ def _load_kv_tile(
     v_base,
     block_ids,
     offs_n,
-    hi,
+    mask_n,
     offs_d,
     stride_kb,
     stride_kt,
@@ -66,9 +70,8 @@ def _load_kv_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Gather the K and V rows of ``offs_n`` ([BLOCK_N, BLOCK_D] each; zeros past ``hi``)."""
+    """Gather the K and V rows of ``offs_n`` ([BLOCK_N, BLOCK_D] each; zeros where masked)."""
     in_page = offs_n % PAGE_SIZE
-    mask_n = offs_n < hi
     if BLOCK_D == HEAD_DIM:
         kv_mask = mask_n[:, None]
     else:
@@ -91,10 +94,18 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION):
+def _online_softmax_step(
+    q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8: tl.constexpr
+):
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:
+        if KV_FP8:
+            # e4m3 -> fp16/bf16 is exact: the dots run on q's dtype (FP8 was loaded, half the
+            # bytes); the scales are folded into qk_scale and the output
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
     qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -128,8 +139,16 @@ def _attend_tokens(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of the packed query tile over tokens [lo, hi); returns (acc, m, l).
+
+    Without ``WINDOWED``, ``lo`` is a multiple of ``BLOCK_N``. With it, ``lo`` may be anywhere
+    (a sliding window's first position): the tiles start at ``lo`` rounded down to ``BLOCK_N``
+    and the positions before ``lo`` are masked, so neither their table entries nor their K/V are
+    read. Only the first tile can hold such positions, and it also holds ``lo`` itself, so every
+    tile has a valid token (no all-masked row in the online softmax).
 
     The page ids of the next tile are loaded one iteration early, by hand: their latency then
     overlaps this tile's math instead of stalling the K/V gather that depends on them, and
@@ -141,17 +160,29 @@ def _attend_tokens(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    block_ids = _page_ids(table, lo + offs_n0, hi, stride_btn, PAGE_SIZE)
-    for start_n in range(lo, hi, BLOCK_N):
+    if WINDOWED:
+        first = lo // BLOCK_N * BLOCK_N
+        block_ids = _page_ids(
+            table, first + offs_n0, (first + offs_n0 >= lo) & (first + offs_n0 < hi), stride_btn,
+            PAGE_SIZE,
+        )  # fmt: skip
+    else:
+        first = lo
+        block_ids = _page_ids(table, lo + offs_n0, lo + offs_n0 < hi, stride_btn, PAGE_SIZE)
+    for start_n in range(first, hi, BLOCK_N):
         offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
+        mask_n = offs_n < hi
+        if WINDOWED:
+            mask_n = mask_n & (offs_n >= lo)
         k, v = _load_kv_tile(
-            k_base, v_base, block_ids, offs_n, hi, offs_d,
+            k_base, v_base, block_ids, offs_n, mask_n, offs_d,
             stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
             PAGE_SIZE, HEAD_DIM, BLOCK_D,
         )  # fmt: skip
-        block_ids = _page_ids(table, offs_n + BLOCK_N, hi, stride_btn, PAGE_SIZE)
+        next_n = offs_n + BLOCK_N  # past lo: only the first tile can start before it
+        block_ids = _page_ids(table, next_n, next_n < hi, stride_btn, PAGE_SIZE)
         acc, m_i, l_i = _online_softmax_step(
-            q, k, v, offs_n < hi, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION
+            q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8
         )
     return acc, m_i, l_i
 
@@ -166,11 +197,14 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,  # float32 [Hkv], read only with KV_FP8
+    v_scale_ptr,
     qk_scale,  # sm_scale * log2(e)
     batch,
     tokens_per_split,
     num_splits,  # per-request cap (workspace size); the last split takes any excess
     num_programs,
+    window,  # read only with WINDOWED
     stride_qb,
     stride_qh,
     stride_qd,
@@ -205,6 +239,8 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # False: one program per (request, KV head), output written directly
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so compute in fp32
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,  # attend to the last `window` positions of each request only
+    KV_FP8: tl.constexpr,  # e4m3 cache: key = stored * k_scale[head], value likewise
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -216,19 +252,25 @@ def _decode_kernel(
         b = pid // NUM_KV_HEADS
         kv_head = pid % NUM_KV_HEADS
         seq_len = tl.load(seq_lens_ptr + b)
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(seq_len - window, 0)
         heads = kv_head * GROUP + offs_g
         q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
         q = tl.load(q_ptrs, mask=mask_gd, other=0.0)  # [BLOCK_G, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
+        head_qk_scale = qk_scale
+        if KV_FP8:
+            head_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
         acc, m_i, l_i = _attend_tokens(
             q,
             k_ptr + kv_head * stride_kh,
             v_ptr + kv_head * stride_vh,
             block_tables_ptr + b * stride_btb,
-            0,
+            lo,
             seq_len,
-            qk_scale,
+            head_qk_scale,
             stride_kb,
             stride_kt,
             stride_kd,
@@ -243,20 +285,30 @@ def _decode_kernel(
             BLOCK_N,
             UPCAST,
             DOT_PRECISION,
+            WINDOWED,
+            KV_FP8,
         )
         # seq_len 0 leaves acc = 0 and l = 0 -> a zero row
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * tl.load(v_scale_ptr + kv_head)
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
     else:
-        # Work list: request b has n_b = clamp(ceil(len_b / tokens_per_split), 1, num_splits)
-        # splits; items (split, KV head) are numbered over the whole batch and dealt to the
-        # programs round-robin, so a long request spreads over many programs and no program
-        # exists only to find its split empty.
+        # Work list: request b reads tokens [base_b, len_b) (base_b = 0, or with a window its
+        # first position rounded down to BLOCK_N) and has n_b = clamp(ceil((len_b - base_b) /
+        # tokens_per_split), 1, num_splits) splits; items (split, KV head) are numbered over
+        # the whole batch and dealt to the programs round-robin, so a long request spreads over
+        # many programs and no program exists only to find its split empty.
         offs_b = tl.arange(0, BLOCK_B)
         valid_b = offs_b < batch
         lens = tl.load(seq_lens_ptr + offs_b, mask=valid_b, other=0)
-        n_splits = tl.minimum(tl.maximum(tl.cdiv(lens, tokens_per_split), 1), num_splits)
+        if WINDOWED:
+            bases = tl.maximum(lens - window, 0) // BLOCK_N * BLOCK_N
+            n_splits = tl.cdiv(lens - bases, tokens_per_split)
+        else:
+            n_splits = tl.cdiv(lens, tokens_per_split)
+        n_splits = tl.minimum(tl.maximum(n_splits, 1), num_splits)
         n_splits = tl.where(valid_b, n_splits, 0)
         ends = tl.cumsum(n_splits, 0)  # inclusive prefix sum
         total_items = tl.sum(n_splits, 0) * NUM_KV_HEADS
@@ -269,8 +321,12 @@ def _decode_kernel(
             seq_len = tl.sum(tl.where(sel, lens, 0), 0)
             split = s_global - (tl.sum(tl.where(sel, ends, 0), 0) - my_splits)
             lo = split * tokens_per_split
+            if WINDOWED:
+                lo += tl.sum(tl.where(sel, bases, 0), 0)
             hi = tl.minimum(lo + tokens_per_split, seq_len)
             hi = tl.where(split == my_splits - 1, seq_len, hi)  # the last split takes the rest
+            if WINDOWED:
+                lo = tl.maximum(lo, seq_len - window)  # the first split starts at the window
 
             heads = kv_head * GROUP + offs_g
             q_ptrs = (
@@ -279,6 +335,9 @@ def _decode_kernel(
             q = tl.load(q_ptrs, mask=mask_gd, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
+            head_qk_scale = qk_scale
+            if KV_FP8:
+                head_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
             acc, m_i, l_i = _attend_tokens(
                 q,
                 k_ptr + kv_head * stride_kh,
@@ -286,7 +345,7 @@ def _decode_kernel(
                 block_tables_ptr + b * stride_btb,
                 lo,
                 hi,
-                qk_scale,
+                head_qk_scale,
                 stride_kb,
                 stride_kt,
                 stride_kd,
@@ -301,9 +360,13 @@ def _decode_kernel(
                 BLOCK_N,
                 UPCAST,
                 DOT_PRECISION,
+                WINDOWED,
+                KV_FP8,
             )
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             o = acc / l_safe[:, None]
+            if KV_FP8:
+                o = o * tl.load(v_scale_ptr + kv_head)  # the merge is linear in o
             if my_splits == 1:
                 # a request with one split needs no merge: write its output directly
                 o_ptrs = (
@@ -345,17 +408,23 @@ def _merge_splits_kernel(
     stride_ob,
     stride_oh,
     stride_od,
+    window,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the decode kernel's tile: a window's range starts on a multiple
+    WINDOWED: tl.constexpr,
 ):
     # stage 2 of 2: out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M), M = max_s lse_s
     pid = tl.program_id(0)
     b = pid // NUM_Q_HEADS
     h = pid % NUM_Q_HEADS
     seq_len = tl.load(seq_lens_ptr + b)
-    num_valid = tl.minimum(tl.cdiv(seq_len, tokens_per_split), num_splits)
+    read_len = seq_len  # stage 1's split count, from the same range
+    if WINDOWED:
+        read_len = seq_len - tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    num_valid = tl.minimum(tl.cdiv(read_len, tokens_per_split), num_splits)
     # requests with at most one split were written by stage 1 (zero rows included)
     num_valid = tl.where(num_valid > 1, num_valid, 0)
 
@@ -391,7 +460,12 @@ _MERGE = Launcher(_merge_splits_kernel)
 
 
 def _check_plan_matches(
-    plan: DecodePlan, dims: PagedDecodeDims, q: torch.Tensor, kv_layout: str
+    plan: DecodePlan,
+    dims: PagedDecodeDims,
+    q: torch.Tensor,
+    kv_dtype: torch.dtype,
+    kv_layout: str,
+    window: int | None,
 ) -> None:
     """Structural agreement between a workspace's plan and this call (no host sync)."""
     if (
@@ -403,6 +477,8 @@ def _check_plan_matches(
         and q.dtype == plan.dtype
         and kv_layout == plan.kv_layout
         and q.device == plan.device
+        and window == plan.window
+        and kv_dtype == plan.cache_dtype
     ):
         return  # the common case
     for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -415,22 +491,33 @@ def _check_plan_matches(
         raise ValueError(f"workspace was planned for batch <= {plan.batch}, got {dims.batch}")
     if q.dtype != plan.dtype:
         raise TypeError(f"workspace was planned for dtype {plan.dtype}, got {q.dtype}")
+    if kv_dtype != plan.cache_dtype:
+        raise TypeError(
+            f"workspace was planned for a {plan.cache_dtype} cache, got {kv_dtype} (pass "
+            "kv_dtype= to plan_decode)"
+        )
     if kv_layout != plan.kv_layout:
         raise ValueError(
             f"workspace was planned for kv_layout {plan.kv_layout!r}, got {kv_layout!r}"
         )
     if not same_device(q.device, plan.device):
         raise TypeError(f"workspace lives on {plan.device}, inputs on {q.device}")
+    if window != plan.window:
+        raise ValueError(
+            f"workspace was planned for window={plan.window}, got window={window} (pass "
+            "window= to plan_decode)"
+        )
 
 
 class _PlanConstants:
     """What a launch reads off its plan, computed once per plan object."""
 
-    __slots__ = ("decode", "merge", "plan", "swap_kv")
+    __slots__ = ("decode", "fp8", "merge", "plan", "swap_kv", "window")
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan  # held so that the id() key cannot be reused while the entry lives
         upcast = INTERPRET and plan.dtype == torch.bfloat16
+        self.fp8 = plan.cache_dtype == FP8_DTYPE
         precision = "ieee" if (plan.dtype == torch.float32 or upcast) else "tf32"
         self.decode = (
             plan.num_kv_heads,
@@ -444,8 +531,18 @@ class _PlanConstants:
             plan.uses_split,
             upcast,
             precision,
+            plan.window is not None,
+            self.fp8,
         )
-        self.merge = (plan.num_q_heads, plan.head_dim, plan.block_d, plan.merge_block_s)
+        self.merge = (
+            plan.num_q_heads,
+            plan.head_dim,
+            plan.block_d,
+            plan.merge_block_s,
+            plan.block_n,
+            plan.window is not None,
+        )
+        self.window = 0 if plan.window is None else plan.window
         self.swap_kv = plan.kv_layout == "dim_major"  # (dim, token) strides -> (token, dim)
 
 
@@ -463,10 +560,12 @@ def _plan_constants(plan: DecodePlan) -> _PlanConstants:
 
 def _decode_launches(
     q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out, partial_lse,
-    batch,
+    batch, k_scale, v_scale,
 ) -> tuple[tuple, tuple | None]:  # fmt: skip
     """The arguments of the decode launch and, with splits, of the merge launch."""
     consts = _plan_constants(plan)
+    if not consts.fp8:  # never read: seq_lens stands in for the scale pointers
+        k_scale = v_scale = seq_lens
     skb, skh, sk2, sk3 = k_cache.stride()
     svb, svh, sv2, sv3 = v_cache.stride()
     if consts.swap_kv:
@@ -474,17 +573,20 @@ def _decode_launches(
     splits = plan.num_splits
     if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
         grid = batch * plan.num_kv_heads
-        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out)
+        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out, k_scale, v_scale)
         partial_strides = (0, 0, 0, 0, 0, 0, 0)
     else:
         grid = plan.num_programs
-        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse)
+        tensors = (
+            q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scale,
+            v_scale,
+        )  # fmt: skip
         partial_strides = (*partial_out.stride(), *partial_lse.stride())
     decode_args = (
         grid,
         tensors,
         (
-            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid,
+            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid, consts.window,
             *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
             *block_tables.stride(), *out.stride(), *partial_strides,
         ),
@@ -499,7 +601,7 @@ def _decode_launches(
             (partial_out, partial_lse, seq_lens, out),
             (
                 plan.tokens_per_split, splits,
-                *partial_out.stride(), *partial_lse.stride(), *out.stride(),
+                *partial_out.stride(), *partial_lse.stride(), *out.stride(), consts.window,
             ),
             consts.merge,
             4,
@@ -519,13 +621,18 @@ def launch_decode(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     batch: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Trusted launcher: no checks, no allocation, no host sync (inputs already validated)."""
+    """Trusted launcher: no checks, no allocation, no host sync (inputs already validated).
+
+    An FP8 plan (``kv_dtype=float8_e4m3fn``) needs ``k_scale``/``v_scale`` as contiguous
+    float32 device tensors ``[num_kv_heads]`` (read on the device: CUDA-graph capturable)."""
     if batch == 0:
         return out
     decode_args, merge_args = _decode_launches(
         q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-        partial_lse, batch,
+        partial_lse, batch, k_scale, v_scale,
     )  # fmt: skip
     _DECODE(*decode_args)
     if merge_args is not None:
@@ -537,15 +644,16 @@ class BoundDecode:
     """:func:`launch_decode` bound to one step's metadata, plan and workspace: a call takes the
     layer's ``q, k_cache, v_cache, out`` — with the dtypes and strides of the ones it was bound
     with (a caller that cannot promise that binds again) — and launches with no per-call
-    argument building."""
+    argument building. The plan's window applies; an FP8 plan's ``k_scale``/``v_scale``
+    tensors are bound too (fixed addresses: update their values in place)."""
 
     __slots__ = ("_decode", "_merge")
 
     def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
-                 partial_out, partial_lse, batch) -> None:  # fmt: skip
+                 partial_out, partial_lse, batch, k_scale=None, v_scale=None) -> None:  # fmt: skip
         decode_args, merge_args = _decode_launches(
             q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-            partial_lse, batch,
+            partial_lse, batch, k_scale, v_scale,
         )  # fmt: skip
         if merge_args is None:  # out also stands in for the two partial buffers
             self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
@@ -577,11 +685,28 @@ def decode(
     *,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    window: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention of ``q [B, Hq, D]`` over one layer's cache; returns ``[B, Hq, D]``.
 
     Same semantics as :func:`flashdec.paged_decode_attention_ref`. ``block_size``, if given,
     must equal the cache's page size. ``num_warps`` / ``num_stages`` override the tuned defaults.
+
+    ``window`` (sliding-window layers): each request of length ``L`` attends only to positions
+    ``[max(0, L - window), L)``. The kernel starts at the window's first block and the splits cut
+    only the window, so bytes read and time follow ``min(L, window)``; table entries of blocks
+    wholly before the window are never read (nor checked) and may hold anything. With a
+    workspace, its plan must have been made with the same ``window``.
+
+    FP8 KV: with ``torch.float8_e4m3fn`` caches (q and the output fp16/bf16) ``k_scale`` and
+    ``v_scale`` are required — each a float or a float32 tensor ``[num_kv_heads]`` — and a key
+    is ``stored.float() * k_scale[kv_head]`` (a value likewise). The kernel loads FP8 (half the
+    bytes), converts in registers, and folds the K scale into the softmax scale and the V scale
+    into the output. For CUDA-graph capture pass tensors (a float becomes a small cached device
+    tensor). Float caches take no scales (ValueError); the workspace's plan must have been made
+    with ``kv_dtype=torch.float8_e4m3fn``.
 
     With ``workspace`` (from :func:`plan_decode`) the call allocates nothing and never syncs with
     the host (CUDA-graph capturable): the split count is the plan's, the output goes to ``out``
@@ -598,6 +723,13 @@ def decode(
     """
     dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
     check_kernel_device("q", q)
+    if window is not None:
+        check_window(window)
+    kv_dtype = k_cache.dtype
+    if k_scale is not None or v_scale is not None or kv_dtype == FP8_DTYPE:
+        k_scale, v_scale = check_kv_scales(kv_dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
+        k_scale = scale_tensor(k_scale, dims.num_kv_heads, q.device)
+        v_scale = scale_tensor(v_scale, dims.num_kv_heads, q.device)
     if block_size is not None or num_warps is not None or num_stages is not None:
         _check_overrides(dims, block_size, num_warps, num_stages)
     if dims.head_dim > 256:
@@ -612,14 +744,14 @@ def decode(
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
         plan = workspace.plan
-        _check_plan_matches(plan, dims, q, kv_layout)
+        _check_plan_matches(plan, dims, q, kv_dtype, kv_layout, window)
         if out is None:
             out = workspace.out if dims.batch == plan.batch else workspace.out[: dims.batch]
         partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     else:
         if dims.batch == 0:
             return torch.empty_like(q) if out is None else out
-        plan = _validated_plan(q, block_tables, seq_lens, dims, kv_layout)
+        plan = _validated_plan(q, kv_dtype, block_tables, seq_lens, dims, kv_layout, window)
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if plan.uses_split:
@@ -646,6 +778,8 @@ def decode(
         partial_out,
         partial_lse,
         dims.batch,
+        k_scale,
+        v_scale,
     )
 
 
@@ -668,26 +802,29 @@ def _check_overrides(
 
 def _validated_plan(
     q: torch.Tensor,
+    kv_dtype: torch.dtype,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     dims: PagedDecodeDims,
     kv_layout: str,
+    window: int | None,
 ) -> DecodePlan:
     """The plan of an eager call, after the metadata's range checks (cached per metadata)."""
     try:
         key = ("decode", metadata_key(block_tables), metadata_key(seq_lens), dims, kv_layout)
-        key += (q.dtype,)
+        key += (q.dtype, kv_dtype, window)
     except RuntimeError:  # inference tensors have no version counter: never cached
         key = None
     if key is not None:
         plan = lookup(key, block_tables, seq_lens)
         if plan is not None:
             return plan  # type: ignore[return-value]
-    stats = decode_metadata_stats(block_tables, seq_lens, dims)
+    stats = decode_metadata_stats(block_tables, seq_lens, dims, window)
     check_paged_decode_stats(stats, dims)
     plan = _cached_plan(
-        dims, _bucket(stats.max_len), _bucket(stats.total_len), q.dtype, q.device, kv_layout
-    )
+        dims, _bucket(stats.max_len), _bucket(stats.total_len), q.dtype, q.device, kv_layout,
+        window, kv_dtype,
+    )  # fmt: skip
     if key is not None:
         remember(key, plan, block_tables, seq_lens)
     return plan
@@ -711,9 +848,11 @@ def _cached_plan(
     dtype: torch.dtype,
     device: torch.device,
     kv_layout: str,
+    window: int | None,
+    kv_dtype: torch.dtype,
 ) -> DecodePlan:
     key = (dims.batch, dims.num_q_heads, dims.num_kv_heads, dims.head_dim, dims.block_size)
-    key += (max_len, total, dtype, device, kv_layout)
+    key += (max_len, total, dtype, device, kv_layout, window, kv_dtype)
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         if len(_PLAN_CACHE) >= 4096:
@@ -730,6 +869,8 @@ def _cached_plan(
             kv_layout,
             max_blocks_per_seq=max(1, math.ceil(max_len / dims.block_size)),
             total_tokens=total,
+            window=window,
+            kv_dtype=kv_dtype,
         )
         _PLAN_CACHE[key] = plan
     return plan

@@ -49,10 +49,13 @@ def _decode_metadata_kernel(
     stride_tb,
     stride_tn,
     stride_l,
+    window,
+    WINDOWED: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    # per program: min/max/sum of seq_lens and min/max of the used table entries of its rows
+    # per program: min/max of seq_lens, the sum of the attended lengths, and min/max of the
+    # table entries its rows read
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     offs_r0 = tl.arange(0, ROWS)
@@ -68,13 +71,24 @@ def _decode_metadata_kernel(
         lens = tl.load(lens_ptr + offs_r * stride_l, mask=valid_r, other=0).to(tl.int64)
         len_min = tl.minimum(len_min, tl.where(valid_r, lens, _BIG))
         len_max = tl.maximum(len_max, tl.where(valid_r, lens, -_BIG))
-        len_sum += lens
         # entries past a request's used blocks are unspecified: never read
         used = tl.minimum((tl.maximum(lens, 0) + block_size - 1) // block_size, max_blocks)
         rows = tables_ptr + offs_r.to(tl.int64)[:, None] * stride_tb
-        for c0 in range(0, tl.max(used, 0).to(tl.int32), COLS):
+        if WINDOWED:
+            # nor are those of blocks wholly before the window (a cache may have released them)
+            len_sum += tl.minimum(lens, window)
+            first = tl.maximum(lens - window, 0) // block_size
+            first = tl.where(valid_r, first, max_blocks)
+            c_lo = (tl.min(first, 0) // COLS * COLS).to(tl.int32)
+        else:
+            len_sum += lens
+            first = tl.zeros([ROWS], tl.int64)
+            c_lo = 0
+        for c0 in range(c_lo, tl.max(used, 0).to(tl.int32), COLS):
             offs_c = c0 + offs_c0
             m = offs_c[None, :] < used[:, None]
+            if WINDOWED:
+                m = m & (offs_c[None, :] >= first[:, None])
             ids = tl.load(rows + offs_c[None, :] * stride_tn, mask=m, other=0).to(tl.int64)
             id_min = tl.minimum(id_min, tl.where(m, ids, _BIG))
             id_max = tl.maximum(id_max, tl.where(m, ids, -_BIG))
@@ -151,9 +165,14 @@ def _rows_per_program(batch: int, most: int) -> int:
 
 
 def decode_metadata_stats(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, dims: PagedDecodeDims
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dims: PagedDecodeDims,
+    window: int | None = None,
 ) -> PagedDecodeStats:
-    """:class:`PagedDecodeStats` of validated-shape metadata: one launch, one small read."""
+    """:class:`PagedDecodeStats` of validated-shape metadata: one launch, one small read. With a
+    sliding ``window`` only the entries of blocks holding a row's last ``window`` tokens count
+    (the same as :func:`flashdec._checks.paged_decode_stats`)."""
     if dims.batch == 0:
         return PagedDecodeStats(0, 0, 0, None, None)
     rows = _rows_per_program(dims.batch, 16)
@@ -169,8 +188,9 @@ def decode_metadata_stats(
             block_tables.stride(0),
             block_tables.stride(1),
             seq_lens.stride(0),
+            0 if window is None else window,
         ),
-        (rows, _DECODE_TILE // rows),
+        (window is not None, rows, _DECODE_TILE // rows),
         num_warps=4,
     )
     cols = list(zip(*out.tolist(), strict=True))  # the one device -> host transfer

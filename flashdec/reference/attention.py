@@ -16,16 +16,14 @@ import torch
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_int_tensor,
+    check_kv_scales,
     check_paged_decode_inputs,
     check_paged_decode_values,
-    check_positive_int,
     check_tensor,
+    check_window,
     resolve_sm_scale,
 )
-
-
-def _check_window(window: int | None) -> int | None:
-    return None if window is None else check_positive_int("window", window)
+from flashdec.reference.quant import dequantize_fp8
 
 
 def dense_decode_attention_ref(
@@ -41,7 +39,7 @@ def dense_decode_attention_ref(
     Only the first ``seq_lens[b]`` positions of request ``b`` are attended (of those, the last
     ``window`` when it is set).
     """
-    window = _check_window(window)
+    window = check_window(window)
     q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
     v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
@@ -87,6 +85,8 @@ def paged_decode_attention_ref(
     sm_scale: float | None = None,
     kv_layout: str = "token_major",
     window: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` over one layer's paged cache.
 
@@ -95,9 +95,15 @@ def paged_decode_attention_ref(
     ``block_tables[b, t // block_size]`` at offset ``t % block_size``. With ``window`` only the
     last ``window`` tokens are gathered: table entries of blocks wholly before the window are
     never read (a sliding-window cache may have released them).
+
+    An FP8 cache (``torch.float8_e4m3fn``, beside fp16/bf16 ``q``) needs ``k_scale`` and
+    ``v_scale`` (a float or a float32 tensor ``[num_kv_heads]``): a key is
+    ``stored.float() * k_scale[kv_head]`` (:func:`flashdec.reference.quant.dequantize_fp8`), a
+    value likewise. A float cache takes no scales (ValueError).
     """
-    window = _check_window(window)
+    window = check_window(window)
     dims = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
     check_paged_decode_values(block_tables, seq_lens, dims, window)
     scale = resolve_sm_scale(sm_scale, dims.head_dim)
     group = dims.num_q_heads // dims.num_kv_heads
@@ -115,8 +121,14 @@ def paged_decode_attention_ref(
         tokens = torch.arange(first, seq_len)
         blocks = torch.tensor(tables[b], dtype=torch.long)[tokens // dims.block_size]
         offsets = tokens % dims.block_size
-        k = k_cache[blocks.to(q.device), :, offsets.to(q.device)].float().cpu()  # [L, Hkv, D]
-        v = v_cache[blocks.to(q.device), :, offsets.to(q.device)].float().cpu()
+        index = (blocks.to(q.device), slice(None), offsets.to(q.device))
+        if k_scale is None:
+            k = k_cache[index].float().cpu()  # [L, Hkv, D]
+            v = v_cache[index].float().cpu()
+        else:  # gathered as bytes: indexing kernels need not support float8
+            k = k_cache.view(torch.uint8)[index].cpu().view(k_cache.dtype)
+            v = v_cache.view(torch.uint8)[index].cpu().view(v_cache.dtype)
+            k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
         for h in range(dims.num_q_heads):
             kv_head = h // group
             logits = (k[:, kv_head, :] @ q[b, h].float().cpu()) * scale  # [L]

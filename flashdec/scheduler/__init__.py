@@ -3,21 +3,32 @@
 ``plan(snapshot)`` is pure; the cache (via ``snapshot_from_cache``) is the source of truth and the
 caller (engine or workload) applies decisions and advances the fairness counters. A
 ``WaitingQueue`` holds the waiting requests and their counters persistently, so a snapshot of it
-and a plan on it cost O(log n) in the queue's length, not O(n).
+and a plan on it cost O(log n) in the queue's length, not O(n). With KV layer groups a snapshot
+lists each group's pool (``GroupPool``) and every policy counts blocks group by group.
 """
 
 from flashdec.scheduler.base import (
     BaseScheduler,
+    empty_pool_capacities,
     empty_pool_capacity,
+    max_tokens_per_seq,
     rejection_reason,
     select_batch,
 )
-from flashdec.scheduler.baselines import CancelScheduler, GreedyScheduler, blocks_needed_now
+from flashdec.scheduler.baselines import (
+    CancelScheduler,
+    GreedyScheduler,
+    blocks_needed_now,
+    blocks_needed_now_by_group,
+)
 from flashdec.scheduler.decision import SchedulerDecision
 from flashdec.scheduler.fairness import FairnessCounters, advance_fairness_counters, counters_of
-from flashdec.scheduler.policy import BlockAwareScheduler, lifetime_headroom
+from flashdec.scheduler.groups import GroupPool, needs_new_block
+from flashdec.scheduler.policy import BlockAwareScheduler, lifetime_headroom, lifetime_headrooms
+from flashdec.scheduler.rows import lifetime_private_blocks_by_group
 from flashdec.scheduler.snapshot import (
     ActiveRequest,
+    GroupBlocks,
     PrefixInfo,
     SchedulingSnapshot,
     WaitingRequest,
@@ -47,6 +58,8 @@ __all__ = [
     "CancelScheduler",
     "FairnessCounters",
     "GreedyScheduler",
+    "GroupBlocks",
+    "GroupPool",
     "PrefixId",
     "PrefixInfo",
     "RequestId",
@@ -59,11 +72,17 @@ __all__ = [
     "WaitingView",
     "advance_fairness_counters",
     "blocks_needed_now",
+    "blocks_needed_now_by_group",
     "counters_of",
+    "empty_pool_capacities",
     "empty_pool_capacity",
     "lifetime_headroom",
+    "lifetime_headrooms",
     "lifetime_private_blocks",
+    "lifetime_private_blocks_by_group",
     "make_scheduler",
+    "max_tokens_per_seq",
+    "needs_new_block",
     "rejection_reason",
     "select_batch",
 ]

@@ -12,6 +12,12 @@ and a request's skip count is its node's ``skip`` plus the tags of its strict an
 *frame*). A subtree moved under a different parent is re-based with ``shift``.
 
 Priorities are a fixed hash of the key, so the shape depends only on the set of keys.
+
+With KV layer groups a request needs blocks in every group: its entry carries the per-group
+``needs`` and each node the component-wise min and max of its subtree. A subtree whose minimum
+exceeds the headroom in some group holds no fitting request; the converse does not hold in
+general, but requests without a shared prefix have needs that all grow with their length, so
+their minima come from one request and the search stays O(log n).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Entry:
         "entered",
         "key",
         "memo",
+        "needs",
         "prio",
         "private",
         "request_id",
@@ -53,13 +60,17 @@ class Entry:
         bad_prefix: bool,
         entered: int,
         memo: Any = None,
+        needs: tuple[int, ...] | None = None,
     ) -> None:
         self.spec = spec
         self.request_id = spec.request_id
         self.key = spec.submission_order
         self.prio = priority(self.key & _MASK64)
-        self.private = private  # lifetime private blocks
-        self.table = table  # lifetime block-table width
+        self.private = private  # lifetime private blocks (group 0's with layer groups)
+        # lifetime block-table width; with layer groups its length in tokens (each group's table
+        # limit is a token limit: ceil(T / bs) <= m  <=>  T <= m * bs)
+        self.table = table
+        self.needs = needs  # with layer groups: lifetime private blocks per group
         self.bad_prefix = int(bad_prefix)  # names a prefix that is not resident or not covering
         self.entered = entered  # queue step count at submission: wait_steps = steps - entered
         self.memo = memo  # the last WaitingRequest materialised for it (reused while equal)
@@ -69,9 +80,11 @@ class Node:
     __slots__ = (
         "entry",
         "left",
+        "max_needs",
         "max_private",
         "max_skip",
         "max_table",
+        "min_needs",
         "min_private",
         "num_bad",
         "right",
@@ -112,6 +125,17 @@ def make(entry: Entry, skip: int, tag: int, left: Node | None, right: Node | Non
     n.max_table = table
     n.num_bad = bad
     n.max_skip = top
+    needs = entry.needs
+    if needs is None:
+        n.min_needs = n.max_needs = None
+        return n
+    low = high = needs
+    for child in (left, right):
+        if child is not None:
+            low = tuple(map(min, low, child.min_needs))
+            high = tuple(map(max, high, child.max_needs))
+    n.min_needs = low
+    n.max_needs = high
     return n
 
 
@@ -131,6 +155,8 @@ def shift(t: Node | None, delta: int) -> Node | None:
     n.max_table = t.max_table
     n.num_bad = t.num_bad
     n.max_skip = t.max_skip + delta
+    n.min_needs = t.min_needs
+    n.max_needs = t.max_needs
     return n
 
 
@@ -239,6 +265,25 @@ def first_fitting(t: Node | None, start: int, blocks: int, base: int = 0) -> int
     return first_fitting(t.right, start, blocks, pos + 1)
 
 
+def first_fitting_groups(
+    t: Node | None, start: int, headroom: tuple[int, ...], base: int = 0
+) -> int | None:
+    """First position >= ``start`` whose needs are <= ``headroom`` in every group."""
+    if t is None or base + t.size <= start or not _within(t.min_needs, headroom):
+        return None
+    found = first_fitting_groups(t.left, start, headroom, base)
+    if found is not None:
+        return found
+    pos = base + _size(t.left)
+    if pos >= start and _within(t.entry.needs, headroom):
+        return pos
+    return first_fitting_groups(t.right, start, headroom, pos + 1)
+
+
+def _within(needs: tuple[int, ...], limits: tuple[int, ...]) -> bool:
+    return all(n <= x for n, x in zip(needs, limits, strict=True))
+
+
 def first_aged(
     t: Node | None, start: int, threshold: int, frame: int = 0, base: int = 0
 ) -> int | None:
@@ -268,6 +313,23 @@ def unrunnable(
     if e.private > capacity or e.table > max_table or e.bad_prefix:
         out.append(pos)
     return unrunnable(t.right, capacity, max_table, out, pos + 1)
+
+
+def unrunnable_groups(
+    t: Node | None, capacity: tuple[int, ...], max_tokens: int, out: list[int], base: int = 0
+) -> list[int]:
+    """``unrunnable`` with layer groups: needs above ``capacity`` in some group, a length above
+    ``max_tokens`` (the tightest group's table), or an unusable prefix."""
+    if t is None or (
+        t.max_table <= max_tokens and not t.num_bad and _within(t.max_needs, capacity)
+    ):
+        return out
+    unrunnable_groups(t.left, capacity, max_tokens, out, base)
+    pos = base + _size(t.left)
+    e = t.entry
+    if e.table > max_tokens or e.bad_prefix or not _within(e.needs, capacity):
+        out.append(pos)
+    return unrunnable_groups(t.right, capacity, max_tokens, out, pos + 1)
 
 
 def iterate(t: Node | None) -> Iterator[tuple[Entry, int]]:

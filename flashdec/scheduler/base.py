@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Set
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from flashdec._blocks import lifetime_blocks
 from flashdec.scheduler.decision import SchedulerDecision
 from flashdec.scheduler.snapshot import SchedulingSnapshot, WaitingRequest
 from flashdec.scheduler.spec import RequestId, SchedulerConfig
@@ -28,7 +29,8 @@ def rejection_reason(
 
     A request is hopeless when its prefix is not resident or does not cover its context exactly,
     when its block table would outgrow ``max_blocks_per_seq``, or when its lifetime private blocks
-    exceed an empty pool (the pool less the reserve and the resident prefixes, which stay).
+    exceed an empty pool (the pool less the reserve and the resident prefixes, which stay) — with
+    layer groups, in any group.
     """
     spec = request.spec
     if spec.prefix_id is not None:
@@ -40,6 +42,8 @@ def rejection_reason(
                 f"prefix {spec.prefix_id!r} holds {prefix.num_tokens} tokens but the context is "
                 f"{spec.initial_context_tokens} tokens (a prefix must cover it exactly)"
             )
+    if snapshot.groups:
+        return _group_rejection_reason(request, snapshot, config)
     table_blocks = spec.lifetime_blocks(snapshot.block_size)
     if table_blocks > snapshot.max_blocks_per_seq:
         return (
@@ -55,9 +59,50 @@ def rejection_reason(
     return None
 
 
+def _group_rejection_reason(
+    request: WaitingRequest, snapshot: SchedulingSnapshot, config: SchedulerConfig
+) -> str | None:
+    total = request.spec.total_tokens
+    capacities = empty_pool_capacities(snapshot, config)
+    for g, pool in enumerate(snapshot.groups):
+        # the logical table spans the whole request, windowed or not
+        table_blocks = lifetime_blocks(total, pool.block_size, None)
+        if table_blocks > pool.max_blocks_per_seq:
+            return (
+                f"needs a {table_blocks}-block table in group {g}, more than its "
+                f"max_blocks_per_seq {pool.max_blocks_per_seq}"
+            )
+    for g, (need, capacity) in enumerate(
+        zip(request.lifetime_private_blocks_by_group, capacities, strict=True)
+    ):
+        if need > capacity:
+            return (
+                f"needs {need} private blocks in group {g} over its lifetime, more than an "
+                f"empty pool offers there ({capacity})"
+            )
+    return None
+
+
 def empty_pool_capacity(snapshot: SchedulingSnapshot, config: SchedulerConfig) -> int:
-    """Private blocks available once every active request is gone."""
+    """Private blocks available once every active request is gone (group 0's, with layer
+    groups: see ``empty_pool_capacities``)."""
     return snapshot.total_blocks - config.reserve_blocks - snapshot.resident_prefix_blocks
+
+
+def empty_pool_capacities(snapshot: SchedulingSnapshot, config: SchedulerConfig) -> tuple[int, ...]:
+    """``empty_pool_capacity`` of every layer group (the reserve is kept in each group's pool);
+    one entry for a snapshot without groups."""
+    return tuple(
+        pool.total_blocks - config.reserve_blocks - prefix_blocks
+        for pool, prefix_blocks in zip(
+            snapshot.pools, snapshot.resident_prefix_blocks_by_group, strict=True
+        )
+    )
+
+
+def max_tokens_per_seq(snapshot: SchedulingSnapshot) -> int:
+    """The longest request every group's block table can hold."""
+    return min(pool.max_tokens for pool in snapshot.pools)
 
 
 def select_batch(
@@ -110,9 +155,14 @@ class BaseScheduler(ABC):
         config = self._config
         waiting = snapshot.waiting_view
         # exactly the requests rejection_reason names, found through the view's aggregates
-        rejected = waiting.unrunnable(
-            empty_pool_capacity(snapshot, config), snapshot.max_blocks_per_seq
-        )
+        if snapshot.groups:
+            rejected = waiting.unrunnable_groups(
+                empty_pool_capacities(snapshot, config), max_tokens_per_seq(snapshot)
+            )
+        else:
+            rejected = waiting.unrunnable(
+                empty_pool_capacity(snapshot, config), snapshot.max_blocks_per_seq
+            )
         reject = tuple(waiting[i].request_id for i in rejected)
         admitted = self._admit(snapshot, waiting, frozenset(rejected))
         admit = tuple(waiting[i].request_id for i in admitted)
@@ -140,7 +190,7 @@ class BaseScheduler(ABC):
 
 
 def next_candidate(
-    find: Callable[[int, int], int | None], start: int, bound: int, rejected: Set[int]
+    find: Callable[[int, Any], int | None], start: int, bound: Any, rejected: Set[int]
 ) -> int | None:
     """The first position ``find(start, bound)`` returns from ``start`` on that is not rejected
     (each rejected hit costs one more search)."""

@@ -8,6 +8,10 @@ has to be cancelled to make room.
 Waiting order is FIFO by submission order, with backfilling: a request that does not fit yet may
 be overtaken by later, smaller ones — but once it has been overtaken ``aging_threshold`` times it
 blocks every later arrival until it is admitted, which bounds its wait.
+
+With KV layer groups the same holds group by group: a request is committed in every group, at that
+group's own bound (a sliding-window group's is ``ceil(window / block_size) + 1`` however long the
+request runs), against that group's own pool, and it fits only if it fits in all of them.
 """
 
 from __future__ import annotations
@@ -41,6 +45,24 @@ def lifetime_headroom(snapshot: SchedulingSnapshot, reserve_blocks: int) -> int:
     return min(by_pool, by_free)
 
 
+def lifetime_headrooms(snapshot: SchedulingSnapshot, reserve_blocks: int) -> tuple[int, ...]:
+    """``lifetime_headroom`` of every layer group, each against its own pool (the reserve is
+    kept in each); one entry for a snapshot without groups. ``lifetime_headroom`` is entry 0."""
+    if not snapshot.groups:
+        return (lifetime_headroom(snapshot, reserve_blocks),)
+    rows = [r.blocks_in_groups for r in snapshot.active]
+    headrooms = []
+    for g, (pool, prefix_blocks) in enumerate(
+        zip(snapshot.groups, snapshot.resident_prefix_blocks_by_group, strict=True)
+    ):
+        lifetime = sum(row[g].lifetime_private_blocks for row in rows)
+        remaining = sum(row[g].remaining_private_blocks for row in rows)
+        by_pool = pool.total_blocks - reserve_blocks - prefix_blocks - lifetime
+        by_free = pool.free_blocks - reserve_blocks - remaining
+        headrooms.append(min(by_pool, by_free))
+    return tuple(headrooms)
+
+
 class BlockAwareScheduler(BaseScheduler):
     """Lifetime-commitment admission with FIFO + aging (SPEC §6)."""
 
@@ -49,6 +71,8 @@ class BlockAwareScheduler(BaseScheduler):
     def _admit(
         self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
     ) -> list[int]:
+        if snapshot.groups:
+            return self._admit_groups(snapshot, waiting, rejected)
         # Walking the candidates in order, each either fits the headroom left (admitted), or is
         # aged and does not fit (nobody submitted after it may take the blocks it is waiting
         # for: stop), or is passed over. So jump from one fitting candidate to the next, and stop
@@ -73,6 +97,35 @@ class BlockAwareScheduler(BaseScheduler):
                     break
             admit.append(fit)
             headroom -= waiting[fit].lifetime_private_blocks
+            slots -= 1
+            start = fit + 1
+        return admit
+
+    def _admit_groups(
+        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
+    ) -> list[int]:
+        """``_admit`` with layer groups: the same walk, with one headroom per group."""
+        config = self.config
+        threshold = config.aging_threshold
+        headroom = lifetime_headrooms(snapshot, config.reserve_blocks)
+        slots = config.max_active_requests - len(snapshot.active)
+        admit: list[int] = []
+        start = 0
+        none_aged = len(waiting)
+        aged = -1
+        while slots > 0:
+            fit = next_candidate(waiting.first_fitting_groups, start, headroom, rejected)
+            if fit is None:
+                break
+            if threshold is not None:
+                if aged < start:
+                    found = next_candidate(waiting.first_aged, start, threshold, rejected)
+                    aged = none_aged if found is None else found
+                if aged < fit:
+                    break
+            admit.append(fit)
+            needs = waiting[fit].lifetime_private_blocks_by_group
+            headroom = tuple(h - n for h, n in zip(headroom, needs, strict=True))
             slots -= 1
             start = fit + 1
         return admit

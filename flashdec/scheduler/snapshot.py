@@ -4,26 +4,36 @@ It is a tree of small frozen dataclasses and tuples (or an immutable ``WaitingVi
 waiting queue), so two snapshots built from the same state compare equal field by field and a
 policy cannot mutate what it reads. Derived fields (lifetime blocks) are checked against their
 definition here, so an inconsistent snapshot cannot exist.
+
+A cache with several KV layer groups (or one sliding-window group) is described by ``groups``:
+one ``GroupPool`` per group, each with its own block size, window and pool; the top-level pool
+fields then repeat group 0's, and every row carries its blocks per group (``*_by_group``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashdec._blocks import blocks_for_tokens
 from flashdec._checks import check_positive_int
+from flashdec.scheduler.groups import GroupPool, GroupShape
 from flashdec.scheduler.rows import (
     ActiveRequest,
     Geometry,
+    GroupBlocks,
     PrefixInfo,
     WaitingRequest,
     geometry_of,
     lifetime_private_blocks,
+    lifetime_private_blocks_by_group,
 )
 from flashdec.scheduler.spec import PrefixId, RequestId, ceil_div
 from flashdec.scheduler.waiting_queue import WaitingView
 
 __all__ = [
     "ActiveRequest",
+    "GroupBlocks",
+    "GroupPool",
     "PrefixInfo",
     "SchedulingSnapshot",
     "WaitingRequest",
@@ -38,6 +48,11 @@ class SchedulingSnapshot:
     ``waiting`` is in submission order — a tuple, or a ``WaitingView`` of a ``WaitingQueue``
     (then checking it costs O(active + prefixes): its rows were derived at submission, and only
     its geometry is compared with this snapshot's); ``active`` in the order the caller listed it.
+
+    ``groups`` is empty for a cache with one full-attention group (the top-level fields are its
+    pool). Otherwise it lists every layer group's pool (a single sliding-window group too), the
+    top-level fields equal ``groups[0]``'s, and every prefix and request row carries its block
+    counts per group; a request is then committed in each group against that group's pool.
     """
 
     step: int
@@ -49,6 +64,7 @@ class SchedulingSnapshot:
     prefixes: tuple[PrefixInfo, ...] = ()
     active: tuple[ActiveRequest, ...] = ()
     waiting: tuple[WaitingRequest, ...] | WaitingView = ()
+    groups: tuple[GroupPool, ...] = ()
 
     def __post_init__(self) -> None:
         check_positive_int("step", self.step, minimum=0)
@@ -62,15 +78,12 @@ class SchedulingSnapshot:
         is_view = isinstance(self.waiting, WaitingView)
         if not is_view:
             self._check_tuple("waiting", WaitingRequest, " or a WaitingView")
+        self._check_groups()
         prefixes = self.prefix_map
         if len(prefixes) != len(self.prefixes):
             raise ValueError("prefixes must not repeat a prefix_id")
         for p in self.prefixes:
-            if p.num_tokens != p.num_blocks * self.block_size:
-                raise ValueError(
-                    f"prefix {p.prefix_id!r} must hold full blocks: num_tokens {p.num_tokens} "
-                    f"!= num_blocks {p.num_blocks} * block_size {self.block_size}"
-                )
+            self._check_prefix(p)
         geometry = self.geometry
         if is_view:
             self._check_waiting_view(self.waiting, geometry)  # type: ignore[arg-type]
@@ -82,12 +95,71 @@ class SchedulingSnapshot:
             if r.__dict__.get(_CHECKED_UNDER) != geometry:
                 self._check_active(r, prefixes)
                 object.__setattr__(r, _CHECKED_UNDER, geometry)  # a memo, not a field
-        used = self.resident_prefix_blocks + sum(r.committed_private_blocks for r in self.active)
-        if self.free_blocks + used > self.total_blocks:
-            raise ValueError(
-                f"free_blocks ({self.free_blocks}) + prefix and private blocks in use ({used}) "
-                f"exceed total_blocks ({self.total_blocks})"
+        if not self.groups:
+            used = self.resident_prefix_blocks + sum(
+                r.committed_private_blocks for r in self.active
             )
+            if self.free_blocks + used > self.total_blocks:
+                raise ValueError(
+                    f"free_blocks ({self.free_blocks}) + prefix and private blocks in use "
+                    f"({used}) exceed total_blocks ({self.total_blocks})"
+                )
+            return
+        prefix_blocks = self.resident_prefix_blocks_by_group
+        for g, pool in enumerate(self.groups):
+            used = prefix_blocks[g] + sum(
+                r.blocks_in_groups[g].committed_private_blocks for r in self.active
+            )
+            if pool.free_blocks + used > pool.total_blocks:
+                raise ValueError(
+                    f"group {g}: free_blocks ({pool.free_blocks}) + prefix and private blocks in "
+                    f"use ({used}) exceed total_blocks ({pool.total_blocks})"
+                )
+
+    def _check_groups(self) -> None:
+        groups = self.groups
+        if not isinstance(groups, tuple) or not all(isinstance(g, GroupPool) for g in groups):
+            raise TypeError("groups must be a tuple of GroupPool")
+        if not groups:
+            return
+        if len(groups) == 1 and groups[0].window is None:
+            raise ValueError(
+                "one full-attention group is described by the top-level fields alone: leave "
+                "groups empty"
+            )
+        top = (self.block_size, self.total_blocks, self.free_blocks, self.max_blocks_per_seq)
+        first = groups[0]
+        if top != (first.block_size, first.total_blocks, first.free_blocks,
+                   first.max_blocks_per_seq):  # fmt: skip
+            raise ValueError(
+                "block_size, total_blocks, free_blocks and max_blocks_per_seq must be group 0's "
+                f"({first}), got {top}"
+            )
+
+    def _check_prefix(self, p: PrefixInfo) -> None:
+        groups = self.groups
+        if not groups:
+            if p.num_blocks_by_group:
+                raise ValueError(
+                    f"prefix {p.prefix_id!r} has blocks per group but the snapshot has no groups"
+                )
+            if p.num_tokens != p.num_blocks * self.block_size:
+                raise ValueError(
+                    f"prefix {p.prefix_id!r} must hold full blocks: num_tokens {p.num_tokens} "
+                    f"!= num_blocks {p.num_blocks} * block_size {self.block_size}"
+                )
+            return
+        if len(p.num_blocks_by_group) != len(groups):
+            raise ValueError(
+                f"prefix {p.prefix_id!r} must give its blocks in each of the {len(groups)} groups "
+                f"(num_blocks_by_group), got {p.num_blocks_by_group}"
+            )
+        for g, (blocks, pool) in enumerate(zip(p.num_blocks_by_group, groups, strict=True)):
+            if p.num_tokens != blocks * pool.block_size:
+                raise ValueError(
+                    f"prefix {p.prefix_id!r} must hold full blocks in group {g}: num_tokens "
+                    f"{p.num_tokens} != {blocks} blocks * block_size {pool.block_size}"
+                )
 
     def _check_waiting_tuple(self, prefixes: dict[PrefixId, PrefixInfo]) -> None:
         ids = [r.request_id for r in self.active] + [r.request_id for r in self.waiting]
@@ -99,12 +171,23 @@ class SchedulingSnapshot:
         waiting_orders = [r.spec.submission_order for r in self.waiting]
         if waiting_orders != sorted(waiting_orders):
             raise ValueError(f"waiting must be in submission order, got {waiting_orders}")
+        shapes = self.group_shapes
         for r in self.waiting:
-            expected = lifetime_private_blocks(r.spec, self.block_size, prefixes)
-            if r.lifetime_private_blocks != expected:
+            if shapes:
+                name, value = "lifetime_private_blocks_by_group", r.lifetime_private_blocks_by_group
+                expected = lifetime_private_blocks_by_group(r.spec, shapes, prefixes)
+            elif r.lifetime_private_blocks_by_group:
                 raise ValueError(
-                    f"waiting request {r.request_id!r}: lifetime_private_blocks "
-                    f"{r.lifetime_private_blocks} != {expected} derived from its spec"
+                    f"waiting request {r.request_id!r} has blocks per group but the snapshot has "
+                    "no groups"
+                )
+            else:
+                name, value = "lifetime_private_blocks", r.lifetime_private_blocks
+                expected = lifetime_private_blocks(r.spec, self.block_size, prefixes)
+            if value != expected:
+                raise ValueError(
+                    f"waiting request {r.request_id!r}: {name} {value} != {expected} derived from "
+                    "its spec"
                 )
 
     def _check_waiting_view(self, view: WaitingView, geometry: Geometry) -> None:
@@ -126,6 +209,7 @@ class SchedulingSnapshot:
             raise TypeError(f"{name} must be a tuple of {kind.__name__}{alternative}")
 
     def _check_active(self, r: ActiveRequest, prefixes: dict[PrefixId, PrefixInfo]) -> None:
+        prefix = None
         prefix_blocks = 0
         if r.spec.prefix_id is not None:
             prefix = prefixes.get(r.spec.prefix_id)
@@ -135,6 +219,14 @@ class SchedulingSnapshot:
                     "which is not resident"
                 )
             prefix_blocks = prefix.num_blocks
+        if self.groups:
+            self._check_active_groups(r, prefix, prefixes)
+            return
+        if r.blocks_by_group:
+            raise ValueError(
+                f"active request {r.request_id!r} has blocks per group but the snapshot has no "
+                "groups"
+            )
         expected = lifetime_private_blocks(r.spec, self.block_size, prefixes)
         if r.lifetime_private_blocks != expected:
             raise ValueError(
@@ -154,6 +246,65 @@ class SchedulingSnapshot:
                 f"{ceil_div(r.committed_tokens, self.block_size)}"
             )
 
+    def _check_active_groups(
+        self, r: ActiveRequest, prefix: PrefixInfo | None, prefixes: dict[PrefixId, PrefixInfo]
+    ) -> None:
+        shapes = self.group_shapes
+        groups = r.blocks_by_group
+        if len(groups) != len(shapes):
+            raise ValueError(
+                f"active request {r.request_id!r} must give its blocks in each of the "
+                f"{len(shapes)} groups (blocks_by_group), got {len(groups)}"
+            )
+        expected = lifetime_private_blocks_by_group(r.spec, shapes, prefixes)
+        lifetimes = tuple(b.lifetime_private_blocks for b in groups)
+        if lifetimes != expected:
+            raise ValueError(
+                f"active request {r.request_id!r}: lifetime private blocks per group "
+                f"{lifetimes} != {expected} derived from its spec"
+            )
+        prefix_tokens = 0 if prefix is None else prefix.num_tokens
+        own = r.committed_tokens - prefix_tokens
+        if own < 0:
+            raise ValueError(
+                f"active request {r.request_id!r} holds {r.committed_tokens} tokens, fewer than "
+                f"its prefix ({prefix_tokens})"
+            )
+        for g, ((block_size, window), b) in enumerate(zip(shapes, groups, strict=True)):
+            shared = 0 if prefix is None else prefix.num_blocks_by_group[g]
+            held = blocks_for_tokens(own, block_size, window)
+            if (b.committed_blocks, b.committed_private_blocks) != (held + shared, held):
+                raise ValueError(
+                    f"active request {r.request_id!r} in group {g}: committed (private) blocks "
+                    f"must be {held + shared} ({held}) for {r.committed_tokens} tokens, got "
+                    f"{b.committed_blocks} ({b.committed_private_blocks})"
+                )
+
+    @property
+    def group_shapes(self) -> tuple[GroupShape, ...]:
+        """Each group's ``(block_size, window)``; empty for a one-group, full-attention
+        snapshot."""
+        return tuple(pool.shape for pool in self.groups)
+
+    @property
+    def pools(self) -> tuple[GroupPool, ...]:
+        """Every group's pool: ``groups``, or the top-level fields as one full-attention group."""
+        if self.groups:
+            return self.groups
+        return (GroupPool(self.block_size, self.total_blocks, self.free_blocks,
+                          self.max_blocks_per_seq),)  # fmt: skip
+
+    @property
+    def resident_prefix_blocks_by_group(self) -> tuple[int, ...]:
+        """Blocks held by resident prefixes in each group (one entry without groups)."""
+        if not self.groups:
+            return (self.resident_prefix_blocks,)
+        totals = [0] * len(self.groups)
+        for p in self.prefixes:
+            for g, blocks in enumerate(p.num_blocks_by_group):
+                totals[g] += blocks
+        return tuple(totals)
+
     @property
     def prefix_map(self) -> dict[PrefixId, PrefixInfo]:
         return {p.prefix_id: p for p in self.prefixes}
@@ -161,7 +312,7 @@ class SchedulingSnapshot:
     @property
     def geometry(self) -> Geometry:
         """What waiting requests' lifetime blocks are derived from (see ``geometry_of``)."""
-        return geometry_of(self.block_size, self.prefixes)
+        return geometry_of(self.block_size, self.prefixes, self.group_shapes)
 
     @property
     def resident_prefix_blocks(self) -> int:
@@ -175,7 +326,9 @@ class SchedulingSnapshot:
             return self.waiting
         view = self.__dict__.get("_waiting_view")
         if view is None:
-            view = WaitingView._wrap(self.waiting, self.block_size, self.prefixes)
+            view = WaitingView._wrap(
+                self.waiting, self.block_size, self.prefixes, self.group_shapes
+            )
             object.__setattr__(self, "_waiting_view", view)  # a cache, not a field
         return view
 

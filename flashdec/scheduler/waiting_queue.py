@@ -12,8 +12,9 @@ rejections, one fairness step) and what is admitted, not the length of the queue
   first aged one, the ones that can never run — in O(log n) each (see ``_order_tree``).
 
 Every request is derived (its lifetime private blocks, whether its prefix is usable) from one
-geometry — the block size and the resident prefixes — recorded at ``submit``; a snapshot built
-on a view checks that its own geometry is the same.
+geometry — the block size and the resident prefixes, and with KV layer groups each group's block
+size and window — recorded at ``submit``; a snapshot built on a view checks that its own geometry
+is the same.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from typing import Any, NoReturn, overload
 
 from flashdec._checks import check_positive_int
 from flashdec.scheduler import _id_trie, _order_tree
+from flashdec.scheduler.groups import GroupShape, check_window
 from flashdec.scheduler.rows import (
     Geometry,
     PrefixInfo,
     WaitingRequest,
     geometry_of,
     lifetime_private_blocks,
+    lifetime_private_blocks_by_group,
     shared_prefix,
 )
 from flashdec.scheduler.spec import PrefixId, RequestId, RequestSpec, check_request_id
@@ -40,14 +43,48 @@ def _is_request_id(value: object) -> bool:
 
 
 def _entry(spec: RequestSpec, geometry: Geometry, prefix_map: dict, entered: int) -> Any:
-    block_size = geometry[0]
+    sizes = geometry[0]
+    bad_prefix = spec.prefix_id is not None and shared_prefix(spec, prefix_map) is None
+    if isinstance(sizes, int):
+        return _order_tree.Entry(
+            spec,
+            private=lifetime_private_blocks(spec, sizes, prefix_map),
+            table=spec.lifetime_blocks(sizes),
+            bad_prefix=bad_prefix,
+            entered=entered,
+        )
+    needs = lifetime_private_blocks_by_group(spec, sizes, prefix_map)
     return _order_tree.Entry(
-        spec,
-        private=lifetime_private_blocks(spec, block_size, prefix_map),
-        table=spec.lifetime_blocks(block_size),
-        bad_prefix=spec.prefix_id is not None and shared_prefix(spec, prefix_map) is None,
-        entered=entered,
-    )
+        spec, private=needs[0], table=spec.total_tokens, bad_prefix=bad_prefix, entered=entered,
+        needs=needs,
+    )  # fmt: skip
+
+
+def check_group_shapes(block_size: int, group_shapes: object) -> tuple[GroupShape, ...]:
+    """Layer groups' ``(block_size, window)`` pairs: empty for one full-attention group,
+    otherwise one per group (group 0's block size is ``block_size``)."""
+    if not isinstance(group_shapes, tuple):
+        raise TypeError(
+            "group_shapes must be a tuple of (block_size, window), got "
+            f"{type(group_shapes).__name__}"
+        )
+    for g, shape in enumerate(group_shapes):
+        if not isinstance(shape, tuple) or len(shape) != 2:
+            raise TypeError(
+                f"group_shapes[{g}] must be a (block_size, window) tuple, got {shape!r}"
+            )
+        check_positive_int(f"group_shapes[{g}] block_size", shape[0])
+        check_window(f"group_shapes[{g}] window", shape[1])
+    if group_shapes:
+        if group_shapes[0][0] != block_size:
+            raise ValueError(
+                f"group 0's block size ({group_shapes[0][0]}) must be block_size ({block_size})"
+            )
+        if len(group_shapes) == 1 and group_shapes[0][1] is None:
+            raise ValueError(
+                "one full-attention group needs no group_shapes (block_size describes it)"
+            )
+    return group_shapes
 
 
 class _Live:
@@ -97,11 +134,15 @@ class WaitingView(Sequence[WaitingRequest]):
 
     @classmethod
     def _wrap(
-        cls, requests: tuple[WaitingRequest, ...], block_size: int, prefixes: Iterable[PrefixInfo]
+        cls,
+        requests: tuple[WaitingRequest, ...],
+        block_size: int,
+        prefixes: Iterable[PrefixInfo],
+        group_shapes: tuple[GroupShape, ...] = (),
     ) -> WaitingView:
         """A view of checked rows (in submission order, derived under this geometry): O(n)."""
         prefixes = tuple(prefixes)
-        geometry = geometry_of(block_size, prefixes)
+        geometry = geometry_of(block_size, prefixes, group_shapes)
         prefix_map = {p.prefix_id: p for p in prefixes}
         live = _Live()
         items = []
@@ -171,7 +212,9 @@ class WaitingView(Sequence[WaitingRequest]):
         wait = self._steps - entry.entered
         row = entry.memo
         if row is None or row.wait_steps != wait or row.skip_count != skip:
-            row = WaitingRequest(entry.request_id, entry.spec, entry.private, wait, skip)
+            row = WaitingRequest(
+                entry.request_id, entry.spec, entry.private, wait, skip, entry.needs or ()
+            )
             entry.memo = row
         return row
 
@@ -248,6 +291,22 @@ class WaitingView(Sequence[WaitingRequest]):
         check_positive_int("start", start, minimum=0)
         return _order_tree.first_fitting(self._root, start, blocks)
 
+    def first_fitting_groups(self, start: int, headroom: tuple[int, ...]) -> int | None:
+        """With layer groups: first position >= ``start`` whose lifetime private blocks are <=
+        ``headroom`` in every group (one entry per group)."""
+        check_positive_int("start", start, minimum=0)
+        self._require_groups(len(headroom))
+        return _order_tree.first_fitting_groups(self._root, start, headroom)
+
+    def _require_groups(self, count: int) -> None:
+        geometry = self._geometry
+        if geometry is not None and (isinstance(geometry[0], int) or len(geometry[0]) != count):
+            groups = 1 if isinstance(geometry[0], int) else len(geometry[0])
+            raise ValueError(
+                f"this view's requests were derived for {groups} group(s) "
+                f"{'without group shapes ' if groups == 1 else ''}but {count} limits were given"
+            )
+
     def first_aged(self, start: int, threshold: int) -> int | None:
         """First position >= ``start`` whose ``skip_count`` is >= ``threshold``."""
         check_positive_int("start", start, minimum=0)
@@ -259,6 +318,13 @@ class WaitingView(Sequence[WaitingRequest]):
         table wider than ``max_table_blocks``, or whose prefix is not resident or does not cover
         their context. O((k + 1) log n) for k positions."""
         return tuple(_order_tree.unrunnable(self._root, capacity, max_table_blocks, []))
+
+    def unrunnable_groups(self, capacity: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+        """With layer groups: positions of requests that need more than ``capacity[g]`` private
+        blocks in some group ``g``, are longer than ``max_tokens`` (what the narrowest group's
+        block table holds), or whose prefix is unusable. O((k + 1) log n) in the common case."""
+        self._require_groups(len(capacity))
+        return tuple(_order_tree.unrunnable_groups(self._root, capacity, max_tokens, []))
 
 
 class WaitingQueue:
@@ -308,17 +374,25 @@ class WaitingQueue:
         self._view = None
 
     def submit(
-        self, spec: RequestSpec, *, block_size: int, prefixes: Iterable[PrefixInfo] = ()
+        self,
+        spec: RequestSpec,
+        *,
+        block_size: int,
+        prefixes: Iterable[PrefixInfo] = (),
+        group_shapes: tuple[GroupShape, ...] = (),
     ) -> None:
         """Add ``spec`` at its submission order, with zero counters.
 
         ``block_size`` and ``prefixes`` (the resident prefixes) derive its lifetime private
-        blocks; they must be the geometry of every request already waiting (ValueError
+        blocks — with KV layer groups also ``group_shapes``, each group's ``(block_size,
+        window)`` (group 0's block size is ``block_size``; prefixes then give their blocks per
+        group); they must be the geometry of every request already waiting (ValueError
         otherwise). A repeated id or submission order is a ValueError. O(log n + prefixes).
         """
         if not isinstance(spec, RequestSpec):
             raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
         check_positive_int("block_size", block_size, minimum=1)
+        group_shapes = check_group_shapes(block_size, group_shapes)
         if isinstance(prefixes, (str, bytes)) or not isinstance(prefixes, Iterable):
             raise TypeError(f"prefixes must be an iterable of PrefixInfo, got {prefixes!r}")
         prefixes = tuple(prefixes)
@@ -327,9 +401,15 @@ class WaitingQueue:
             if not isinstance(p, PrefixInfo):
                 raise TypeError(f"prefixes must hold PrefixInfo, got {type(p).__name__}")
             prefix_map[p.prefix_id] = p
+            if len(p.num_blocks_by_group) != len(group_shapes):
+                raise ValueError(
+                    f"prefix {p.prefix_id!r} must give its blocks in each of the "
+                    f"{len(group_shapes)} groups (none without groups), got "
+                    f"{p.num_blocks_by_group}"
+                )
         if len(prefix_map) != len(prefixes):
             raise ValueError("prefixes must not repeat a prefix_id")
-        geometry = geometry_of(block_size, prefixes)
+        geometry = geometry_of(block_size, prefixes, group_shapes)
         if self._geometry is not None and geometry != self._geometry:
             raise ValueError(
                 f"waiting requests were derived with block size and prefixes {self._geometry}, "

@@ -4,6 +4,7 @@ from flashdec.workloads.config import (
     IntegratedWorkloadConfig,
     SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
+    WindowWorkloadConfig,
 )
 from flashdec.workloads.engine_workload import (
     IntegratedWorkloadResult,
@@ -21,8 +22,14 @@ from flashdec.workloads.scheduler_workload import (
     run_scheduler_workload,
 )
 from flashdec.workloads.stats import LatencyStats, jain_index
+from flashdec.workloads.window_workload import (
+    ConcurrencyRun,
+    WindowWorkloadResult,
+    run_window_workload,
+)
 
 __all__ = [
+    "ConcurrencyRun",
     "IntegratedWorkloadConfig",
     "IntegratedWorkloadResult",
     "LatencyStats",
@@ -31,6 +38,8 @@ __all__ = [
     "SchedulerWorkloadResult",
     "StepRecord",
     "SyntheticWorkloadConfig",
+    "WindowWorkloadConfig",
+    "WindowWorkloadResult",
     "WorkloadResult",
     "WorkloadTrace",
     "build_trace",
@@ -40,4 +49,5 @@ __all__ = [
     "run_integrated_workload",
     "run_scheduler_workload",
     "run_synthetic_workload",
+    "run_window_workload",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from flashdec._checks import check_choice, check_positive_int
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
 from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS
 from flashdec.runtime import triton_mode
 from flashdec.scheduler import SchedulerConfig
@@ -98,6 +99,35 @@ def _check_min_max(config, low: str, high: str) -> None:
         )
 
 
+def _placement(device_name: str, dtype_name: str, append: str, decode: str) -> Placement:
+    """``auto`` resolved: the GPU when there is one, bf16 there and fp32 on the CPU, the fused
+    and Triton backends on the GPU and torch on the CPU."""
+    cuda = torch.cuda.is_available()
+    if device_name == "cuda" and not cuda:
+        raise ValueError(
+            "device 'cuda' was requested, but torch sees no CUDA device "
+            "(torch.cuda.is_available() is False); use device 'cpu' or 'auto'"
+        )
+    device = torch.device(("cuda" if cuda else "cpu") if device_name == "auto" else device_name)
+    on_gpu = device.type == "cuda"
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if on_gpu else "float32"
+    if append == "auto":
+        append = "fused" if on_gpu else "torch"
+    if decode == "auto":
+        decode = "triton" if on_gpu else "torch"
+    if not on_gpu and triton_mode() != "interpreted":
+        for name, backend in (("append_backend", append), ("decode_backend", decode)):
+            if backend in TRITON_BACKENDS:
+                raise ValueError(
+                    f"{name} {backend!r} launches Triton kernels, which run on CPU tensors "
+                    "only through Triton's interpreter: set TRITON_INTERPRET=1 before "
+                    "flashdec is imported (the flashdec command does so when there is no "
+                    "GPU), or use the torch backend"
+                )
+    return Placement(device, DTYPES[dtype_name], append, decode)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where and how an engine workload runs, every ``auto`` resolved."""
@@ -168,9 +198,17 @@ class SyntheticWorkloadConfig:
     warmup_run: bool = _knob(
         False, "run the whole workload once untimed first (Triton compiles each new launch shape)"
     )
+    kv_spec: str = _knob(
+        "",
+        "KV layer groups, e.g. '(2,48,8,2,32):float32:1;(2,48,8,2,32):float32:1:window=16' "
+        "(flashdec spec SPEC explains it); it sets the layers, KV heads, head_dim, block size, "
+        "pool and dtype (leave those knobs at their defaults); empty: one group from the knobs",
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.kv_spec:
+            self._check_kv_spec()
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim must be even (RoPE rotates pairs of dims), got {self.head_dim}"
@@ -197,6 +235,63 @@ class SyntheticWorkloadConfig:
         self.scheduler_config()  # its own rules, checked once, in one place
         self.placement()
 
+    # knobs a kv_spec replaces (it names every group's geometry, pool and dtype)
+    _SPEC_SETS = ("num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")
+
+    def _check_kv_spec(self) -> None:
+        groups = parse_kv_spec(self.kv_spec)  # ValueError naming the group and its text
+        defaults = {f.name: f.default for f in fields(self)}
+        overridden = [n for n in self._SPEC_SETS if getattr(self, n) != defaults[n]]
+        if overridden:
+            flags = ", ".join("--" + n.replace("_", "-") for n in overridden)
+            raise ValueError(
+                f"kv_spec sets the KV geometry, pool and dtype: leave {flags} at the default"
+            )
+        for g, group in enumerate(groups):
+            if group.kv_size != 2:
+                raise ValueError(f"kv_spec group {g}: kv_size must be 2 (K and V)")
+            if group.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"kv_spec group {g}: the engine does not run FP8 groups yet")
+            if group.head_dim % 2:
+                raise ValueError(
+                    f"kv_spec group {g}: head_dim must be even (RoPE rotates pairs of dims), "
+                    f"got {group.head_dim}"
+                )
+            if group.head_dim > MAX_HEAD_DIM:
+                raise ValueError(
+                    f"kv_spec group {g}: head_dim must be <= {MAX_HEAD_DIM} (the kernels' "
+                    f"limit), got {group.head_dim}"
+                )
+            if self.num_q_heads % group.num_kv_heads:
+                raise ValueError(
+                    f"num_q_heads ({self.num_q_heads}) must be a multiple of kv_spec group "
+                    f"{g}'s num_kv_heads ({group.num_kv_heads})"
+                )
+            if self.reserve_blocks >= group.num_blocks:
+                raise ValueError(
+                    f"reserve_blocks ({self.reserve_blocks}) must be below kv_spec group {g}'s "
+                    f"num_blocks ({group.num_blocks}): no request could ever be admitted"
+                )
+
+    def kv_groups(self) -> tuple[KVGroupSpec, ...]:
+        """The cache's layer groups: ``kv_spec``'s, or one group made from the knobs."""
+        if self.kv_spec:
+            return parse_kv_spec(self.kv_spec)
+        return (
+            KVGroupSpec(2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                        self.placement().dtype, self.layers),
+        )  # fmt: skip
+
+    def kv_description(self) -> str:
+        """What the KV cache is made of, for messages."""
+        if self.kv_spec:
+            return f"kv_spec {format_kv_spec(self.kv_groups())}"
+        return (
+            f"2 x {self.layers} layers x {self.num_blocks} blocks x {self.block_size} tokens x "
+            f"{self.num_kv_heads} KV heads x {self.head_dim} dims x "
+            f"{self.placement().element_bytes} bytes"
+        )
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             max_active_requests=self.max_active_requests,
@@ -208,37 +303,13 @@ class SyntheticWorkloadConfig:
     def placement(self) -> Placement:
         """Device, dtype and backends with ``auto`` resolved; ValueError for a device that is
         not there, or a Triton backend on CPU tensors without Triton's interpreter."""
-        cuda = torch.cuda.is_available()
-        if self.device == "cuda" and not cuda:
-            raise ValueError(
-                "device 'cuda' was requested, but torch sees no CUDA device "
-                "(torch.cuda.is_available() is False); use device 'cpu' or 'auto'"
-            )
-        device = torch.device(("cuda" if cuda else "cpu") if self.device == "auto" else self.device)
-        on_gpu = device.type == "cuda"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if on_gpu else "float32"
-        append = self.append_backend
-        if append == "auto":
-            append = "fused" if on_gpu else "torch"
-        decode = self.decode_backend
-        if decode == "auto":
-            decode = "triton" if on_gpu else "torch"
-        if not on_gpu and triton_mode() != "interpreted":
-            for name, backend in (("append_backend", append), ("decode_backend", decode)):
-                if backend in TRITON_BACKENDS:
-                    raise ValueError(
-                        f"{name} {backend!r} launches Triton kernels, which run on CPU tensors "
-                        "only through Triton's interpreter: set TRITON_INTERPRET=1 before "
-                        "flashdec is imported (the flashdec command does so when there is no "
-                        "GPU), or use the torch backend"
-                    )
-        return Placement(device, DTYPES[dtype], append, decode)
+        return _placement(self.device, self.dtype, self.append_backend, self.decode_backend)
 
     @property
     def layers(self) -> int:
         """Transformer layers the workload's cache holds."""
+        if self.kv_spec:
+            return sum(g.layer_count for g in parse_kv_spec(self.kv_spec))
         return 1
 
     @property
@@ -248,6 +319,8 @@ class SyntheticWorkloadConfig:
 
     def memory_estimate(self) -> MemoryEstimate:
         place = self.placement()
+        if self.kv_spec:
+            return self._grouped_memory_estimate(place)
         elt = place.element_bytes
         token = self.num_kv_heads * self.head_dim  # elements of one token's K (or V), one layer
         batch = min(self.max_batch_size, self.max_active_requests, self.num_requests)
@@ -265,6 +338,31 @@ class SyntheticWorkloadConfig:
         )
         # each request also keeps an int32 host copy of its block-table row (num_blocks wide)
         host = self.num_requests * (HOST_BYTES_PER_REQUEST + 4 * self.num_blocks)
+        host += min(self.max_steps, expected_steps) * HOST_BYTES_PER_STEP
+        if place.device.type == "cpu":
+            host += device_bytes
+        return MemoryEstimate(place.device, kv_cache, device_bytes, host)
+
+    def _grouped_memory_estimate(self, place: Placement) -> MemoryEstimate:
+        """``memory_estimate`` for a ``kv_spec`` cache: every group's storage, one step's Q/K/V
+        for every layer in its group's geometry, one layer's staged prompts."""
+        groups = self.kv_groups()
+        batch = min(self.max_batch_size, self.max_active_requests, self.num_requests)
+        admitted = min(self.max_active_requests, self.num_requests)
+        kv_cache = sum(g.nbytes for g in groups)
+        step = sum(
+            g.layer_count * batch * (self.num_q_heads + 2 * g.num_kv_heads) * g.head_dim
+            * g.dtype.itemsize
+            for g in groups
+        )  # fmt: skip
+        token = max(g.num_kv_heads * g.head_dim for g in groups)
+        prompts = 2 * admitted * self.max_context * token * (4 + 4)  # fp32 draw, then cast
+        device_bytes = kv_cache + step + prompts
+        expected_steps = math.ceil(self.num_requests / self.arrivals_per_step) + (
+            self.num_requests * self.max_new_tokens
+        )
+        widest = max(g.num_blocks for g in groups)
+        host = self.num_requests * (HOST_BYTES_PER_REQUEST + 4 * widest * len(groups))
         host += min(self.max_steps, expected_steps) * HOST_BYTES_PER_STEP
         if place.device.type == "cpu":
             host += device_bytes
@@ -289,8 +387,17 @@ class IntegratedWorkloadConfig(SyntheticWorkloadConfig):
         0.1, "fraction of steps hit by an injected failure (retried)", minimum=0.0, maximum=1.0
     )
 
+    _SPEC_SETS = (*SyntheticWorkloadConfig._SPEC_SETS, "num_layers")
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_spec and self.prefix_hit_rate > 0:
+            groups = parse_kv_spec(self.kv_spec)
+            if len(groups) > 1 or groups[0].window is not None:
+                raise ValueError(
+                    "shared prefixes need a single full-attention KV group: with this kv_spec "
+                    "set prefix_hit_rate to 0"
+                )
         if self.prefix_hit_rate > 0:
             if self.num_prefixes < 1 or self.prefix_blocks < 1:
                 raise ValueError("prefix hits need num_prefixes >= 1 and prefix_blocks >= 1")
@@ -304,6 +411,8 @@ class IntegratedWorkloadConfig(SyntheticWorkloadConfig):
 
     @property
     def layers(self) -> int:
+        if self.kv_spec:
+            return super().layers
         return self.num_layers
 
     @property
@@ -348,6 +457,65 @@ class SchedulerWorkloadConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+
+
+@dataclass(frozen=True)
+class WindowWorkloadConfig:
+    """Knobs of the window workload: a long generation's blocks per group, and admitted
+    concurrency with and without the spec's windows on the same pools."""
+
+    # one full-attention layer beside three 64-token window layers, each group its own pool
+    kv_spec: str = _knob(
+        "(2,512,16,1,16):float32:1;(2,160,16,1,16):float32:3:window=64",
+        "KV layer groups with at least one window group (flashdec spec SPEC explains it)",
+    )
+    num_q_heads: int = _knob(2, "query heads", minimum=1, maximum=MAX_HEADS)
+    context_tokens: int = _knob(16, "prompt tokens of every request", minimum=0)
+    generation_tokens: int = _knob(768, "tokens the long request generates", minimum=1)
+    num_requests: int = _knob(24, "requests arriving at once for the concurrency runs", minimum=1)
+    max_new_tokens: int = _knob(240, "tokens each of those generates", minimum=1)
+    max_active_requests: int = _knob(64, "requests resident in the cache at most", minimum=1)
+    max_batch_size: int = _knob(64, "requests decoded per step at most", minimum=1)
+    device: str = _knob("auto", "where to run (auto: the GPU if there is one)", choices=DEVICES)
+    append_backend: str = _knob(
+        "auto", "KV append (auto: torch CPU, fused GPU)", choices=("auto", *APPEND_BACKENDS)
+    )
+    decode_backend: str = _knob(
+        "auto", "paged decode (auto: torch CPU, triton GPU)", choices=("auto", *DECODE_BACKENDS)
+    )
+    seed: int = _knob(0, "random seed (K/V values)", minimum=0, maximum=SEED_MAX)
+    max_steps: int = _knob(20_000, "stop a concurrency run after this many steps", minimum=1)
+    check_invariants: bool = _knob(True, "validate the cache after every step")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        groups = parse_kv_spec(self.kv_spec)
+        if all(g.window is None for g in groups):
+            raise ValueError("kv_spec needs at least one window group (':window=N')")
+        for g, group in enumerate(groups):
+            if group.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"kv_spec group {g}: the engine does not run FP8 groups yet")
+            if group.kv_size != 2 or group.head_dim % 2 or group.head_dim > MAX_HEAD_DIM:
+                raise ValueError(
+                    f"kv_spec group {g}: needs kv_size 2 and an even head_dim <= {MAX_HEAD_DIM}"
+                )
+            if self.num_q_heads % group.num_kv_heads:
+                raise ValueError(
+                    f"num_q_heads ({self.num_q_heads}) must be a multiple of kv_spec group {g}'s "
+                    f"num_kv_heads ({group.num_kv_heads})"
+                )
+        length = self.context_tokens + self.generation_tokens
+        for g, group in enumerate(groups):
+            if group.window is None and length > group.num_blocks * group.block_size:
+                raise ValueError(
+                    f"context_tokens + generation_tokens ({length}) do not fit kv_spec group {g} "
+                    f"({group.num_blocks} blocks of {group.block_size})"
+                )
+        self.placement()
+
+    def placement(self) -> Placement:
+        dtype = str(parse_kv_spec(self.kv_spec)[0].dtype).removeprefix("torch.")
+        return _placement(self.device, dtype, self.append_backend, self.decode_backend)
 
 
 CUDA_GRAPHS = ("auto", "on", "off")

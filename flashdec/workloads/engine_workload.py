@@ -4,9 +4,10 @@ Both run through the :class:`~flashdec.engine.ServingLoop` with an executor that
 Q/K/V. ``run_synthetic_workload`` drives a single-layer engine with ``engine.step``;
 ``run_integrated_workload`` adds what a real deployment mixes in: multi-layer token
 transactions, shared-prefix hits and misses, and injected failures whose rollback is verified
-before the step is retried. Both end with full cleanup — also when ``max_steps`` stops them early,
-which cancels and reports the unfinished requests — and are deterministic under their seed
-(timings aside).
+before the step is retried. With ``kv_spec`` either runs on a cache of KV layer groups (each
+layer's Q/K/V in its group's geometry) and reports every group's blocks. Both end with full
+cleanup — also when ``max_steps`` stops them early, which cancels and reports the unfinished
+requests — and are deterministic under their seed (timings aside).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class WorkloadResult:
     trajectory: tuple[StepRecord, ...]
     stopped_early: bool  # max_steps ended the run with requests left (they were cancelled)
     unfinished: int  # requests cancelled by that clean-up, or never submitted
+    # per KV layer group (one entry without kv_spec): geometry, window, pool, peak blocks used
+    groups: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,12 @@ class RandomKVExecutor:
         self.num_layers = num_layers
         self.device = device
         self.dtype = dtype
+        # each layer's (KV heads, head_dim, dtype): its group's
+        cache = engine.cache
+        self.layer_shapes = [
+            (spec.num_kv_heads, spec.head_dim, spec.dtype)
+            for spec in (cache.kv_groups[cache.layer_group(i)] for i in range(num_layers))
+        ]
         self.rng = random.Random(config.seed)
         self.gen = torch.Generator(device=device).manual_seed(config.seed)
         self.failure_rate = getattr(config, "failure_rate", 0.0)
@@ -130,15 +139,16 @@ class RandomKVExecutor:
         self.failures = 0
         self.rollbacks = 0
 
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, device=self.device).to(self.dtype)
+    def randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = torch.randn(*shape, generator=self.gen, device=self.device)
+        return out.to(self.dtype if dtype is None else dtype)
 
     def prefill(self, requests: Sequence[tuple[object, int]]) -> None:
-        c, engine = self.config, self.engine
+        engine = self.engine
         total = sum(n for _, n in requests)
         tx = engine.begin_prefill([rid for rid, _ in requests], [n for _, n in requests])
-        for layer in range(self.num_layers):
-            kv = self.randn(2, total, c.num_kv_heads, c.head_dim)
+        for layer, (hkv, dim, dtype) in enumerate(self.layer_shapes):
+            kv = self.randn(2, total, hkv, dim, dtype=dtype)
             engine.prefill_layer(tx, layer, kv[0], kv[1])
         engine.commit_step(tx)
         self.prompt_tokens += total
@@ -147,11 +157,11 @@ class RandomKVExecutor:
         c, engine = self.config, self.engine
         inputs = [
             (
-                self.randn(len(batch), c.num_q_heads, c.head_dim),
-                self.randn(len(batch), c.num_kv_heads, c.head_dim),
-                self.randn(len(batch), c.num_kv_heads, c.head_dim),
+                self.randn(len(batch), c.num_q_heads, dim, dtype=dtype),
+                self.randn(len(batch), hkv, dim, dtype=dtype),
+                self.randn(len(batch), hkv, dim, dtype=dtype),
             )
-            for _ in range(self.num_layers)
+            for hkv, dim, dtype in self.layer_shapes
         ]
         if self.failure_rate and self.rng.random() < self.failure_rate:
             self.failures += 1
@@ -177,8 +187,9 @@ class RandomKVExecutor:
     def _failed_attempt(self, batch: list, inputs) -> None:
         """Run the step with a broken input at a random layer and prove it rolled back."""
         cache = self.engine.cache
+        groups = range(cache.num_groups)
         lens_before = [cache.seq_len(rid) for rid in batch]
-        blocks_before = [cache.request_block_ids(rid) for rid in batch]
+        blocks_before = [[cache.request_block_ids(rid, group=g) for g in groups] for rid in batch]
         free_before = cache.num_free_blocks
         fail_layer = self.rng.randrange(self.num_layers)
         tx = self.engine.begin_step(batch)
@@ -194,7 +205,8 @@ class RandomKVExecutor:
         if (
             self.engine.has_open_step
             or [cache.seq_len(rid) for rid in batch] != lens_before
-            or [cache.request_block_ids(rid) for rid in batch] != blocks_before
+            or [[cache.request_block_ids(rid, group=g) for g in groups] for rid in batch]
+            != blocks_before
             or cache.num_free_blocks != free_before
         ):
             raise AssertionError("an automatic abort left the cache changed")
@@ -214,16 +226,23 @@ class _EngineRun:
         uses_prefixes = integrated and config.prefix_hit_rate > 0
         num_prefixes = config.num_prefixes if uses_prefixes else 0
         prefix_blocks = config.prefix_blocks if integrated else 0
-        cache = PagedKVCache(
-            num_layers=num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            block_size=config.block_size,
-            max_blocks=config.num_blocks,
-            dtype=self.dtype,
-            device=self.device,
-            prefix_cache_capacity_blocks=num_prefixes * prefix_blocks,
-        )
+        if config.kv_spec:
+            cache = PagedKVCache(
+                kv_spec=config.kv_spec,
+                device=self.device,
+                prefix_cache_capacity_blocks=num_prefixes * prefix_blocks,
+            )
+        else:
+            cache = PagedKVCache(
+                num_layers=num_layers,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                block_size=config.block_size,
+                max_blocks=config.num_blocks,
+                dtype=self.dtype,
+                device=self.device,
+                prefix_cache_capacity_blocks=num_prefixes * prefix_blocks,
+            )
         self.engine = DecodeEngine(
             cache, append_backend=append_backend, decode_backend=decode_backend
         )
@@ -258,11 +277,13 @@ class _EngineRun:
         left_at: dict = {}
         trajectory: list[StepRecord] = []
         done = 0
-        peak_used = max_service_wait = 0
+        peak_used = max_service_wait = peak_bytes = 0
         latencies = self.executor.latencies
+        specs = cache.kv_groups
+        group_peaks = [0] * len(specs)
 
         def on_step(record: LoopStep) -> None:
-            nonlocal done, peak_used, max_service_wait
+            nonlocal done, peak_used, max_service_wait, peak_bytes
             for rid in record.admitted:
                 admitted_at[rid] = record.step
             for rid in (*record.rejected, *record.finished):
@@ -270,6 +291,12 @@ class _EngineRun:
             done += len(record.rejected) + len(record.finished)
             used = cache.max_blocks - record.free_blocks
             peak_used = max(peak_used, used)
+            used_bytes = 0
+            for g, spec in enumerate(specs):  # groups' blocks differ in size
+                in_use = spec.num_blocks - cache.group_free_blocks(g)
+                group_peaks[g] = max(group_peaks[g], in_use)
+                used_bytes += in_use * spec.block_bytes
+            peak_bytes = max(peak_bytes, used_bytes)
             max_service_wait = max(max_service_wait, record.max_service_wait)
             trajectory.append(
                 StepRecord(
@@ -329,13 +356,30 @@ class _EngineRun:
             max_waiting_steps=max(waits, default=0),
             jain_service_rate=jain_index(rates),
             peak_used_blocks=peak_used,
-            peak_kv_bytes=peak_used * cache.bytes_per_block,
-            bytes_per_block=cache.bytes_per_block,
+            peak_kv_bytes=peak_bytes,
+            # one group: K and V bytes of a block over all layers; several: group 0's
+            bytes_per_block=specs[0].block_bytes,
             final_used_blocks=cache.max_blocks - cache.num_free_blocks,
             invariants_checked=len(outcome.steps) if config.check_invariants else 0,
             trajectory=tuple(trajectory),
             stopped_early=outcome.stopped_early,
             unfinished=len(outcome.unfinished),
+            groups=tuple(
+                {
+                    "group": g,
+                    "layers": list(cache.group_layers(g)),
+                    "num_kv_heads": spec.num_kv_heads,
+                    "head_dim": spec.head_dim,
+                    "block_size": spec.block_size,
+                    "window": spec.window,
+                    "num_blocks": spec.num_blocks,
+                    "peak_used_blocks": group_peaks[g],
+                    "block_bound_per_request": cache.metrics()["groups"][g][
+                        "block_bound_per_request"
+                    ],
+                }
+                for g, spec in enumerate(specs)
+            ),
             _extra=dict(admitted=list(admitted_at)),
         )
 
@@ -360,8 +404,8 @@ def run_synthetic_workload(
     if isinstance(config, IntegratedWorkloadConfig):
         raise TypeError("run_synthetic_workload takes a SyntheticWorkloadConfig")
     if config.warmup_run:
-        _EngineRun(config, num_layers=1).run(None)
-    values = _EngineRun(config, num_layers=1).run(progress)
+        _EngineRun(config, num_layers=config.layers).run(None)
+    values = _EngineRun(config, num_layers=config.layers).run(progress)
     values.pop("_extra")
     return WorkloadResult(**values)
 
@@ -376,8 +420,8 @@ def run_integrated_workload(
     full cleanup; see :class:`IntegratedWorkloadConfig`."""
     config = replace(config or IntegratedWorkloadConfig(), **overrides)
     if config.warmup_run:
-        _EngineRun(config, num_layers=config.num_layers).run(None)
-    run = _EngineRun(config, num_layers=config.num_layers)
+        _EngineRun(config, num_layers=config.layers).run(None)
+    run = _EngineRun(config, num_layers=config.layers)
     values = run.run(progress)
     extra = values.pop("_extra")
     bs = config.block_size
@@ -396,7 +440,7 @@ def run_integrated_workload(
         context_blocks_shared=shared,
         context_blocks_without_sharing=without,
         prefix_savings_blocks=savings,
-        prefix_savings_bytes=savings * run.engine.cache.bytes_per_block,
+        prefix_savings_bytes=savings * values["bytes_per_block"],
         injected_failures=run.executor.failures,
         verified_rollbacks=run.executor.rollbacks,
     )

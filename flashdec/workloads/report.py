@@ -21,6 +21,7 @@ from flashdec.workloads.config import (
     IntegratedWorkloadConfig,
     SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
+    WindowWorkloadConfig,
 )
 from flashdec.workloads.engine_workload import (
     IntegratedWorkloadResult,
@@ -32,6 +33,7 @@ from flashdec.workloads.scheduler_workload import (
     SchedulerWorkloadResult,
     run_scheduler_workload,
 )
+from flashdec.workloads.window_workload import run_window_workload, window_result_tables
 
 
 def _plain(value):
@@ -95,6 +97,18 @@ def engine_result_tables(result: WorkloadResult) -> list[RenderableType]:
         ("blocks in use at the end", str(result.final_used_blocks)),
         ("invariant checks passed", str(result.invariants_checked)),
     ]
+    groups = getattr(result, "groups", ())
+    if len(groups) > 1 or any(g["window"] is not None for g in groups):
+        for g in groups:
+            kind = "full" if g["window"] is None else f"window {g['window']}"
+            bound = g["block_bound_per_request"]
+            rows.append(
+                (
+                    f"group {g['group']} ({kind}, layers {g['layers']})",
+                    f"peak {g['peak_used_blocks']}/{g['num_blocks']} blocks"
+                    + ("" if bound is None else f", <= {bound} per request"),
+                )
+            )
     if isinstance(result, IntegratedWorkloadResult):
         rows += [
             ("prefix hits / misses", f"{result.prefix_hits} / {result.prefix_misses}"),
@@ -277,5 +291,13 @@ def registry() -> dict[str, WorkloadEntry]:
             run_scheduler_workload,
             scheduler_result_tables,
             False,
+        ),
+        "window": WorkloadEntry(
+            "sliding-window layer groups: a long generation's blocks per group stay flat, and "
+            "admitted concurrency with and without the windows on the same pools",
+            WindowWorkloadConfig,
+            run_window_workload,
+            window_result_tables,
+            True,
         ),
     }

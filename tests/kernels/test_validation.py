@@ -58,6 +58,23 @@ def test_decode_stats_kernel_matches_torch(batch, width, block_size, dtype, devi
     assert got == paged_decode_stats(tables, lens, dims)
 
 
+@pytest.mark.parametrize("window", [1, 3, 8, 20, 1000])
+@pytest.mark.parametrize(("batch", "width", "block_size"), [(3, 5, 4), (17, 9, 8), (2, 1100, 1)])
+def test_decode_stats_with_a_window_read_only_the_window(window, batch, width, block_size, device):
+    """Entries of blocks wholly before a row's window are not read (junk there passes); the
+    total counts the attended tokens."""
+    gen = torch.Generator().manual_seed(batch + window)
+    tables, lens = _random_metadata(batch, width, block_size, gen)
+    first = (lens - window).clamp(min=0) // block_size
+    before = torch.arange(width)[None, :] < first[:, None]
+    tables[before] = -(2**30)  # released blocks: anything
+    dims = _dims(tables, lens, 50, block_size)
+    got = validation.decode_metadata_stats(tables.to(device), lens.to(device), dims, window)
+    assert got == paged_decode_stats(tables, lens, dims, window)
+    assert got.total_len == int(lens.clamp(max=window).sum())
+    assert got.min_id is None or got.min_id >= 0
+
+
 def test_decode_stats_of_strided_metadata_and_long_lengths(device):
     gen = torch.Generator().manual_seed(3)
     tables, lens = _random_metadata(6, 7, 8, gen)

@@ -2,7 +2,8 @@
 
 This is how the policies were written before the waiting queue became a persistent tree: every
 waiting request is looked at, in submission order. The package's plans must decide exactly the
-same; they only find the answers without scanning.
+same; they only find the answers without scanning. With layer groups the same scans compare
+per-group vectors (a request fits when it fits in every group).
 """
 
 from __future__ import annotations
@@ -13,12 +14,69 @@ from flashdec.scheduler import (
     SchedulingSnapshot,
     WaitingRequest,
     blocks_needed_now,
+    blocks_needed_now_by_group,
     lifetime_headroom,
     rejection_reason,
 )
 
 
+def _fits(needs, limits):
+    return all(n <= x for n, x in zip(needs, limits, strict=True))
+
+
+def _minus(limits, needs):
+    return [x - n for x, n in zip(limits, needs, strict=True)]
+
+
+def _group_headrooms(snapshot, reserve):
+    """Per group: pool - reserve - prefixes - active lifetimes, and free - reserve - what active
+    requests may still take; the smaller."""
+    out = []
+    for g, pool in enumerate(snapshot.groups):
+        prefixes = sum(p.num_blocks_by_group[g] for p in snapshot.prefixes)
+        rows = [r.blocks_by_group[g] for r in snapshot.active]
+        lifetime = sum(b.lifetime_private_blocks for b in rows)
+        taken = sum(b.committed_private_blocks for b in rows)
+        by_pool = pool.total_blocks - reserve - prefixes - lifetime
+        by_free = pool.free_blocks - reserve - (lifetime - taken)
+        out.append(min(by_pool, by_free))
+    return out
+
+
+def _lifetime_admit_groups(snapshot, candidates, config):
+    headroom = _group_headrooms(snapshot, config.reserve_blocks)
+    slots = config.max_active_requests - len(snapshot.active)
+    admit = []
+    for request in candidates:
+        if slots <= 0:
+            break
+        needs = request.lifetime_private_blocks_by_group
+        if _fits(needs, headroom):
+            admit.append(request.request_id)
+            headroom = _minus(headroom, needs)
+            slots -= 1
+        elif config.aging_threshold is not None and request.skip_count >= config.aging_threshold:
+            break
+    return admit
+
+
+def _greedy_admit_groups(snapshot, candidates, config):
+    available = [pool.free_blocks - config.reserve_blocks for pool in snapshot.groups]
+    slots = config.max_active_requests - len(snapshot.active)
+    admit = []
+    for request in candidates:
+        need = blocks_needed_now_by_group(request, snapshot)
+        if slots <= 0 or not _fits(need, available):
+            break
+        admit.append(request.request_id)
+        available = _minus(available, need)
+        slots -= 1
+    return admit
+
+
 def _lifetime_admit(snapshot, candidates, config):
+    if snapshot.groups:
+        return _lifetime_admit_groups(snapshot, candidates, config)
     headroom = lifetime_headroom(snapshot, config.reserve_blocks)
     slots = config.max_active_requests - len(snapshot.active)
     admit = []
@@ -35,6 +93,8 @@ def _lifetime_admit(snapshot, candidates, config):
 
 
 def _greedy_admit(snapshot, candidates, config):
+    if snapshot.groups:
+        return _greedy_admit_groups(snapshot, candidates, config)
     available = snapshot.free_blocks - config.reserve_blocks
     slots = config.max_active_requests - len(snapshot.active)
     admit = []
