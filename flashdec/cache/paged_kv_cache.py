@@ -1251,10 +1251,10 @@ class PagedKVCache:
         return self._groups
 
     def _check_prefix_blocks(self, k_blocks: object, v_blocks: object) -> list[tuple]:
-        """Per group ``(k, v)`` ``[layers_in_group, n, Hkv, block_size, D]``; a single-group
-        cache takes the tensors themselves, a grouped one a sequence with one per group."""
+        """Per group ``(k, v)`` ``[layers_in_group, n, Hkv, block_size, D]``: a list with one
+        tensor per group (a single-group cache also takes the tensors themselves)."""
         groups = self._groups
-        if self._single:
+        if self._single and not (isinstance(k_blocks, (list, tuple)) and len(k_blocks) == 1):
             pairs = [(k_blocks, v_blocks)]
         else:
             for name, value in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
