@@ -29,12 +29,18 @@ def held_block_range(
     window group, the block of the oldest position a future decode reads (``first == end`` when
     none is left, which only a window of 1 allows).
     """
-    n, bs, window = _check(num_tokens, block_size, window)
-    end = -(-n // bs)
+    return held_range(*_check(num_tokens, block_size, window))
+
+
+def held_range(num_tokens: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """:func:`held_block_range` without the argument checks (the cache's hot path)."""
+    end = -(-num_tokens // block_size)
     if window is None:
         return 0, end
-    start = max(0, n + 1 - window)  # oldest position the next decode reads
-    return (end, end) if start >= n else (start // bs, end)
+    start = num_tokens + 1 - window  # oldest position the next decode reads
+    if start >= num_tokens:
+        return end, end
+    return (start // block_size if start > 0 else 0), end
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int, window: int | None = None) -> int:

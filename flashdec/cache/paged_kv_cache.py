@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from flashdec._blocks import held_block_range
+from flashdec._blocks import held_range
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_positive_int,
@@ -34,8 +34,17 @@ from flashdec._checks import (
     check_shape,
     check_tensor,
 )
-from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
+from flashdec.cache.layout import (
+    GEOMETRY_ARGS,
+    check_groups,
+    check_scales,
+    layer_order,
+    legacy_group,
+    scale_pair,
+    table_widths,
+)
 from flashdec.cache.state import (
     BlockRun,
     PrefixId,
@@ -60,7 +69,6 @@ LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 _NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-_GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
 
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
@@ -116,38 +124,11 @@ def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) ->
     (its own decode reads it, even with a window of 1); blocks from the second value on are
     taken new, everything in between is already held.
     """
-    keep, end = held_block_range(start + count, bs, window)
+    keep, end = held_range(start + count, bs, window)
     stored = min(keep, end - 1)
     if run.first_block == run.num_blocks:  # nothing held
         return stored, stored
     return stored, max(stored, run.num_blocks)
-
-
-def _scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[Hkv]`` CPU tensors, checked."""
-    if spec.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{name}: a {spec.dtype} group takes no scales (only float8_e4m3fn)")
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise TypeError(f"{name} must be a (k_scale, v_scale) pair")
-    out = []
-    for which, value in zip(("k_scale", "v_scale"), pair, strict=True):
-        if isinstance(value, torch.Tensor):
-            if value.dtype != torch.float32 or tuple(value.shape) not in ((spec.num_kv_heads,),):
-                raise ValueError(
-                    f"{name} {which} must be a float or a float32 tensor [{spec.num_kv_heads}], "
-                    f"got {value.dtype} {tuple(value.shape)}"
-                )
-            tensor = value.detach().to("cpu", copy=True)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            tensor = torch.full((spec.num_kv_heads,), float(value), dtype=torch.float32)
-        else:
-            raise TypeError(
-                f"{name} {which} must be a float or a tensor, got {type(value).__name__}"
-            )
-        if not bool(torch.isfinite(tensor).all()) or not bool((tensor > 0).all()):
-            raise ValueError(f"{name} {which} must be finite and > 0")
-        out.append(tensor)
-    return out[0], out[1]
 
 
 class _Reservation:
@@ -164,6 +145,16 @@ class _Reservation:
         # (committed table row, first held block, committed end, reserved blocks, their start)
         self.updates: list[tuple[int, int, int]] = []
         self.table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]] = []
+
+
+def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
+    """int32 block id of every token of a reservation (-1 where the group stores none)."""
+    block_ids = part.block_ids.astype(np.int32)
+    if part.token_rows is None:
+        return block_ids
+    every = np.full(num_tokens, -1, dtype=np.int32)
+    every[part.token_rows] = block_ids
+    return every
 
 
 class _Plan:
@@ -187,11 +178,12 @@ class PagedKVCache:
     Args:
         num_layers, num_kv_heads, head_dim, block_size, max_blocks: storage geometry of a
             single-group cache (``head_dim`` even: RoPE rotates pairs of dims). Omit them when
-            ``kv_spec`` is given.
+            ``kv_spec`` is given (which may also come first, in place of ``num_layers``).
         dtype: fp16, bf16 or fp32 (single-group form; default fp16).
         device: ``"cpu"`` or a CUDA device that exists (ValueError otherwise).
-        prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``); 0 turns
-            the feature off. Shared prefixes need a single full-attention group.
+        prefix_cache_capacity_blocks: budget for shared prefixes (``<= max_blocks``; per group
+            with several); 0 turns the feature off. Shared prefixes need full-attention groups
+            of one block size (a window group would release them: refused).
         max_blocks_per_seq: block-table width (None: ``max_blocks``; never more). With
             ``kv_spec`` only when every group has the same block size.
         kv_spec: the layer groups, as spec text or ``KVGroupSpec`` s (``parse_kv_spec``); dtypes
@@ -212,7 +204,7 @@ class PagedKVCache:
 
     def __init__(
         self,
-        num_layers: int | None = None,
+        num_layers: int | str | Sequence[KVGroupSpec] | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         block_size: int | None = None,
@@ -228,22 +220,28 @@ class PagedKVCache:
         kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
     ) -> None:
+        if kv_spec is None and (
+            isinstance(num_layers, str)
+            or (isinstance(num_layers, Sequence) and num_layers and
+                all(isinstance(g, KVGroupSpec) for g in num_layers))
+        ):  # fmt: skip
+            kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
         if kv_spec is None:
             if layer_groups is not None or kv_scales is not None:
                 raise ValueError("layer_groups and kv_scales need kv_spec")
             groups = (
-                self._legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
+                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
                                    dtype),
             )  # fmt: skip
         else:
             geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
-            given = [n for n, x in zip(_GEOMETRY_ARGS, geometry, strict=True) if x is not None]
+            given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
             if given:
                 raise ValueError(
                     f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
                     f"{', '.join(given)})"
                 )
-            groups = self._check_groups(kv_spec)
+            groups = check_groups(kv_spec)
         capacity = check_positive_int(
             "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
         )
@@ -252,17 +250,24 @@ class PagedKVCache:
                 f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
                 f"({groups[0].num_blocks})"
             )
-        if capacity and (len(groups) > 1 or groups[0].window is not None):
+        if capacity and (
+            any(g.window is not None for g in groups) or len({g.block_size for g in groups}) > 1
+        ):
             raise ValueError(
-                "shared prefixes need a single full-attention KV group; this cache has "
-                f"{format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
+                "shared prefixes need full-attention KV groups of one block size; this cache "
+                f"has {format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
             )
-        widths = self._table_widths(groups, max_blocks_per_seq, max_seq_len)
-        order = self._layer_order(groups, layer_groups)
+        if capacity > min(g.num_blocks for g in groups):
+            raise ValueError(
+                f"prefix_cache_capacity_blocks ({capacity}) must not exceed any group's "
+                f"num_blocks ({min(g.num_blocks for g in groups)})"
+            )
+        widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
+        order = layer_order(groups, layer_groups)
         if not isinstance(restore_on_abort, bool):
             raise TypeError("restore_on_abort must be a bool")
         device = _device_of(device)
-        scales = self._check_scales(groups, kv_scales)
+        scales = check_scales(groups, kv_scales)
         self._restore_on_abort = restore_on_abort
         self._specs = groups
 
@@ -296,129 +301,6 @@ class PagedKVCache:
         self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
         self._version = 0
         self._appended = False  # a legacy append wrote tokens (scales are fixed then)
-
-    # ---- construction helpers ------------------------------------------------------------
-    @staticmethod
-    def _legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype):
-        for name, value in zip(_GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim,
-                               block_size, max_blocks), strict=True):  # fmt: skip
-            if value is None:
-                raise TypeError(f"{name} is required (or pass kv_spec=)")
-        check_positive_int("num_layers", num_layers)
-        check_positive_int("num_kv_heads", num_kv_heads)
-        check_positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
-        check_positive_int("block_size", block_size)
-        check_positive_int("max_blocks", max_blocks)
-        if dtype is None:
-            dtype = torch.float16
-        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
-        return KVGroupSpec(2, max_blocks, block_size, num_kv_heads, head_dim, dtype, num_layers)
-
-    @staticmethod
-    def _check_groups(kv_spec: object) -> tuple[KVGroupSpec, ...]:
-        if isinstance(kv_spec, str):
-            groups = parse_kv_spec(kv_spec)
-        elif isinstance(kv_spec, Sequence) and not isinstance(kv_spec, bytes):
-            groups = tuple(kv_spec)
-            format_kv_spec(groups)  # TypeError / ValueError for a bad sequence
-        else:
-            raise TypeError(
-                f"kv_spec must be a str or a sequence of KVGroupSpec, got {type(kv_spec).__name__}"
-            )
-        for index, group in enumerate(groups):
-            if group.kv_size != 2:
-                raise ValueError(
-                    f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
-                    "stores K and V: kv_size 2)"
-                )
-            if group.head_dim % 2:
-                raise ValueError(
-                    f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
-                    f"got {group.head_dim}"
-                )
-        return groups
-
-    @staticmethod
-    def _table_widths(
-        groups: tuple[KVGroupSpec, ...], max_blocks_per_seq: object, max_seq_len: object
-    ) -> list[int]:
-        """Each group's block-table width, from one token limit every group can hold."""
-        if max_blocks_per_seq is not None and max_seq_len is not None:
-            raise ValueError("pass max_blocks_per_seq or max_seq_len, not both")
-        if max_blocks_per_seq is not None:
-            check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
-            sizes = {g.block_size for g in groups}
-            if len(sizes) > 1:
-                raise ValueError(
-                    f"max_blocks_per_seq is ambiguous with block sizes {sorted(sizes)}; pass "
-                    "max_seq_len (tokens) instead"
-                )
-            max_seq_len = max_blocks_per_seq * groups[0].block_size
-        elif max_seq_len is not None:
-            check_positive_int("max_seq_len", max_seq_len)
-        else:
-            full = [g.num_blocks * g.block_size for g in groups if g.window is None]
-            max_seq_len = min(full) if full else max(g.num_blocks * g.block_size for g in groups)
-        widths = []
-        for index, group in enumerate(groups):
-            width = -(-max_seq_len // group.block_size)
-            if group.window is None and width > group.num_blocks:
-                what = "max_blocks_per_seq" if max_blocks_per_seq is not None else "max_seq_len"
-                value = max_blocks_per_seq if max_blocks_per_seq is not None else max_seq_len
-                where = "" if len(groups) == 1 else f" (KV group {index})"
-                raise ValueError(
-                    f"{what} ({value}) must not exceed what max_blocks "
-                    f"({group.num_blocks}) can hold{where}: a request can never hold more "
-                    "blocks than the pool"
-                )
-            widths.append(width)
-        return widths
-
-    @staticmethod
-    def _layer_order(groups: tuple[KVGroupSpec, ...], layer_groups: object) -> list[int]:
-        if layer_groups is None:
-            return [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
-        if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Sequence):
-            raise TypeError(
-                f"layer_groups must be a sequence of ints, got {type(layer_groups).__name__}"
-            )
-        order = list(layer_groups)
-        for i, g in enumerate(order):
-            if isinstance(g, bool) or not isinstance(g, int):
-                raise TypeError(f"layer_groups[{i}] must be an int, got {type(g).__name__}")
-            if not 0 <= g < len(groups):
-                raise ValueError(f"layer_groups[{i}] = {g} is not a group in [0, {len(groups)})")
-        counts = Counter(order)
-        for g, spec in enumerate(groups):
-            if counts[g] != spec.layer_count:
-                raise ValueError(
-                    f"layer_groups names group {g} {counts[g]} times but its spec has "
-                    f"layer_count {spec.layer_count}"
-                )
-        return order
-
-    @staticmethod
-    def _check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
-        """Per group None or (k_scale, v_scale) as float32 ``[Hkv]`` CPU tensors."""
-        if kv_scales is None:
-            return [None] * len(groups)
-        if isinstance(kv_scales, (str, bytes)) or not isinstance(kv_scales, Sequence):
-            raise TypeError(
-                f"kv_scales must be a sequence (one entry per group), got "
-                f"{type(kv_scales).__name__}"
-            )
-        if len(kv_scales) != len(groups):
-            raise ValueError(f"kv_scales has {len(kv_scales)} entries for {len(groups)} groups")
-        result = []
-        for g, (spec, pair) in enumerate(zip(groups, kv_scales, strict=True)):
-            if pair is None:
-                result.append(None)
-                continue
-            result.append(_scale_pair(f"kv_scales[{g}]", spec, pair))
-        return result
 
     def __repr__(self) -> str:
         if not self._single:
@@ -494,7 +376,7 @@ class PagedKVCache:
     def set_kv_scales(self, group: int, k_scale: Any, v_scale: Any) -> None:
         """Set an FP8 group's fixed K/V scales; only before anything is stored in the group."""
         g = self._check_group(group)
-        k, v = _scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
+        k, v = scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
         if self._tx.next_id() > 1 or self._appended:
             raise RuntimeError(
                 f"cannot set the scales of KV group {group}: tokens were already written with "
@@ -689,7 +571,8 @@ class PagedKVCache:
             group.allocator.release(record.run(group.index).private_block_ids, owner)
             group.tables.release(record.row)
         if record.prefix_id is not None:
-            self._prefixes.detach(record.prefix_id)
+            for group in self._groups:
+                group.prefixes.detach(record.prefix_id)
         record.clear()
         record.state = state
         record.row = -1
@@ -771,9 +654,14 @@ class PagedKVCache:
                         f"{end_blocks} blocks of {bs}{where}, more than max_blocks_per_seq="
                         f"{width}"
                     )
+                if index == 0 and window is None:  # the hot path: the record is the run
+                    wanted += end_blocks - rec.num_blocks
+                    continue
                 run = rec if index == 0 else rec.others[index - 1]
                 if window is None:
                     wanted += end_blocks - run.num_blocks
+                elif n == 1:  # one token: a new block unless its block is held
+                    wanted += not run.first_block <= rec.seq_len // bs < run.num_blocks
                 else:
                     wanted += end_blocks - _window_span(run, rec.seq_len, n, bs, window)[1]
             free = group.allocator.num_free
@@ -789,9 +677,10 @@ class PagedKVCache:
         """Allocate every group's planned blocks (all or nothing)."""
         try:
             if one_each:
-                plan.positions = np.fromiter(
-                    (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
-                )
+                if self._groups[0].window is not None:  # else group 0's take fills them in
+                    plan.positions = np.fromiter(
+                        (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
+                    )
             else:
                 plan.positions = np.concatenate([
                     np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
@@ -799,7 +688,10 @@ class PagedKVCache:
                 ])  # fmt: skip
             for group, part in zip(self._groups, plan.groups, strict=True):
                 if group.window is not None:
-                    self._take_window(group, plan, part)
+                    if one_each:
+                        self._take_window_one_each(group, plan, part)
+                    else:
+                        self._take_window(group, plan, part)
                 elif one_each:
                     self._take_one_each(group, plan, part)
                 else:
@@ -833,24 +725,69 @@ class PagedKVCache:
 
     def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
         """A full-attention group's reservation of one token per request (the decode step's
-        hot path)."""
+        hot path); group 0's also fills in the positions."""
         bs, index = group.block_size, group.index
-        num = len(plan.records)
+        records = plan.records
+        num = len(records)
         block_ids = np.empty(num, dtype=np.int64)
         allocate = group.allocator.allocate
-        runs = plan.records if index == 0 else [rec.others[index - 1] for rec in plan.records]
-        for i, (rec, run) in enumerate(zip(plan.records, runs, strict=True)):
+        reserved, starts, updates, table_rows = (part.reserved, part.starts, part.updates,
+                                                 part.table_rows)  # fmt: skip
+        if index == 0:  # the record is its own group-0 run
+            positions = np.empty(num, dtype=np.int64)
+            for i, rec in enumerate(records):
+                pos = rec.seq_len
+                logical = pos // bs
+                positions[i] = pos
+                if logical < rec.num_blocks:
+                    block_ids[i] = rec.table[logical]
+                    table_rows.append((rec.table, 0, rec.num_blocks, (), 0))
+                else:
+                    (block,) = allocate(1, request_owner(rec.request_id))
+                    reserved[rec.request_id] = [block]
+                    starts[rec.request_id] = logical
+                    updates.append((rec.row, logical, block))
+                    block_ids[i] = block
+                    table_rows.append((rec.table, 0, rec.num_blocks, (block,), logical))
+            plan.positions = positions
+        else:
+            for i, rec in enumerate(records):
+                run = rec.others[index - 1]
+                logical = rec.seq_len // bs
+                if logical < run.num_blocks:
+                    block_ids[i] = run.table[logical]
+                    table_rows.append((run.table, 0, run.num_blocks, (), 0))
+                else:
+                    (block,) = allocate(1, request_owner(rec.request_id))
+                    reserved[rec.request_id] = [block]
+                    starts[rec.request_id] = logical
+                    updates.append((rec.row, logical, block))
+                    block_ids[i] = block
+                    table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
+        part.block_ids = block_ids
+
+    def _take_window_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
+        """A window group's one-token reservation: the token's block is held, or it is new
+        (the block after the held ones, or the only one when none is held)."""
+        bs, index = group.block_size, group.index
+        records = plan.records
+        block_ids = np.empty(len(records), dtype=np.int64)
+        allocate = group.allocator.allocate
+        for i, rec in enumerate(records):
+            run = rec if index == 0 else rec.others[index - 1]
             logical = rec.seq_len // bs
-            if logical < run.num_blocks:
+            if run.first_block <= logical < run.num_blocks:
                 block_ids[i] = run.table[logical]
-                part.table_rows.append((run.table, 0, run.num_blocks, (), 0))
+                part.table_rows.append((run.table, run.first_block, run.num_blocks, (), 0))
             else:
                 (block,) = allocate(1, request_owner(rec.request_id))
                 part.reserved[rec.request_id] = [block]
                 part.starts[rec.request_id] = logical
                 part.updates.append((rec.row, logical, block))
                 block_ids[i] = block
-                part.table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
+                part.table_rows.append(
+                    (run.table, run.first_block, run.num_blocks, (block,), logical)
+                )
         part.block_ids = block_ids
 
     def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
@@ -914,12 +851,14 @@ class PagedKVCache:
         release = group.allocator.release
         for rec, n in zip(records, counts, strict=True):
             run = rec if index == 0 else rec.others[index - 1]
+            blocks = reserved.get(rec.request_id) if reserved else None
+            keep, end = held_range(rec.seq_len + n, bs, window)
             first, held_end = run.first_block, run.num_blocks
-            keep, end = held_block_range(rec.seq_len + n, bs, window)
+            if not blocks and keep <= first:  # the common step: nothing moves
+                continue
             # held blocks before the window go back, then reserved ones before it (an import
             # skips whole blocks, so the reserved run may start past the held one)
             gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
-            blocks = reserved.get(rec.request_id)
             if blocks:
                 start = starts[rec.request_id]
                 run.table[start : start + len(blocks)] = blocks
@@ -1132,11 +1071,7 @@ class PagedKVCache:
         starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
         positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
         first = plan.groups[0]
-        block_ids = first.block_ids.astype(np.int32)
-        if first.token_rows is not None:  # tokens group 0 does not store show block id -1
-            every = np.full(positions.shape[0], -1, dtype=np.int32)
-            every[first.token_rows] = block_ids
-            block_ids = every
+        block_ids = _every_token(first, positions.shape[0])
         host = {
             "positions": positions,
             "block_ids": block_ids,
@@ -1149,6 +1084,7 @@ class PagedKVCache:
             [part.reserved for part in plan.groups], [part.starts for part in plan.groups],
             slots, host, first.table_rows,
         )  # fmt: skip
+        tx.parts = plan.groups
         if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
             tx.backups = [
                 group.slot_rows_view().index_select(1, group_slots.slot_rows)
@@ -1225,11 +1161,21 @@ class PagedKVCache:
         open_tx.next_layer = self._num_layers
         return result
 
-    def transaction_view(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """A fresh detached view of an *open* transaction (group 0's blocks)."""
+    def transaction_view(
+        self, tx: TokenTransactionView | int, *, group: int = 0
+    ) -> TokenTransactionView:
+        """A fresh detached view of an *open* transaction, with ``group``'s blocks (block id -1
+        for a token a window group does not store)."""
         open_tx = self._tx.resolve(tx)
+        g = self._check_group(group)
+        override = None
+        if g.index:
+            part = open_tx.parts[g.index]
+            positions = open_tx.host["positions"]
+            override = (_every_token(part, positions.shape[0]), positions % g.block_size,
+                        part.table_rows)  # fmt: skip
         return open_tx.view(
-            TransactionState.OPEN, open_tx.cache_version, self._groups[0].width, self._device
+            TransactionState.OPEN, open_tx.cache_version, g.width, self._device, override
         )
 
     def layers_written(self, tx: TokenTransactionView | int) -> int:
@@ -1296,48 +1242,62 @@ class PagedKVCache:
         return view
 
     # ---- shared prefixes -----------------------------------------------------------------
-    def _prefix_group(self) -> LayerGroup:
-        group = self._groups[0]
-        if not self._single or group.window is not None:
+    def _prefix_groups(self) -> list[LayerGroup]:
+        if self._has_window:
             raise RuntimeError(
-                "shared prefixes need a single full-attention KV group; this cache has "
+                "shared prefixes need full-attention KV groups; this cache has "
                 f"{format_kv_spec(self._specs)!r}"
             )
-        return group
+        return self._groups
 
-    def register_prefix(
-        self, prefix_id: PrefixId, k_blocks: torch.Tensor, v_blocks: torch.Tensor
-    ) -> PrefixState:
-        """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks."""
+    def _check_prefix_blocks(self, k_blocks: object, v_blocks: object) -> list[tuple]:
+        """Per group ``(k, v)`` ``[layers_in_group, n, Hkv, block_size, D]``: a list with one
+        tensor per group (a single-group cache also takes the tensors themselves)."""
+        groups = self._groups
+        if self._single and not (isinstance(k_blocks, (list, tuple)) and len(k_blocks) == 1):
+            pairs = [(k_blocks, v_blocks)]
+        else:
+            for name, value in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+                if not isinstance(value, (list, tuple)) or len(value) != len(groups):
+                    raise TypeError(
+                        f"{name} must be a list of {len(groups)} tensors (one per KV group), "
+                        f"got {type(value).__name__}"
+                    )
+            pairs = list(zip(k_blocks, v_blocks, strict=True))
+        checked = []
+        num_blocks = None
+        for g, (k, v) in zip(groups, pairs, strict=True):
+            at = "" if self._single else f"[{g.index}]"
+            k = check_tensor(f"k_blocks{at}", k, ndim=5, dtypes=(g.dtype,), device=self._device)
+            v = check_tensor(f"v_blocks{at}", v, ndim=5, dtypes=(g.dtype,), device=self._device)
+            n = k.shape[1] if num_blocks is None else num_blocks
+            expected = (len(g.layers), n, g.num_kv_heads, g.block_size, g.head_dim)
+            check_shape(f"k_blocks{at}", k, expected)
+            check_shape(f"v_blocks{at}", v, expected)
+            num_blocks = n
+            if n < 1:
+                raise ValueError("a prefix needs at least one block (k_blocks.shape[1] >= 1)")
+            if n > g.width:
+                raise ValueError(f"a prefix of {n} blocks exceeds max_blocks_per_seq={g.width}")
+            checked.append((k, v))
+        return checked
+
+    def register_prefix(self, prefix_id: PrefixId, k_blocks: Any, v_blocks: Any) -> PrefixState:
+        """Copy full blocks ``[num_layers, n, Hkv, block_size, D]`` into prefix-owned blocks
+        (a grouped cache: lists with one ``[layers_in_group, n, ...]`` tensor per group)."""
         pid = check_request_id("prefix_id", prefix_id)
-        g = self._prefix_group()
-        k_blocks = check_tensor(
-            "k_blocks", k_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
-        )
-        v_blocks = check_tensor(
-            "v_blocks", v_blocks, ndim=5, dtypes=(g.dtype,), device=self._device
-        )
-        num_blocks = k_blocks.shape[1]
-        expected = (
-            self._num_layers,
-            num_blocks,
-            g.num_kv_heads,
-            g.block_size,
-            g.head_dim,
-        )
-        check_shape("k_blocks", k_blocks, expected)
-        check_shape("v_blocks", v_blocks, expected)
-        if num_blocks < 1:
-            raise ValueError("a prefix needs at least one block (k_blocks.shape[1] >= 1)")
-        if num_blocks > g.width:
-            raise ValueError(
-                f"a prefix of {num_blocks} blocks exceeds max_blocks_per_seq={g.width}"
-            )
+        groups = self._prefix_groups()
+        blocks = self._check_prefix_blocks(k_blocks, v_blocks)
+        num_blocks = blocks[0][0].shape[1]
         self._tx.ensure_none_open("register a prefix")
-        block_ids, _ = self._prefixes.register(pid, num_blocks)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        g.k[:, index] = k_blocks
-        g.v[:, index] = v_blocks
+        # the registries see the same calls, so their LRU orders agree: evicting the longest
+        # run any group needs fits every group
+        victims = max((g.prefixes.plan_register(pid, num_blocks) for g in groups), key=len)
+        for group, (k, v) in zip(groups, blocks, strict=True):
+            block_ids, _ = group.prefixes.register(pid, num_blocks, victims)
+            index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+            group.k[:, index] = k
+            group.v[:, index] = v
         self._version += 1
         return self._prefixes.state(pid)
 
@@ -1345,8 +1305,8 @@ class PagedKVCache:
         """Start an empty active request with a resident prefix (its blocks shared)."""
         record = self._record(request_id)
         pid = check_request_id("prefix_id", prefix_id)
-        g = self._prefix_group()
-        block_ids = self._prefixes.block_ids(pid)  # ValueError when unknown
+        groups = self._prefix_groups()
+        self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
         self._require_active(record, "attach a prefix to")
         if record.seq_len or record.num_blocks or record.prefix_id is not None:
@@ -1354,13 +1314,16 @@ class PagedKVCache:
                 f"attach_prefix needs an empty request; {record.request_id!r} already holds "
                 f"{record.seq_len} tokens"
             )
-        n = len(block_ids)
-        record.table[:n] = block_ids
-        g.pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
-        record.num_blocks = record.num_prefix_blocks = n
+        for group in groups:
+            block_ids = group.prefixes.block_ids(pid)
+            run = record.run(group.index)
+            n = len(block_ids)
+            run.table[:n] = block_ids
+            group.pending_updates += [(record.row, i, b) for i, b in enumerate(block_ids)]
+            run.num_blocks = run.num_prefix_blocks = n
+            group.prefixes.attach(pid)
         record.prefix_id = pid
-        record.seq_len = n * g.block_size
-        self._prefixes.attach(pid)
+        record.seq_len = record.num_blocks * groups[0].block_size
         self._version += 1
 
     def evict_prefix(self, prefix_id: PrefixId) -> None:
@@ -1368,11 +1331,15 @@ class PagedKVCache:
         pid = check_request_id("prefix_id", prefix_id)
         self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("evict a prefix")
-        self._prefixes.evict(pid)
+        self._prefixes.check_evictable(pid)
+        for group in self._groups:
+            group.prefixes.evict(pid)
         self._version += 1
 
-    def prefix_state(self, prefix_id: PrefixId) -> PrefixState:
-        return self._prefixes.state(check_request_id("prefix_id", prefix_id))
+    def prefix_state(self, prefix_id: PrefixId, *, group: int = 0) -> PrefixState:
+        """The prefix as ``group`` holds it (the groups agree on all but the block ids)."""
+        g = self._check_group(group)
+        return g.prefixes.state(check_request_id("prefix_id", prefix_id))
 
     def prefix_ids(self) -> list[PrefixId]:
         """Resident prefixes in registration order."""
@@ -1385,7 +1352,7 @@ class PagedKVCache:
         states = Counter(rec.state for rec in self._requests.values())
         open_tx = self._tx.open
         groups = [self._group_metrics(group, open_tx) for group in self._groups]
-        num_prefix_blocks = self._prefixes.num_blocks
+        num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
         num_used = sum(g["num_used_blocks"] for g in groups)
         return {
             "version": self._version,
@@ -1453,7 +1420,7 @@ class PagedKVCache:
                 attached[rec.prefix_id] += 1
         for group in self._groups:
             self._validate_group(group, open_tx)
-        self._prefixes.check_integrity(attached)
+            group.prefixes.check_integrity(attached)
         rows = [rec.row for rec in self._requests.values() if rec.state is RequestState.ACTIVE]
         if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
             raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
@@ -1489,7 +1456,7 @@ class PagedKVCache:
                         f"{where}{rec.state.value} request {rid!r} still holds blocks"
                     )
                 continue
-            first, end = held_block_range(rec.seq_len, bs, window)
+            first, end = held_range(rec.seq_len, bs, window)
             ok = (run.first_block, run.num_blocks) == (first, end)
             if not ok or run.num_blocks > run.table.shape[0]:
                 raise RuntimeError(
@@ -1499,15 +1466,19 @@ class PagedKVCache:
                 )
             if run.table[run.num_blocks :].any():
                 raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
-            if rec.prefix_id is None or index != 0:
+            if rec.prefix_id is None:
                 if run.num_prefix_blocks:
                     raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
             else:
                 if rec.prefix_id not in prefixes:
-                    raise RuntimeError(f"request {rid!r} uses unknown prefix {rec.prefix_id!r}")
+                    raise RuntimeError(
+                        f"{where}request {rid!r} uses unknown prefix {rec.prefix_id!r}"
+                    )
                 ids = prefixes.block_ids(rec.prefix_id)
                 if tuple(run.table[: run.num_prefix_blocks].tolist()) != ids:
-                    raise RuntimeError(f"request {rid!r}: table does not start with its prefix")
+                    raise RuntimeError(
+                        f"{where}request {rid!r}: table does not start with its prefix"
+                    )
             private = run.private_block_ids + list(reserved.get(rid, ()))
             if sorted(private) != held:
                 raise RuntimeError(

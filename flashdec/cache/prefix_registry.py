@@ -126,9 +126,13 @@ class PrefixRegistry:
             )
         return victims
 
-    def register(self, prefix_id: PrefixId, num_blocks: int) -> tuple[list[int], list[PrefixId]]:
-        """Evict what the plan says, take the blocks; returns ``(block_ids, evicted ids)``."""
-        victims = self.plan_register(prefix_id, num_blocks)
+    def register(
+        self, prefix_id: PrefixId, num_blocks: int, victims: list[PrefixId] | None = None
+    ) -> tuple[list[int], list[PrefixId]]:
+        """Evict what the plan says (or ``victims``: a longer LRU run that registries kept in
+        lockstep agree on), take the blocks; returns ``(block_ids, evicted ids)``."""
+        if victims is None:
+            victims = self.plan_register(prefix_id, num_blocks)
         for pid in victims:
             self._drop(pid)
         block_ids = self._allocator.allocate(num_blocks, prefix_owner(prefix_id))

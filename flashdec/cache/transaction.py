@@ -320,6 +320,7 @@ class OpenTransaction:
         "host",
         "next_layer",
         "num_tokens",
+        "parts",
         "request_ids",
         "reserved",
         "slots",
@@ -353,15 +354,26 @@ class OpenTransaction:
         self.slots = group_slots[0]
         self.host = host  # host copies of positions, block_ids, offsets, seq_lens, seq_lens_after
         self.table_rows = table_rows  # group 0's, for the views
+        self.parts: list = []  # the cache's per-group reservations, for views of other groups
         self.next_layer = 0  # layers [0, next_layer) are written
         # per group: old K and V bytes of the slots, for abort
         self.backups: list[torch.Tensor] | None = None
 
     def view(
-        self, state: TransactionState, cache_version: int, width: int, device: torch.device
+        self,
+        state: TransactionState,
+        cache_version: int,
+        width: int,
+        device: torch.device,
+        group: tuple[np.ndarray, np.ndarray, list] | None = None,
     ) -> TokenTransactionView:
+        """A detached view; ``group`` = (block ids, offsets, table rows) of another KV group
+        than group 0."""
         host = self.host
         lens = host["seq_lens_after"] if state is TransactionState.COMMITTED else host["seq_lens"]
+        block_ids, offsets, table_rows = (
+            (host["block_ids"], host["offsets"], self.table_rows) if group is None else group
+        )
         return TokenTransactionView(
             transaction_id=self.transaction_id,
             cache_version=cache_version,
@@ -369,11 +381,11 @@ class OpenTransaction:
             state=state,
             host={
                 "positions": host["positions"],
-                "block_ids": host["block_ids"],
-                "offsets": host["offsets"],
+                "block_ids": block_ids,
+                "offsets": offsets,
                 "seq_lens": lens,
             },
-            table_rows=self.table_rows,
+            table_rows=table_rows,
             table_width=width,
             device=device,
         )

@@ -33,7 +33,8 @@ class History:
     def rows(self, layer: int, count: int) -> torch.Tensor:
         spec = self.cache.kv_groups[self.cache.layer_group(layer)]
         shape = (count, spec.num_kv_heads, spec.head_dim)
-        return torch.randn(shape, generator=self.gen).to(spec.dtype)
+        rows = torch.randn(shape, generator=self.gen).to(self.cache.device)
+        return rows if spec.dtype == torch.float8_e4m3fn else rows.to(spec.dtype)
 
     def write(self, tx, rids, counts) -> None:
         total = sum(counts)
@@ -63,7 +64,7 @@ class History:
         for layer in range(cache.num_layers):
             g = cache.layer_group(layer)
             spec = cache.kv_groups[g]
-            table = cache.block_tables([rid], group=g)[0]
+            table = cache.block_tables([rid], group=g)[0].tolist()
             start = 0 if spec.window is None else max(0, length + 1 - spec.window)
             k_layer, v_layer = cache.layer_kv(layer)
             for pos in range(start, length):
@@ -95,6 +96,11 @@ def test_construction_and_read_api():
     for name in ("num_kv_heads", "head_dim", "block_size", "max_blocks_per_seq"):
         with pytest.raises(RuntimeError, match="differs between this cache's KV groups"):
             getattr(cache, name)
+    positional = PagedKVCache(SPEC, device="cpu")  # the spec may come first
+    assert positional.kv_groups == groups and positional.num_layers == 3
+    assert PagedKVCache(list(groups), device="cpu").kv_groups == groups
+    with pytest.raises(ValueError, match="either kv_spec or the geometry"):
+        PagedKVCache(SPEC, 2, device="cpu")
     same = PagedKVCache(kv_spec=list(groups[:1]), device="cpu")
     assert same.k_cache.shape == (2, 32, 2, 4, 8) and same.block_size == 4
     m = cache.metrics()
@@ -130,7 +136,7 @@ def test_default_layer_groups_are_consecutive_and_all_window_caches_size_from_th
         ({"max_blocks_per_seq": 4}, ValueError, "ambiguous"),
         ({"max_seq_len": 129}, ValueError, "max_seq_len"),
         ({"max_seq_len": 8, "max_blocks_per_seq": 2}, ValueError, "not both"),
-        ({"prefix_cache_capacity_blocks": 2}, ValueError, "single full-attention"),
+        ({"prefix_cache_capacity_blocks": 2}, ValueError, "full-attention KV groups of one"),
         ({"kv_scales": [None, (1.0, 1.0)]}, ValueError, "takes no scales"),
         ({"kv_scales": [None]}, ValueError, "1 entries for 2 groups"),
     ],
@@ -225,6 +231,17 @@ def test_prompt_import_longer_than_the_window_stores_only_the_tail():
     assert cache.metrics()["groups"][1]["num_reserved_blocks"] == 3 + 1
     view = cache.transaction_view(tx)  # group 0 stores every token
     assert (view.block_ids >= 0).all()
+    window_view = cache.transaction_view(tx, group=1)
+    assert window_view.block_ids[:18].tolist() == [-1] * 18
+    assert window_view.block_ids[18:].tolist() == slots.block_ids.tolist()
+    assert window_view.offsets.tolist() == [p % 2 for p in range(23)] + [0, 1]
+    tables = window_view.block_tables  # reserved blocks at their logical indices
+    assert (
+        tables.shape == (2, 64)
+        and tables[0, 9:12].tolist()
+        == cache.transaction_slots(tx, group=1).block_ids[[0, 2, 4]].tolist()
+    )
+    assert tables[0, :9].tolist() == [0] * 9
     history.write(tx, ["long", "short"], [23, 2])
     cache.validate_invariants()
     cache.commit_token(tx)
@@ -322,7 +339,7 @@ def test_rejected_calls_on_a_grouped_cache_change_nothing():
     assert_rejected(cache, RuntimeError, "out of order",
                     lambda: cache.write_token_layer(tx, 2, rows(2, 1), rows(2, 1)))  # fmt: skip
     assert_rejected(cache, RuntimeError, "1 of 3 layers", lambda: cache.commit_token(tx))
-    assert_rejected(cache, RuntimeError, "single full-attention",
+    assert_rejected(cache, RuntimeError, "need full-attention KV groups",
                     lambda: cache.register_prefix("p", rows(0, 1), rows(0, 1)))  # fmt: skip
     cache.abort_token(tx)
 
@@ -386,3 +403,84 @@ def test_groups_accept_kvgroupspec_sequences():
         history.step(["a"])
     assert len(cache.request_block_ids("a", group=1)) == blocks_for_tokens(12, 4, 4) == 1
     history.check_readable("a")
+
+
+def test_legacy_append_on_a_single_window_layer_releases_blocks():
+    cache = PagedKVCache(kv_spec="(2,4,2,1,4):float32:1:window=3", device="cpu", max_seq_len=64)
+    cache.add_request("a")
+    written = []
+    for step in range(9):
+        k = torch.full((1, 1, 4), float(step))
+        cache.append(["a"], k, -k)
+        written.append(k[0])
+        cache.validate_invariants()
+        assert len(cache.request_block_ids("a")) == blocks_for_tokens(step + 1, 2, 3)
+    table = cache.block_tables(["a"])[0].tolist()
+    k_layer, v_layer = cache.layer_kv(0)
+    for pos in range(9 + 1 - 3, 9):  # what the next decode reads
+        assert torch.equal(k_layer[table[pos // 2], :, pos % 2], written[pos])
+        assert torch.equal(v_layer[table[pos // 2], :, pos % 2], -written[pos])
+    assert cache.num_free_blocks == 4 - 2
+
+
+def test_padded_step_over_groups_pads_every_group():
+    cache = make()
+    history = History(cache)
+    for rid in ("a", "b"):
+        cache.add_request(rid)
+    history.prefill(["a", "b"], [6, 1])
+    tx = cache.begin_token(["a", "b"], pad_to=4)
+    for g in range(2):
+        slots = cache.transaction_slots(tx, group=g)
+        assert slots.num_rows == 4 and slots.block_ids[2:].tolist() == [-1, -1]
+        assert slots.seq_lens_after.tolist() == [7, 2, 0, 0]
+        assert slots.block_tables.shape == (4, cache.group_max_blocks_per_seq(g))
+    cache.abort_token(tx)
+    cache.validate_invariants()
+
+
+def test_shared_prefixes_span_every_full_group():
+    spec = "(2,10,2,2,4):float32:1;(2,6,2,1,8):float32:2"
+    cache = PagedKVCache(spec, layer_groups=[1, 0, 1], device="cpu", prefix_cache_capacity_blocks=4)
+    gen = torch.Generator().manual_seed(0)
+
+    def blocks(n):
+        shapes = [(1, n, 2, 2, 4), (2, n, 1, 2, 8)]
+        return [torch.randn(s, generator=gen) for s in shapes]
+
+    k, v = blocks(2), blocks(2)
+    with pytest.raises(TypeError, match="list of 2 tensors"):
+        cache.register_prefix("p", k[0], v[0])
+    state = cache.register_prefix("p", k, v)
+    assert state.num_blocks == 2 and cache.prefix_state("p", group=1).num_blocks == 2
+    cache.add_request("a")
+    cache.attach_prefix("a", "p")
+    assert cache.seq_len("a") == 4 and cache.prefix_state("p").refcount == 1
+    history = History(cache, seed=4)
+    history.step(["a"])
+    cache.validate_invariants()
+    tables = [cache.block_tables(["a"], group=g)[0].tolist() for g in range(2)]
+    for layer, g, local in ((0, 1, 0), (1, 0, 0), (2, 1, 1)):
+        k_layer, _ = cache.layer_kv(layer)
+        for pos in range(4):  # the prefix's tokens read back through each group's table
+            got = k_layer[tables[g][pos // 2], :, pos % 2]
+            assert torch.equal(got, k[g][local, pos // 2, :, pos % 2])
+    m = cache.metrics()
+    assert m["num_prefix_blocks"] == 4 and [x["num_prefix_blocks"] for x in m["groups"]] == [2, 2]
+    # LRU eviction stays in step across groups although their pools differ
+    cache.finish_request("a")
+    cache.evict_prefix("p")
+    cache.register_prefix("q", blocks(2), blocks(2))
+    cache.add_request("b")
+    history.prefill(["b"], [5])  # 3 blocks in each group: group 1 has 1 free, group 0 has 5
+    cache.register_prefix("r", blocks(2), blocks(2))  # only group 1 must evict "q": both do
+    assert cache.prefix_ids() == ["r"]
+    with pytest.raises(ValueError, match="unknown prefix"):
+        cache.prefix_state("q", group=1)
+    assert cache.group_free_blocks(0) == 5 and cache.group_free_blocks(1) == 1
+    assert_rejected(cache, RuntimeError, "capacity", lambda: cache.register_prefix(
+        "s", blocks(5), blocks(5)))  # fmt: skip
+    cache.finish_request("b")
+    cache.evict_prefix("r")
+    cache.validate_invariants()
+    assert cache.num_free_blocks == cache.max_blocks

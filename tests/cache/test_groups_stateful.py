@@ -11,6 +11,7 @@ the cache bit-identical to before the step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from hypothesis import HealthCheck, event, settings
@@ -27,7 +28,7 @@ SEEDS = st.integers(0, 2**16)
 group_specs = st.builds(
     KVGroupSpec,
     kv_size=st.just(2),
-    num_blocks=st.integers(3, 12),
+    num_blocks=st.integers(3, 24),
     block_size=st.integers(1, 4),
     num_kv_heads=st.integers(1, 2),
     head_dim=st.sampled_from([2, 4]),
@@ -53,15 +54,22 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         self.state: dict[object, str] = {}
         self.next_rid = 0
 
-    @initialize(groups=st.lists(group_specs, min_size=1, max_size=3), data=st.data())
-    def setup(self, groups, data):
+    @initialize(groups=st.lists(group_specs, min_size=1, max_size=3), data=st.data(),
+                prefixes=st.sampled_from([False, False, True]))  # fmt: skip
+    def setup(self, groups, data, prefixes):
+        if prefixes:  # shared prefixes: full-attention groups of one block size
+            groups = [dataclasses.replace(g, window=None, block_size=groups[0].block_size)
+                      for g in groups]  # fmt: skip
         order = [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
         order = data.draw(st.permutations(order))
         full = [s.num_blocks * s.block_size for s in groups if s.window is None]
-        longest = data.draw(st.integers(1, min([24, *full])))
-        self.cache = PagedKVCache(kv_spec=groups, layer_groups=order, device="cpu",
-                                  max_seq_len=longest)  # fmt: skip
+        top = min([24, *full])
+        longest = data.draw(st.integers(min(8, top), top))
+        capacity = data.draw(st.integers(1, min(g.num_blocks for g in groups))) if prefixes else 0
+        self.cache = PagedKVCache(groups, layer_groups=order, device="cpu", max_seq_len=longest,
+                                  prefix_cache_capacity_blocks=capacity)  # fmt: skip
         self.gen = torch.Generator().manual_seed(data.draw(SEEDS))
+        self.prefix_tokens: dict[object, list] = {}  # registered prefixes' tokens, per layer
 
     # ---- model ----------------------------------------------------------------------------
     def spec_of(self, layer: int) -> KVGroupSpec:
@@ -83,7 +91,14 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         return blocks_for_tokens(self.length(rid), spec.block_size, spec.window)
 
     def free(self, g: int) -> int:
-        return self.cache.kv_groups[g].num_blocks - sum(self.held(g, r) for r in self.active())
+        cache = self.cache
+        used = sum(self.held(g, r) - self.prefix_blocks(r) for r in self.active())
+        used += sum(cache.prefix_state(p, group=g).num_blocks for p in cache.prefix_ids())
+        return cache.kv_groups[g].num_blocks - used
+
+    def prefix_blocks(self, rid) -> int:
+        pid = self.cache.request_prefix(rid)
+        return 0 if pid is None else self.cache.prefix_state(pid).num_blocks
 
     def new_blocks(self, g: int, rid, count: int) -> int:
         """Blocks a reservation of ``count`` tokens takes in group ``g``: the blocks of the
@@ -116,17 +131,22 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         self.tokens[rid] = []
         self.state[rid] = "active"
 
-    @precondition(lambda self: self.cache is not None and self.active())
+    @precondition(lambda self: self.cache is not None)
     @rule(data=st.data())
     def finish_request(self, data):
+        if not self.active():
+            self.add_request()
+            return
         rid = data.draw(st.sampled_from(self.active()))
         self.cache.finish_request(rid)
         self.state[rid] = "finished"
 
-    @precondition(lambda self: self.cache is not None and self.active())
+    @precondition(lambda self: self.cache is not None)
     @rule(data=st.data(), prompt=st.booleans(), fail=st.booleans())
     def transaction(self, data, prompt, fail):
         cache = self.cache
+        if not self.active():
+            self.add_request()
         rids = data.draw(st.lists(st.sampled_from(self.active()), min_size=1, max_size=3,
                                   unique=True))  # fmt: skip
         counts = [data.draw(st.integers(1, 9)) if prompt else 1 for _ in rids]
@@ -183,6 +203,66 @@ class GroupedCacheMachine(RuleBasedStateMachine):
                 self.tokens[rid].append([(k[t], v[t]) for k, v in written])
             row += n
 
+    @precondition(lambda self: self.cache is not None and self.cache.prefix_cache_capacity_blocks)
+    @rule(data=st.data(), op=st.sampled_from(["register", "attach", "evict"]))
+    def prefix_op(self, data, op):
+        if op == "register" or not self.cache.prefix_ids():
+            self.register_prefix(data.draw(st.integers(1, 3)))
+        elif op == "attach":
+            self.attach_prefix(data)
+        else:
+            self.evict_prefix(data)
+
+    def register_prefix(self, num_blocks):
+        cache = self.cache
+        pid = f"p{self.next_rid}"
+        self.next_rid += 1
+        k, v, tokens = [], [], []
+        bs = cache.kv_groups[0].block_size
+        for spec in cache.kv_groups:
+            shape = (spec.layer_count, num_blocks, spec.num_kv_heads, bs, spec.head_dim)
+            k.append(torch.randn(shape, generator=self.gen).to(spec.dtype))
+            v.append(torch.randn(shape, generator=self.gen).to(spec.dtype))
+        for t in range(num_blocks * bs):
+            per_layer = []
+            for layer in range(cache.num_layers):
+                g = cache.layer_group(layer)
+                local = cache.group_layers(g).index(layer)
+                per_layer.append((k[g][local, t // bs, :, t % bs], v[g][local, t // bs, :, t % bs]))
+            tokens.append(per_layer)
+        before = snapshot(cache)
+        try:
+            cache.register_prefix(pid, k, v)
+        except (RuntimeError, ValueError):  # over the budget or the pool, or too long
+            assert_same_state(cache, before)
+            return
+        self.prefix_tokens[pid] = tokens
+
+    def attach_prefix(self, data):
+        cache = self.cache
+        pid = data.draw(st.sampled_from(cache.prefix_ids()))
+        rid = self.next_rid
+        self.next_rid += 1
+        cache.add_request(rid)
+        self.state[rid] = "active"
+        cache.attach_prefix(rid, pid)
+        self.tokens[rid] = list(self.prefix_tokens[pid])
+        if len(cache.kv_groups) > 1:
+            event("a prefix attached across several groups")
+
+    def evict_prefix(self, data):
+        cache = self.cache
+        pid = data.draw(st.sampled_from(cache.prefix_ids()))
+        if cache.prefix_state(pid).refcount:
+            before = snapshot(cache)
+            try:
+                cache.evict_prefix(pid)
+            except RuntimeError:
+                assert_same_state(cache, before)
+                return
+            raise AssertionError("evicted a prefix in use")
+        cache.evict_prefix(pid)
+
     # ---- invariants -----------------------------------------------------------------------
     @invariant()
     def cache_matches_model(self):
@@ -200,6 +280,9 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         for rid in self.active():
             assert cache.seq_len(rid) == self.length(rid)
             self.check_readable(rid)
+        for pid in cache.prefix_ids():  # every group's registry holds the same prefixes
+            states = [cache.prefix_state(pid, group=g) for g in range(len(cache.kv_groups))]
+            assert len({(s.num_blocks, s.refcount, s.last_used) for s in states}) == 1
 
     def check_readable(self, rid) -> None:
         cache = self.cache
@@ -222,7 +305,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
 
 TestGroupedCacheStateful = GroupedCacheMachine.TestCase
 TestGroupedCacheStateful.settings = settings(
-    max_examples=150,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -1,0 +1,167 @@
+"""How a :class:`~flashdec.cache.PagedKVCache` lays its layers out in KV groups, checked at
+construction: the groups (from spec text, ``KVGroupSpec`` s or the single-geometry arguments),
+which group each layer belongs to, each group's block-table width, and FP8 scales.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from flashdec._checks import FLOAT_DTYPES, check_positive_int
+from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+
+GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
+
+
+def legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype) -> KVGroupSpec:
+    """The one group of the single-geometry constructor (its checks and messages as ever)."""
+    for name, value in zip(GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim,
+                           block_size, max_blocks), strict=True):  # fmt: skip
+        if value is None:
+            raise TypeError(f"{name} is required (or pass kv_spec=)")
+    check_positive_int("num_layers", num_layers)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs of dims), got {head_dim}")
+    check_positive_int("block_size", block_size)
+    check_positive_int("max_blocks", max_blocks)
+    if dtype is None:
+        dtype = torch.float16
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+    return KVGroupSpec(2, max_blocks, block_size, num_kv_heads, head_dim, dtype, num_layers)
+
+
+def check_groups(kv_spec: object) -> tuple[KVGroupSpec, ...]:
+    """The groups of ``kv_spec`` (text or KVGroupSpecs), refusing what the cache cannot store."""
+    if isinstance(kv_spec, str):
+        groups = parse_kv_spec(kv_spec)
+    elif isinstance(kv_spec, Sequence) and not isinstance(kv_spec, bytes):
+        groups = tuple(kv_spec)
+        format_kv_spec(groups)  # TypeError / ValueError for a bad sequence
+    else:
+        raise TypeError(
+            f"kv_spec must be a str or a sequence of KVGroupSpec, got {type(kv_spec).__name__}"
+        )
+    for index, group in enumerate(groups):
+        if group.kv_size != 2:
+            raise ValueError(
+                f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
+                "stores K and V: kv_size 2)"
+            )
+        if group.head_dim % 2:
+            raise ValueError(
+                f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
+                f"got {group.head_dim}"
+            )
+    return groups
+
+
+def table_widths(
+    groups: tuple[KVGroupSpec, ...], max_blocks_per_seq: object, max_seq_len: object
+) -> list[int]:
+    """Each group's block-table width, from one token limit every group can hold."""
+    if max_blocks_per_seq is not None and max_seq_len is not None:
+        raise ValueError("pass max_blocks_per_seq or max_seq_len, not both")
+    if max_blocks_per_seq is not None:
+        check_positive_int("max_blocks_per_seq", max_blocks_per_seq)
+        sizes = {g.block_size for g in groups}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"max_blocks_per_seq is ambiguous with block sizes {sorted(sizes)}; pass "
+                "max_seq_len (tokens) instead"
+            )
+        max_seq_len = max_blocks_per_seq * groups[0].block_size
+    elif max_seq_len is not None:
+        check_positive_int("max_seq_len", max_seq_len)
+    else:
+        full = [g.num_blocks * g.block_size for g in groups if g.window is None]
+        max_seq_len = min(full) if full else max(g.num_blocks * g.block_size for g in groups)
+    widths = []
+    for index, group in enumerate(groups):
+        width = -(-max_seq_len // group.block_size)
+        if group.window is None and width > group.num_blocks:
+            what = "max_blocks_per_seq" if max_blocks_per_seq is not None else "max_seq_len"
+            value = max_blocks_per_seq if max_blocks_per_seq is not None else max_seq_len
+            where = "" if len(groups) == 1 else f" (KV group {index})"
+            raise ValueError(
+                f"{what} ({value}) must not exceed what max_blocks "
+                f"({group.num_blocks}) can hold{where}: a request can never hold more "
+                "blocks than the pool"
+            )
+        widths.append(width)
+    return widths
+
+
+def layer_order(groups: tuple[KVGroupSpec, ...], layer_groups: object) -> list[int]:
+    """The group of every layer: ``layer_groups`` checked, or the groups in order."""
+    if layer_groups is None:
+        return [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
+    if isinstance(layer_groups, (str, bytes)) or not isinstance(layer_groups, Sequence):
+        raise TypeError(
+            f"layer_groups must be a sequence of ints, got {type(layer_groups).__name__}"
+        )
+    order = list(layer_groups)
+    for i, g in enumerate(order):
+        if isinstance(g, bool) or not isinstance(g, int):
+            raise TypeError(f"layer_groups[{i}] must be an int, got {type(g).__name__}")
+        if not 0 <= g < len(groups):
+            raise ValueError(f"layer_groups[{i}] = {g} is not a group in [0, {len(groups)})")
+    counts = Counter(order)
+    for g, spec in enumerate(groups):
+        if counts[g] != spec.layer_count:
+            raise ValueError(
+                f"layer_groups names group {g} {counts[g]} times but its spec has "
+                f"layer_count {spec.layer_count}"
+            )
+    return order
+
+
+def check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
+    """Per group None or (k_scale, v_scale) as float32 ``[Hkv]`` CPU tensors."""
+    if kv_scales is None:
+        return [None] * len(groups)
+    if isinstance(kv_scales, (str, bytes)) or not isinstance(kv_scales, Sequence):
+        raise TypeError(
+            f"kv_scales must be a sequence (one entry per group), got {type(kv_scales).__name__}"
+        )
+    if len(kv_scales) != len(groups):
+        raise ValueError(f"kv_scales has {len(kv_scales)} entries for {len(groups)} groups")
+    result = []
+    for g, (spec, pair) in enumerate(zip(groups, kv_scales, strict=True)):
+        if pair is None:
+            result.append(None)
+            continue
+        result.append(scale_pair(f"kv_scales[{g}]", spec, pair))
+    return result
+
+
+def scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[Hkv]`` CPU tensors, checked."""
+    if spec.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: a {spec.dtype} group takes no scales (only float8_e4m3fn)")
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"{name} must be a (k_scale, v_scale) pair")
+    out = []
+    for which, value in zip(("k_scale", "v_scale"), pair, strict=True):
+        if isinstance(value, torch.Tensor):
+            if value.dtype != torch.float32 or tuple(value.shape) not in ((spec.num_kv_heads,),):
+                raise ValueError(
+                    f"{name} {which} must be a float or a float32 tensor [{spec.num_kv_heads}], "
+                    f"got {value.dtype} {tuple(value.shape)}"
+                )
+            tensor = value.detach().to("cpu", copy=True)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            tensor = torch.full((spec.num_kv_heads,), float(value), dtype=torch.float32)
+        else:
+            raise TypeError(
+                f"{name} {which} must be a float or a tensor, got {type(value).__name__}"
+            )
+        if not bool(torch.isfinite(tensor).all()) or not bool((tensor > 0).all()):
+            raise ValueError(f"{name} {which} must be finite and > 0")
+        out.append(tensor)
+    return out[0], out[1]
