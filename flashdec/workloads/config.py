@@ -611,6 +611,11 @@ class GenerateConfig(ModelRunConfig):
     top_p: float = _knob(1.0, "sample within this probability nucleus", minimum=0.0, maximum=1.0)
     ignore_eos: bool = _knob(False, "generate max-new-tokens even after EOS")
     compare: bool = _knob(False, "also run transformers' greedy generate: report agreement")
+    warmup_run: bool = _knob(
+        False,
+        "generate once untimed first (first-use kernel compiles and CUDA-graph captures are "
+        "then out of the speed figures)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -641,7 +646,7 @@ class GenerateConfig(ModelRunConfig):
         GPU, each checked token for token against transformers."""
         if torch.cuda.is_available():
             return cls(model="llama3-8b-shape", batch=8, prompt_len=512, max_new_tokens=64,
-                       compare=True, ignore_eos=True, seed=seed)  # fmt: skip
+                       compare=True, ignore_eos=True, seed=seed, warmup_run=True)  # fmt: skip
         return cls(model="tiny", batch=4, prompt_len=32, max_new_tokens=32, compare=True,
                    ignore_eos=True, seed=seed)  # fmt: skip
 

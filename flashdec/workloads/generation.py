@@ -51,6 +51,8 @@ class GenerateResult:
     tpot: LatencyStats
     matches_transformers: int | None  # prompts whose tokens equal transformers' (compare)
     tokens_equal: int | None  # positions equal to transformers' over all prompts (compare)
+    # per prompt, the first step where the tokens differ from transformers' (None: identical)
+    first_divergence: tuple[int | None, ...] | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -73,6 +75,8 @@ class GenerateResult:
             ("TTFT p50 / max", f"{self.ttft.p50_ms:.1f} / {self.ttft.max_ms:.1f} ms"),
             ("TPOT p50 / max", f"{self.tpot.p50_ms:.2f} / {self.tpot.max_ms:.2f} ms"),
         ]
+        if self.config.warmup_run:
+            rows.append(("timings", "after an untimed warm-up run of the same generation"))
         if self.matches_transformers is not None:
             total = self.generated_tokens
             rows.append((
@@ -80,6 +84,21 @@ class GenerateResult:
                 f"{self.matches_transformers}/{self.num_prompts} prompts identical, "
                 f"{self.tokens_equal}/{total} tokens ({100 * self.tokens_equal / total:.1f}%)",
             ))  # fmt: skip
+            parted = sorted(d for d in self.first_divergence or () if d is not None)
+            if parted:
+                rows.append((
+                    "first divergence (step)",
+                    f"median {parted[len(parted) // 2]}, earliest {parted[0]}",
+                ))  # fmt: skip
+            if parted and self.dtype != "float32":
+                # two correct low-precision runs round differently; the first near-tie of the
+                # top two logits then parts the greedy sequences for good
+                rows.append((
+                    "note",
+                    f"{self.dtype} rounding differs between any two implementations: greedy "
+                    "sequences part at the first near-tie of the top logits (random weights "
+                    "have many); float32 (the CPU demo) is token-exact",
+                ))  # fmt: skip
         if self.text is not None:
             rows.append(("first output", repr(self.text)[:200]))
         else:
@@ -105,24 +124,31 @@ def run_generate(
     config = config or GenerateConfig()
     llm = llm or load_llm(config)
     prompts = _prompts(config, llm)
-    generated = llm.generate(
-        prompts,
-        config.max_new_tokens,
-        ignore_eos=config.ignore_eos,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        seed=config.seed if config.temperature > 0 else None,
-        progress=progress,
-    )
+
+    def generate(progress=None):
+        return llm.generate(
+            prompts,
+            config.max_new_tokens,
+            ignore_eos=config.ignore_eos,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            seed=config.seed if config.temperature > 0 else None,
+            progress=progress,
+        )
+
+    if config.warmup_run:
+        generate()
+    generated = generate(progress)
     stats = llm.last_stats
-    matches = equal = None
+    matches = equal = divergence = None
     if config.compare:
         ids = [p if isinstance(p, list) else list(llm.tokenizer(p)["input_ids"]) for p in prompts]
         expected = _transformers_greedy(llm.model, ids, config.max_new_tokens, config.ignore_eos)
-        matches = sum(g == e for g, e in zip(generated, expected, strict=True))
-        equal = sum(a == b for g, e in zip(generated, expected, strict=True)
-                    for a, b in zip(g, e, strict=False))  # fmt: skip
+        pairs = list(zip(generated, expected, strict=True))
+        matches = sum(g == e for g, e in pairs)
+        equal = sum(a == b for g, e in pairs for a, b in zip(g, e, strict=False))
+        divergence = tuple(_first_difference(g, e) for g, e in pairs)
     tokenizer = llm.tokenizer
     spec = llm.adapter.spec
     return GenerateResult(
@@ -139,7 +165,16 @@ def run_generate(
         tpot=LatencyStats.from_seconds([t for t in stats.tpot_s if t > 0]),
         matches_transformers=matches,
         tokens_equal=equal,
+        first_divergence=divergence,
     )
+
+
+def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The first step where two generations differ (a length difference counts)."""
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return step
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def _transformers_greedy(model, prompts: list[list[int]], new: int, ignore_eos: bool):
