@@ -410,12 +410,15 @@ def merge_speed(phases: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def tokens_phases_from_children(in_dir: Path) -> list[dict]:
-    """Token phases rebuilt from the engines' own ``*.child.json`` files, for a run whose
-    phase file did not come back (the device returns at most 8 files)."""
+def tokens_phases_from_children(in_dir: Path, skip_tp: set[int]) -> list[dict]:
+    """Token phases rebuilt from the engines' own ``*.child.json`` files, for runs whose
+    phase file did not come back (the device returns at most 8 files); TP sizes in
+    ``skip_tp`` have their phase file."""
     children = [json.loads(p.read_text()) for p in sorted(in_dir.glob("**/tokens-*.child.json"))]
     by_tp: dict[int, dict] = {}
     for child in children:
+        if child["tp"] in skip_tp:
+            continue
         phase = by_tp.setdefault(child["tp"], dict(phase="tokens", tp=child["tp"], models={}))
         entry = phase["models"].setdefault(child["model"], dict(runs={}, outputs={}))
         entry["outputs"][child["backend"]] = child
@@ -435,8 +438,9 @@ def tokens_phases_from_children(in_dir: Path) -> list[dict]:
 
 def report(in_dir: Path, results_dir: Path | None = None) -> None:
     phases = [json.loads(p.read_text()) for p in sorted(in_dir.glob("**/vllm_plugin_*.json"))]
-    if not any(ph["phase"] == "tokens" for ph in phases):
-        phases += tokens_phases_from_children(in_dir)
+    phases += tokens_phases_from_children(
+        in_dir, {ph["tp"] for ph in phases if ph["phase"] == "tokens"}
+    )
     if not phases:
         sys.exit(f"no vllm_plugin_*.json under {in_dir}")
     # the GPU run's environment (the report itself may run anywhere)

@@ -84,8 +84,11 @@ class PluginStats:
         self.decode_calls = 0
         self.fallbacks.clear()
         self.first_decode = None
-        for counter in self._counters.values():
-            counter.zero_()
+        # vLLM's workers create the counters while capturing under inference mode (inference
+        # tensors), and call this through an RPC outside it
+        with torch.inference_mode():
+            for counter in self._counters.values():
+                counter.zero_()
 
 
 STATS = PluginStats()

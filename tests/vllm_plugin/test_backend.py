@@ -264,3 +264,16 @@ def test_the_backend_is_custom_with_flashdecs_impl_and_builder(fake_vllm):
     assert backend.get_impl_cls() is fake_vllm.module.FlashDecImpl
     assert backend.get_builder_cls() is fake_vllm.module.FlashDecMetadataBuilder
     assert issubclass(backend, FakeFlashAttentionBackend)
+
+
+def test_counters_made_under_inference_mode_reset_outside_it():
+    # vLLM's TP workers capture (and create the counter) under inference mode, then reset it
+    # from an RPC outside inference mode
+    from flashdec.vllm_plugin.stats import PluginStats
+
+    stats = PluginStats(device_counting=True)
+    with torch.inference_mode():
+        stats.device_counter(torch.device("cpu")).add_(3)
+    assert stats.snapshot()["device_decode_launches"] == 3
+    stats.reset()
+    assert stats.snapshot()["device_decode_launches"] == 0
