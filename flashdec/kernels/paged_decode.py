@@ -757,7 +757,7 @@ class BoundDecode:
     tensors are bound too (fixed addresses: update their values in place), and so are the
     workspace's ``counters`` (one launch instead of two with a ``fused_merge`` plan)."""
 
-    __slots__ = ("_decode", "_merge")
+    __slots__ = ("_decode", "_merge", "_single")
 
     def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
                  partial_out, partial_lse, batch, k_scale=None, v_scale=None,
@@ -766,19 +766,20 @@ class BoundDecode:
             q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
             partial_lse, batch, k_scale, v_scale, counters,
         )  # fmt: skip
-        if merge_args is None:  # out also stands in for the two partial buffers
+        self._single = not plan.uses_split
+        if self._single:  # out also stands in for the two partial buffers
             self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
-            self._merge = None
         else:
             self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
-            self._merge = _MERGE.bind(*merge_args, dynamic=(3,))
+        self._merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
 
     def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
-        if self._merge is None:
+        if self._single:
             self._decode(q, k_cache, v_cache, out, out, out)
         else:
             self._decode(q, k_cache, v_cache, out)
-            self._merge(out)
+            if self._merge is not None:  # splits merged by a second launch
+                self._merge(out)
         return out
 
 
