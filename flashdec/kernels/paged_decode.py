@@ -221,7 +221,9 @@ def _merge_group(
     m_run = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([MERGE_G], dtype=tl.float32)
     acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, n_splits, MERGE_S):
+    # not software-pipelined: each step is already one wide load, and pipeline buffers would
+    # add shared memory to every stage-1 program (fewer resident per SM) for a short loop
+    for s0 in tl.range(0, n_splits, MERGE_S, num_stages=1):
         offs_s = s0 + offs_s0
         mask_gs = mask_g[:, None] & (offs_s[None, :] < n_splits)  # [MERGE_G, MERGE_S]
         lse = tl.load(

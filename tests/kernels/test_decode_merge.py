@@ -143,6 +143,29 @@ def test_bound_and_trusted_launches_with_counters(device):
         assert not ws.counters.any()
 
 
+def test_workspace_without_counters_launches_the_merge_kernel(device, monkeypatch):
+    """A workspace built without counters (e.g. by hand, over the caller's own buffers) still
+    serves a fused_merge plan: a second launch merges."""
+    from flashdec.kernels import paged_decode
+
+    dtype = torch.float16
+    k, v, tables, lens, kd, vd = make_paged_kv([100, 30], 1, 16, 8, dtype, device)
+    q = _q(2, 2, 16, dtype, device)
+    plan = _split_plan(2, 2, 1, 16, 8, 100, dtype, device)
+    assert plan.fused_merge
+    full = plan.allocate_workspace()
+    ws = DecodeWorkspace(plan, full.partial_out, full.partial_lse, full.out)
+    assert ws.counters is None
+    launches = []
+    for name in ("_DECODE", "_MERGE"):
+        launcher = getattr(paged_decode, name)
+        monkeypatch.setattr(paged_decode, name, _Counting(launcher, name, launches))
+    ws.out.fill_(float("nan"))
+    _assert_close(decode(q, k, v, tables, lens, workspace=ws),
+                  dense_decode_attention_ref(q, kd, vd, lens))  # fmt: skip
+    assert launches == ["_DECODE", "_MERGE"]
+
+
 def test_work_list_loop_and_chunked_merge(device):
     """Fewer programs than work items (a program may count in twice on one counter) and more
     splits than one merge chunk (the running maximum rescales across chunks)."""
