@@ -23,6 +23,7 @@ output error against the bf16 result. Without FlashInfer the benchmark still run
     PYTHONPATH=. python3 benchmarks/bench_decode.py                          # the full matrix
     PYTHONPATH=. python3 benchmarks/bench_decode.py --heads 28/4/128 --kinds ragged skewed
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --fp8 --name decode_fp8
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --merge separate --name decode_sep
     python3 benchmarks/bench_decode.py --from-json benchmarks/results/decode.json   # re-render
 
 Writes ``<name>.md``, ``.json`` and ``.png`` (default ``benchmarks/results/decode``).
@@ -262,6 +263,10 @@ def build_matrix(args: argparse.Namespace) -> tuple[list[MatrixCase], list[str]]
     return cases, too_big
 
 
+# --merge: how a split plan merges (plan_decode's fused_merge)
+MERGE_MODES = {"auto": {}, "fused": {"fused_merge": True}, "separate": {"fused_merge": False}}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="every class, about 4 minutes (H200)")
@@ -297,6 +302,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="add FP8 e4m3 KV rows (bf16 cases)")
     p.add_argument("--sdpa", action="store_true", help="also time gather + SDPA (slow)")
     p.add_argument("--no-flashinfer", action="store_true")
+    p.add_argument(
+        "--merge",
+        default="auto",
+        choices=list(MERGE_MODES),
+        help="split plans: the plan's choice, in-kernel (last split merges) or a merge launch",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -418,7 +429,7 @@ class Case:
         def launch():
             return launch_decode(
                 q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse,
-                self.batch, **launch_scales,
+                self.batch, **launch_scales, counters=ws.counters,
             )  # fmt: skip
 
         return api, launch
@@ -564,6 +575,7 @@ def plan_summary(plan) -> dict[str, Any]:
         "warps": plan.num_warps,
         "stages": plan.num_stages,
         "programs": plan.num_programs,
+        "fused_merge": plan.fused_merge,
     }
 
 
@@ -624,7 +636,7 @@ def measure(mc: MatrixCase, args, flashinfer, fi_ws, ceilings) -> dict[str, Any]
     hq, hkv, d = parse_heads(mc.heads)
     case = Case(list(mc.shape.lens), hq, hkv, d, mc.page, DTYPES[mc.dtype], seed=args.seed)
     try:
-        plan = case.plan()
+        plan = case.plan(**MERGE_MODES[args.merge])
         row["plan"] = plan_summary(plan)
         api, _ = case.flashdec_fns_for(plan)
         row["fd_us"], row["fd_error"] = graph_time(api, args)

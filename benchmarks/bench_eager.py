@@ -155,7 +155,18 @@ def main(argv=None) -> int:
 
         def trusted(q=q, k=k, v=v, t=tables, lens=lens, ws=ws, plan=plan, b=b, s=d**-0.5):
             return kernels.launch_decode(
-                q, k, v, t, lens, s, plan, ws.out, ws.partial_out, ws.partial_lse, b
+                q,
+                k,
+                v,
+                t,
+                lens,
+                s,
+                plan,
+                ws.out,
+                ws.partial_out,
+                ws.partial_lse,
+                b,
+                counters=ws.counters,
             )
 
         row["kernel_graph_us"] = kernel_graph_us(trusted)

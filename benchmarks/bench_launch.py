@@ -121,7 +121,18 @@ def main(argv=None) -> int:
 
         def trusted(q=q, k=k, v=v, tables=tables, lens=lens, plan=plan, ws=ws, b=b, s=scale):
             return kernels.launch_decode(
-                q, k, v, tables, lens, s, plan, ws.out, ws.partial_out, ws.partial_lse, b
+                q,
+                k,
+                v,
+                tables,
+                lens,
+                s,
+                plan,
+                ws.out,
+                ws.partial_out,
+                ws.partial_lse,
+                b,
+                counters=ws.counters,
             )
 
         layer[shape] = trusted

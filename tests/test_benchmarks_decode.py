@@ -382,6 +382,21 @@ class TestMeasureOnCpu:
         bf16 = case.flashdec_fns()[1]()
         assert bd.output_error(api(), bf16)["rel_l2"] < 0.1
 
+    def test_merge_modes(self, cpu_bench):
+        """--merge picks how a split plan merges; the launcher path merges like the API."""
+        mc = bd.MatrixCase("bf16", "4/2/16", 8, bd.Shape("one", "uniform", (300,)))
+        for mode, fused in (("auto", True), ("fused", True), ("separate", False)):
+            row = bd.measure(mc, self.args("--merge", mode), None, None, CEILINGS)
+            assert row["plan"]["splits"] > 1 and row["plan"]["fused_merge"] is fused
+            assert row["fd_us"] and row["fd_error"] is None
+        case = bd.Case([300], 4, 2, 16, 8, torch.bfloat16)  # on the CPU (cpu_bench)
+        plan = case.plan()
+        assert plan.fused_merge
+        api, launch = case.flashdec_fns_for(plan)
+        torch.testing.assert_close(api(), launch(), atol=0, rtol=0)
+        with pytest.raises(SystemExit):
+            bd.parse_args(["--merge", "both"])
+
     def test_run_without_flashinfer_writes_the_report(self, cpu_bench, monkeypatch, tmp_path):
         monkeypatch.setattr(bd, "copy_ceiling_tbs", lambda: 4.0)
         monkeypatch.setattr(bd, "read_ceiling_tbs", lambda: 4.2)

@@ -48,6 +48,13 @@ DEFAULT_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 1024
 # Splits merged per loop step of the log-sum-exp merge kernel.
 MERGE_BLOCK_S = 32
+# In-kernel merge ("the last split merges"): the last stage-1 program of a (request, KV head) to
+# finish merges its G query heads' partials, saving the merge launch (~10 us of host time, 2-3 us
+# of device gap even in a CUDA graph). One program then reads G x splits partial rows, a few
+# chunks of up to MERGE_TILE_ELEMS floats; past this many rows a separate merge launch, one
+# program per (request, query head), is faster (MQA with hundreds of splits).
+FUSED_MERGE_MAX_ROWS = 256
+MERGE_TILE_ELEMS = 8192
 # K+V bytes one loop iteration gathers. A wide tile keeps more bytes in flight per program, which
 # is what counts when only a few programs share an SM; a narrow one halves the shared memory of
 # the three pipeline stages, so twice as many programs fit on an SM. What matters most is that
@@ -119,6 +126,9 @@ class DecodePlan:
     block_b: int  # split path: requests scanned for the work list (power of two >= batch)
     window: int | None = None  # sliding window: attend to each request's last `window` tokens
     kv_dtype: torch.dtype | None = None  # the cache's dtype (None: q's); float8_e4m3fn = FP8 KV
+    # split path: the last split of each (request, KV head) merges (needs the workspace's
+    # arrival counters); False: a second launch merges
+    fused_merge: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -132,6 +142,18 @@ class DecodePlan:
     def uses_split(self) -> bool:
         return self.num_splits > 1
 
+    @property
+    def merge_block_g(self) -> int:
+        """In-kernel merge: query heads merged at once (the group, padded to a power of two)."""
+        return next_power_of_2(self.group_size)
+
+    @property
+    def merge_chunk_splits(self) -> int:
+        """In-kernel merge: splits per loop step, so a ``[G, splits, D]`` chunk stays within
+        :data:`MERGE_TILE_ELEMS` floats."""
+        fit = max(1, MERGE_TILE_ELEMS // (self.merge_block_g * self.block_d))
+        return min(1 << (fit.bit_length() - 1), next_power_of_2(self.num_splits))
+
     def allocate_workspace(self) -> DecodeWorkspace:
         return DecodeWorkspace.allocate(self)
 
@@ -142,13 +164,18 @@ class DecodeWorkspace:
 
     ``partial_out [B, Hq, num_splits, D]`` float32 holds each split's normalised output and
     ``partial_lse [B, Hq, num_splits]`` float32 its log2-sum-exp; ``out [B, Hq, D]`` is the
-    default output. One workspace can serve every layer of a step (calls are stream-ordered).
+    default output. ``counters [B, Hkv]`` int32 counts the splits of each (request, KV head)
+    that have stored their partials, so that the last one merges (a plan's ``fused_merge``); it
+    must be zero before a launch and every launch leaves it zero (CUDA-graph replays start
+    clean). Without counters (``None``) a split launch merges in a second kernel. One workspace
+    can serve every layer of a step, on one stream (calls are stream-ordered).
     """
 
     plan: DecodePlan
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
     out: torch.Tensor
+    counters: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, plan: DecodePlan) -> DecodeWorkspace:
@@ -160,6 +187,7 @@ class DecodeWorkspace:
             partial_out=torch.empty(b, hq, s, d, dtype=torch.float32, device=plan.device),
             partial_lse=torch.empty(b, hq, s, dtype=torch.float32, device=plan.device),
             out=torch.empty(b, hq, d, dtype=plan.dtype, device=plan.device),
+            counters=torch.zeros(b, plan.num_kv_heads, dtype=torch.int32, device=plan.device),
         )
 
 
@@ -225,6 +253,7 @@ def plan_decode(
     min_tokens_per_split: int = DEFAULT_MIN_TOKENS_PER_SPLIT,
     window: int | None = None,
     kv_dtype: torch.dtype | None = None,
+    fused_merge: bool | None = None,
 ) -> DecodePlan:
     """Compute the launch configuration for one batch layout.
 
@@ -242,6 +271,10 @@ def plan_decode(
     ``dtype`` is q's (and the output's); ``kv_dtype`` the cache's when it differs: an FP8 cache
     (``torch.float8_e4m3fn``) beside fp16/bf16 q. The tile keeps the shape of q's dtype (the
     K/V tiles are converted to it in registers), so an FP8 tile moves half the bytes.
+
+    ``fused_merge`` (split plans): whether the last split of each (request, KV head) merges the
+    splits in the same launch; by default when a merge reads at most
+    :data:`FUSED_MERGE_MAX_ROWS` partial rows (query group x splits), else a second launch.
     """
     for name, value in (
         ("batch", batch),
@@ -253,6 +286,8 @@ def plan_decode(
         check_positive_int(name, value)
     check_positive_int("max_seq_len", max_seq_len, minimum=0)
     window = check_window(window)
+    if fused_merge is not None and not isinstance(fused_merge, bool):
+        raise TypeError(f"fused_merge must be a bool or None, got {type(fused_merge).__name__}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -335,6 +370,8 @@ def plan_decode(
         splits, per_split = balance_splits(read_len, target, bn)
     if splits > MAX_SPLITS:
         raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {splits}")
+    if fused_merge is None:
+        fused_merge = group * splits <= FUSED_MERGE_MAX_ROWS
     # Work items of the split path: (split, KV head) pairs; with known lengths each request
     # has at most ceil(len / per_split) <= len / per_split + 1 splits.
     items = batch * num_kv_heads * splits
@@ -366,4 +403,5 @@ def plan_decode(
         block_b=next_power_of_2(batch),
         window=window,
         kv_dtype=kv_dtype,
+        fused_merge=fused_merge and splits > 1,
     )

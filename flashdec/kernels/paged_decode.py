@@ -8,7 +8,11 @@ is folded into the scale so the kernel uses ``exp2``).
 
 - stage 1: per-split partial softmax. With a single split the program normalises and writes the
   output directly; otherwise it writes its normalised partial output and log2-sum-exp.
-- stage 2: merge the splits of each (request, query head) by log-sum-exp.
+- stage 2: merge the splits of each (request, query head) by log-sum-exp. With the workspace's
+  arrival counters and a ``fused_merge`` plan, in the same launch: each split, after storing its
+  partials, counts itself in on its (request, KV head) counter, and the last to arrive merges
+  that request's G query heads (in split order, so results are bitwise reproducible) and resets
+  the counter. Otherwise a second launch merges, one program per (request, query head).
 
 Each program derives its token range from the device-side ``seq_lens``, so a plan sized for a
 maximum length serves any shorter batch without a host sync (splits past a request's end write
@@ -188,6 +192,67 @@ def _attend_tokens(
 
 
 @triton.jit
+def _merge_group(
+    po_base,  # partial_out of (request, first query head of the group)
+    pl_base,
+    o_base,
+    n_splits,
+    stride_poh,
+    stride_pos,
+    stride_pod,
+    stride_plh,
+    stride_pls,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    MERGE_S: tl.constexpr,
+):
+    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) for the GROUP heads, by chunks of
+    MERGE_S splits in split order with a running maximum M. The partials were written by other
+    programs of this launch: loaded through L2 (``.cg``), never from a stale L1 line."""
+    offs_g = tl.arange(0, MERGE_G)
+    offs_s0 = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    m_run = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([MERGE_G], dtype=tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+    # not software-pipelined: each step is already one wide load, and pipeline buffers would
+    # add shared memory to every stage-1 program (fewer resident per SM) for a short loop
+    for s0 in tl.range(0, n_splits, MERGE_S, num_stages=1):
+        offs_s = s0 + offs_s0
+        mask_gs = mask_g[:, None] & (offs_s[None, :] < n_splits)  # [MERGE_G, MERGE_S]
+        lse = tl.load(
+            pl_base + offs_g[:, None] * stride_plh + offs_s[None, :] * stride_pls,
+            mask=mask_gs, other=float("-inf"), cache_modifier=".cg",
+        )  # fmt: skip
+        po_ptrs = (
+            po_base
+            + offs_g[:, None, None] * stride_poh
+            + offs_s[None, :, None] * stride_pos
+            + offs_d[None, None, :] * stride_pod
+        )
+        o = tl.load(
+            po_ptrs, mask=mask_gs[:, :, None] & mask_d[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip  # [MERGE_G, MERGE_S, BLOCK_D]
+        # finite for real heads (every chunk has a split); padding rows kept at 0, not NaN
+        m_new = tl.where(mask_g, tl.maximum(m_run, tl.max(lse, 1)), 0.0)
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.where(mask_gs, tl.exp2(lse - m_new[:, None]), 0.0)
+        acc = acc * rescale[:, None] + tl.sum(w[:, :, None] * o, 1)
+        denom = denom * rescale + tl.sum(w, 1)
+        m_run = m_new
+    res = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    o_ptrs = o_base + offs_g[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, res.to(o_base.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -199,6 +264,7 @@ def _decode_kernel(
     part_lse_ptr,
     k_scale_ptr,  # float32 [Hkv], read only with KV_FP8
     v_scale_ptr,
+    counters_ptr,  # int32 [B, Hkv] arrivals, read only with FUSED_MERGE (zero between launches)
     qk_scale,  # sm_scale * log2(e)
     batch,
     tokens_per_split,
@@ -241,6 +307,9 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,  # attend to the last `window` positions of each request only
     KV_FP8: tl.constexpr,  # e4m3 cache: key = stored * k_scale[head], value likewise
+    FUSED_MERGE: tl.constexpr,  # split path: the last split of a (request, KV head) merges
+    MERGE_G: tl.constexpr,  # GROUP padded to a power of two
+    MERGE_S: tl.constexpr,  # splits per merge step
 ):
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
@@ -388,6 +457,33 @@ def _decode_kernel(
                 tl.store(po_ptrs, o, mask=mask_gd)
                 pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
                 tl.store(pl_ptrs, m_i + tl.log2(l_safe), mask=mask_g)
+                if FUSED_MERGE:
+                    # every thread's stores above precede the release of the arrival (the
+                    # atomic runs on one thread); the acquire side pairs with the merge's loads
+                    tl.debug_barrier()
+                    counter = counters_ptr + b * NUM_KV_HEADS + kv_head
+                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                    if arrived == my_splits - 1:
+                        tl.store(counter, 0)  # nobody else touches it until the next launch
+                        head0 = kv_head * GROUP
+                        _merge_group(
+                            part_out_ptr + b * stride_pob + head0 * stride_poh,
+                            part_lse_ptr + b * stride_plb + head0 * stride_plh,
+                            out_ptr + b * stride_ob + head0 * stride_oh,
+                            my_splits,
+                            stride_poh,
+                            stride_pos,
+                            stride_pod,
+                            stride_plh,
+                            stride_pls,
+                            stride_oh,
+                            stride_od,
+                            GROUP,
+                            HEAD_DIM,
+                            BLOCK_D,
+                            MERGE_G,
+                            MERGE_S,
+                        )
 
 
 @triton.jit
@@ -512,7 +608,7 @@ def _check_plan_matches(
 class _PlanConstants:
     """What a launch reads off its plan, computed once per plan object."""
 
-    __slots__ = ("decode", "fp8", "merge", "plan", "swap_kv", "window")
+    __slots__ = ("decode", "decode_fused", "fp8", "merge", "plan", "swap_kv", "window")
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan  # held so that the id() key cannot be reused while the entry lives
@@ -534,6 +630,10 @@ class _PlanConstants:
             plan.window is not None,
             self.fp8,
         )
+        # (FUSED_MERGE, MERGE_G, MERGE_S): the merge tile only matters, and only specialises
+        # the kernel, when the launch merges in place
+        self.decode_fused = (*self.decode, True, plan.merge_block_g, plan.merge_chunk_splits)
+        self.decode = (*self.decode, False, 1, 1)
         self.merge = (
             plan.num_q_heads,
             plan.head_dim,
@@ -560,12 +660,16 @@ def _plan_constants(plan: DecodePlan) -> _PlanConstants:
 
 def _decode_launches(
     q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out, partial_lse,
-    batch, k_scale, v_scale,
+    batch, k_scale, v_scale, counters,
 ) -> tuple[tuple, tuple | None]:  # fmt: skip
-    """The arguments of the decode launch and, with splits, of the merge launch."""
+    """The arguments of the decode launch and, with splits merged by a second kernel (a plan
+    without ``fused_merge``, or no counters), of the merge launch."""
     consts = _plan_constants(plan)
     if not consts.fp8:  # never read: seq_lens stands in for the scale pointers
         k_scale = v_scale = seq_lens
+    fused = plan.fused_merge and counters is not None
+    if not fused:  # likewise for the counters
+        counters = seq_lens
     skb, skh, sk2, sk3 = k_cache.stride()
     svb, svh, sv2, sv3 = v_cache.stride()
     if consts.swap_kv:
@@ -573,13 +677,16 @@ def _decode_launches(
     splits = plan.num_splits
     if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
         grid = batch * plan.num_kv_heads
-        tensors = (q, k_cache, v_cache, block_tables, seq_lens, out, out, out, k_scale, v_scale)
+        tensors = (
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, out, k_scale, v_scale,
+            counters,
+        )  # fmt: skip
         partial_strides = (0, 0, 0, 0, 0, 0, 0)
     else:
         grid = plan.num_programs
         tensors = (
             q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scale,
-            v_scale,
+            v_scale, counters,
         )  # fmt: skip
         partial_strides = (*partial_out.stride(), *partial_lse.stride())
     decode_args = (
@@ -590,12 +697,12 @@ def _decode_launches(
             *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
             *block_tables.stride(), *out.stride(), *partial_strides,
         ),
-        consts.decode,
+        consts.decode_fused if fused else consts.decode,
         plan.num_warps,
         plan.num_stages,
     )  # fmt: skip
     merge_args = None
-    if splits > 1:
+    if splits > 1 and not fused:
         merge_args = (
             batch * plan.num_q_heads,
             (partial_out, partial_lse, seq_lens, out),
@@ -623,16 +730,20 @@ def launch_decode(
     batch: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Trusted launcher: no checks, no allocation, no host sync (inputs already validated).
 
     An FP8 plan (``kv_dtype=float8_e4m3fn``) needs ``k_scale``/``v_scale`` as contiguous
-    float32 device tensors ``[num_kv_heads]`` (read on the device: CUDA-graph capturable)."""
+    float32 device tensors ``[num_kv_heads]`` (read on the device: CUDA-graph capturable).
+    ``counters`` (a workspace's: contiguous int32 ``[>= batch, num_kv_heads]``, zero, and left
+    zero) lets a ``fused_merge`` plan merge its splits in the same launch; without them a split
+    plan launches a second, merge kernel."""
     if batch == 0:
         return out
     decode_args, merge_args = _decode_launches(
         q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-        partial_lse, batch, k_scale, v_scale,
+        partial_lse, batch, k_scale, v_scale, counters,
     )  # fmt: skip
     _DECODE(*decode_args)
     if merge_args is not None:
@@ -645,29 +756,32 @@ class BoundDecode:
     layer's ``q, k_cache, v_cache, out`` — with the dtypes and strides of the ones it was bound
     with (a caller that cannot promise that binds again) — and launches with no per-call
     argument building. The plan's window applies; an FP8 plan's ``k_scale``/``v_scale``
-    tensors are bound too (fixed addresses: update their values in place)."""
+    tensors are bound too (fixed addresses: update their values in place), and so are the
+    workspace's ``counters`` (one launch instead of two with a ``fused_merge`` plan)."""
 
-    __slots__ = ("_decode", "_merge")
+    __slots__ = ("_decode", "_merge", "_single")
 
     def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
-                 partial_out, partial_lse, batch, k_scale=None, v_scale=None) -> None:  # fmt: skip
+                 partial_out, partial_lse, batch, k_scale=None, v_scale=None,
+                 counters=None) -> None:  # fmt: skip
         decode_args, merge_args = _decode_launches(
             q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-            partial_lse, batch, k_scale, v_scale,
+            partial_lse, batch, k_scale, v_scale, counters,
         )  # fmt: skip
-        if merge_args is None:  # out also stands in for the two partial buffers
+        self._single = not plan.uses_split
+        if self._single:  # out also stands in for the two partial buffers
             self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
-            self._merge = None
         else:
             self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
-            self._merge = _MERGE.bind(*merge_args, dynamic=(3,))
+        self._merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
 
     def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
-        if self._merge is None:
+        if self._single:
             self._decode(q, k_cache, v_cache, out, out, out)
         else:
             self._decode(q, k_cache, v_cache, out)
-            self._merge(out)
+            if self._merge is not None:  # splits merged by a second launch
+                self._merge(out)
         return out
 
 
@@ -748,6 +862,7 @@ def decode(
         if out is None:
             out = workspace.out if dims.batch == plan.batch else workspace.out[: dims.batch]
         partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+        counters = workspace.counters
     else:
         if dims.batch == 0:
             return torch.empty_like(q) if out is None else out
@@ -760,6 +875,11 @@ def decode(
             partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         else:
             partial_out = partial_lse = out
+        counters = None
+        if plan.fused_merge:
+            counters = torch.zeros(
+                dims.batch, dims.num_kv_heads, dtype=torch.int32, device=q.device
+            )
     if num_warps is not None or num_stages is not None:
         plan = dataclasses.replace(
             plan,
@@ -780,6 +900,7 @@ def decode(
         dims.batch,
         k_scale,
         v_scale,
+        counters,
     )
 
 

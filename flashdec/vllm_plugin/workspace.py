@@ -4,9 +4,10 @@ vLLM captures one CUDA graph per padded decode batch size and replays it with ne
 decode call must allocate nothing, never read lengths back, and keep its buffer addresses for
 the engine's lifetime. :class:`DecodeWorkspacePool` therefore plans every batch size
 ``1..max_batch`` up front and gives each plan a :class:`flashdec.DecodeWorkspace` whose buffers
-are views of two shared arenas (float32 split partials; output rows in the model dtype), sized
-for the largest plan. Sharing is safe because all layers and all graphs run on one stream, in
-order (vLLM's dual-batch overlap, which breaks that, is a fallback case of the backend).
+are views of three shared arenas (float32 split partials; output rows in the model dtype; the
+int32 arrival counters of the in-kernel split merge, which every launch leaves zero), sized for
+the largest plan. Sharing is safe because all layers and all graphs run on one stream, in order
+(vLLM's dual-batch overlap, which breaks that, is a fallback case of the backend).
 
 The split choice. vLLM captures with dummy lengths and replays with real ones, so a plan cannot
 be sized from the batch's lengths. The kernel cuts each request into ``ceil(len /
@@ -130,24 +131,28 @@ class DecodeWorkspacePool:
         partial_numel = max(p.batch * hq * p.num_splits * (d + 1) for p in plans)
         self._partials = torch.empty(partial_numel, dtype=torch.float32, device=device)
         self._outs = torch.empty(max_batch * hq * d, dtype=dtype, device=device)
+        self._counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
         self._workspaces = tuple(self._workspace_of(p) for p in plans)
         self.max_batch = max_batch
         self.device = device
 
     def _workspace_of(self, plan: DecodePlan) -> DecodeWorkspace:
         b, hq, s, d = plan.batch, plan.num_q_heads, plan.num_splits, plan.head_dim
+        hkv = plan.num_kv_heads
         out_numel = b * hq * s * d
         return DecodeWorkspace(
             plan=plan,
             partial_out=self._partials[:out_numel].view(b, hq, s, d),
             partial_lse=self._partials[out_numel : out_numel + b * hq * s].view(b, hq, s),
             out=self._outs[: b * hq * d].view(b, hq, d),
+            counters=self._counters[: b * hkv].view(b, hkv),
         )
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the shared buffers."""
-        return sum(t.numel() * t.element_size() for t in (self._partials, self._outs))
+        buffers = (self._partials, self._outs, self._counters)
+        return sum(t.numel() * t.element_size() for t in buffers)
 
     def workspace(self, batch: int) -> DecodeWorkspace:
         """The workspace planned for exactly ``batch`` requests."""

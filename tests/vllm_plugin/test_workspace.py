@@ -34,7 +34,12 @@ def test_every_batch_size_has_its_own_plan_over_the_shared_buffers():
         # the two partial buffers of one plan do not overlap
         assert ws.partial_out.data_ptr() + ws.partial_out.numel() * 4 <= ws.partial_lse.data_ptr()
         assert pool.workspace(batch) is ws  # fixed for the engine's lifetime
-    assert pool.nbytes == partials.numel() * 4 + pool._outs.numel() * 2
+        # the in-kernel merge's arrival counters: one shared arena, zero between launches
+        assert ws.counters.shape == (batch, 8) and ws.counters.dtype == torch.int32
+        assert ws.counters.data_ptr() == pool._counters.data_ptr()
+    assert not pool._counters.any()
+    counters = pool._counters.numel() * 4
+    assert pool.nbytes == partials.numel() * 4 + pool._outs.numel() * 2 + counters
 
 
 def test_small_batches_split_to_cover_the_longest_request_large_ones_do_not():
