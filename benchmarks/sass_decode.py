@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     shape.batch, hq, hkv, d, args.page, shape.max_len, torch.bfloat16, "cpu",
                     total_tokens=shape.total_tokens, **overrides,
                 )  # fmt: skip
+                if label == "fp8 default":
+                    row["variant"] += f" ({plan.fp8_compute}/{plan.fp8_staging})"
                 row.update(analyse(plan, list(shape.lens)))
             except Exception as exc:  # one variant that fails to compile is reported
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
