@@ -753,8 +753,10 @@ def decode(
     FP8 KV: with ``torch.float8_e4m3fn`` caches (q and the output fp16/bf16) ``k_scale`` and
     ``v_scale`` are required — each a float or a float32 tensor ``[num_kv_heads]`` — and a key
     is ``stored.float() * k_scale[kv_head]`` (a value likewise). The kernel loads FP8 (half the
-    bytes), converts in registers, and folds the K scale into the softmax scale and the V scale
-    into the output. For CUDA-graph capture pass tensors (a float becomes a small cached device
+    bytes) and converts it on chip; by default (``DecodePlan.fp8_compute="f16"``) the K scale and
+    softmax scale are folded into q in float32 and both dots run in fp16, so q times that
+    factor must stay below 65504 (q itself may exceed fp16's range); the V scale is applied to
+    the output. For CUDA-graph capture pass tensors (a float becomes a small cached device
     tensor). Float caches take no scales (ValueError); the workspace's plan must have been made
     with ``kv_dtype=torch.float8_e4m3fn``.
 
