@@ -510,22 +510,20 @@ GPU_VARIANTS = [
 @pytest.mark.parametrize("variant", range(len(GPU_VARIANTS)))
 def test_gpu_fp8_variants(hq, hkv, d, page, dtype, variant):
     """Every compiled variant (compute dtype x staging x tile sizing) on ragged long contexts,
-    single pass and split, and with a window."""
+    single pass and split (windows: the default plan's, test_gpu_fp8_large_shapes)."""
     options = GPU_VARIANTS[variant]
     seq_lens = [3000, 17001, 1, 777]
     k_scale, v_scale = _scales("tensor", hkv, "cuda")
     k, v, tables, lens = fp8_paged_kv(seq_lens, hkv, d, page, "cuda", k_scale, v_scale)
     q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(variant)).to("cuda", dtype)
-    for window in (None, 1000):
-        ref = paged_decode_attention_ref(q, k, v, tables, lens, window=window, k_scale=k_scale,
-                                         v_scale=v_scale)  # fmt: skip
-        for split in ({"num_splits": 1}, {}):
-            plan = plan_decode(4, hq, hkv, d, page, 17001, dtype, "cuda", kv_dtype=FP8,
-                               window=window, **split, **options)  # fmt: skip
-            out = torch.full_like(q, float("nan"))
-            decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
-                   window=window, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-            _assert_close(out, ref)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
+    for split in ({"num_splits": 1}, {}):
+        plan = plan_decode(4, hq, hkv, d, page, 17001, dtype, "cuda", kv_dtype=FP8, **split,
+                           **options)  # fmt: skip
+        out = torch.full_like(q, float("nan"))
+        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
+               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        _assert_close(out, ref)
 
 
 @pytest.mark.gpu
