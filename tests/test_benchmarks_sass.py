@@ -28,5 +28,5 @@ def test_inner_loop_is_the_shortest_backward_branch_with_an_mma():
 def test_variants_cover_the_tuning_sweep():
     labels = [label for label, _ in sd.variants(fp8=True)]
     assert labels[:2] == ["bf16 KV", "fp8 default"] and len(labels) == 2 + len(td.FP8_VARIANTS)
-    assert "fp8 q/none" in labels and "fp8 f16/kv/bytes" in labels
+    assert "fp8 q/none" in labels  # the kernel before the FP8 options, always timed
     assert sd.variants(fp8=False) == [("bf16 KV", {})]

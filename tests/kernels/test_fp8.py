@@ -198,15 +198,17 @@ def test_fp8_plan_options_and_their_defaults(device):
     float_plan = plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device)
     assert float_plan.fp8_compute is None and float_plan.fp8_staging is None
     # fp8_tile="bytes": the tile of a bf16 cache in bytes, twice its tokens (up to 256)
-    tokens = default_kernel_config(128, torch.bfloat16, kv_dtype=FP8)
+    tokens = default_kernel_config(128, torch.bfloat16, kv_dtype=FP8, fp8_tile="tokens")
     as_bytes = default_kernel_config(128, torch.bfloat16, kv_dtype=FP8, fp8_tile="bytes")
     assert tokens == default_kernel_config(128, torch.bfloat16)
     assert as_bytes.block_n == 2 * tokens.block_n == 128
     assert default_kernel_config(64, torch.float16, kv_dtype=FP8, fp8_tile="bytes").block_n == 256
     assert default_kernel_config(128, torch.bfloat16, fp8_tile="bytes") == tokens  # float KV
-    wide = plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device, kv_dtype=FP8,
-                       fp8_tile="bytes")  # fmt: skip
-    assert wide.block_n == 2 * plan.block_n
+    narrow, wide = (
+        plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device, kv_dtype=FP8, fp8_tile=t)
+        for t in ("tokens", "bytes")
+    )
+    assert wide.block_n == 2 * narrow.block_n
     for compute in FP8_COMPUTE_CHOICES:
         for staging in FP8_STAGING_CHOICES:
             p = plan_decode(2, 8, 2, 64, 16, 100, torch.float16, device, kv_dtype=FP8,
