@@ -11,7 +11,9 @@ compared with the default plan's.
 Phases, each over every shape, so a ``--budget-s`` cut leaves every shape measured alike:
 
 1. the default plan and FlashInfer's best of four paths (HND/NHD x tensor-core/CUDA-core);
-2. split variants at the default tile;
+   with ``--fp8``, then the FP8 kernel variants (:data:`FP8_VARIANTS`: ``fp8_compute`` x
+   ``fp8_staging``, and tiles sized by bytes) at the default split;
+2. split variants at the default tile (and the best FP8 variant so far);
 3. the tile grid (block_n x warps x stages, pruned by shared memory) at phase 2's best split;
    its kernel variants are compiled first in parallel worker processes (Triton's on-disk cache
    then serves the timing process).
@@ -69,6 +71,13 @@ from benchmarks.bench_decode import (
     warm_up_worker,
 )
 from flashdec.kernels import plan_decode
+from flashdec.kernels.decode_plan import (
+    DEFAULT_FP8_COMPUTE,
+    DEFAULT_FP8_STAGING,
+    DEFAULT_FP8_TILE,
+    FP8_COMPUTE_CHOICES,
+    FP8_STAGING_CHOICES,
+)
 
 # (head config, shape): the shapes issue 10 names as slower than FlashInfer, and their class
 WEAK_SHAPES: list[tuple[str, Shape]] = [
@@ -91,6 +100,20 @@ FP8_SHAPES: list[tuple[str, Shape]] = [
     ("28/4/128", uniform_shape(48, 3000)),
     ("16/8/256", uniform_shape(32, 4096)),
 ]
+# --fp8 phase 1b: every fp8_compute x fp8_staging with tiles of q's dtype in tokens (q/none/tokens
+# is the kernel before these options), and the staged f16 ones with tiles sized by bytes; each
+# at the default split, the plan's default (timed first) left out
+FP8_OPTIONS = ("fp8_compute", "fp8_staging", "fp8_tile")
+FP8_VARIANTS: list[dict[str, str]] = [
+    v
+    for v in [
+        *({"fp8_compute": c, "fp8_staging": s, "fp8_tile": "tokens"}
+          for c in FP8_COMPUTE_CHOICES for s in FP8_STAGING_CHOICES),
+        *({"fp8_compute": "f16", "fp8_staging": s, "fp8_tile": "bytes"} for s in ("v", "kv")),
+    ]
+    if v != {"fp8_compute": DEFAULT_FP8_COMPUTE, "fp8_staging": DEFAULT_FP8_STAGING,
+             "fp8_tile": DEFAULT_FP8_TILE}
+]  # fmt: skip
 BLOCK_N = (16, 32, 64, 128)  # and 256 for one-byte (FP8) K/V
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)  # one stage only where the loop has at most two iterations
@@ -264,6 +287,9 @@ class Sweep:
                 tokens_per_split=plan.tokens_per_split,
                 programs=plan.num_programs if plan.uses_split else None,
             )
+            if plan.fp8_compute is not None:
+                row.update(fp8_compute=plan.fp8_compute, fp8_staging=plan.fp8_staging)
+                row.setdefault("fp8_tile", DEFAULT_FP8_TILE)
             row["us"], err = graph_time(launch, self.args)
             if err:
                 row["error"] = err
@@ -296,6 +322,13 @@ class Sweep:
             if r["shape"] == key and r.get("us") and (phases is None or r["phase"] in phases)
         ]
         return min(rows, key=lambda r: r["us"]) if rows else None
+
+
+def fp8_of(row: dict[str, Any] | None, with_tile: bool = True) -> dict[str, str]:
+    """The FP8 kernel options a timed row ran with (none for a float cache); ``with_tile``
+    False drops the tile sizing rule (for rows that set block_n themselves)."""
+    keys = FP8_OPTIONS if with_tile else FP8_OPTIONS[:2]
+    return {k: row[k] for k in keys if row and row.get(k)}
 
 
 def spec_of(row: dict[str, Any]) -> tuple[str, int]:
@@ -347,17 +380,25 @@ def run(args) -> int:
             except Exception as exc:
                 fi[key] = {"best_us": None, "errors": {"all": short_error(exc)}}
             print(f"{key:<36} FlashInfer {fi[key].get('best_path')} {fmt(fi[key]['best_us'])} us")
+    if args.fp8 and not sweep.over_budget():  # phase 1b: FP8 kernel variants, default split
+        jobs = [(h, s.label, args.page, ("auto", 0), v) for h, s in shapes for v in FP8_VARIANTS]
+        precompile(jobs, args, max(10.0, args.budget_s - (time.time() - sweep.t0)))
+        for variant in FP8_VARIANTS:  # round-robin over shapes, like the tile grid
+            for head, shape in shapes:
+                if not sweep.over_budget():
+                    sweep.time(head, shape, "fp8", ("auto", 0), variant)
     for head, shape in shapes:  # phase 2: splits at the default tile
         key = shape_key(head, shape, args.page)
         _, hkv, _ = parse_heads(head)
         default = sweep.best(key, ("default",))
+        fp8 = fp8_of(sweep.best(key))  # the best FP8 variant so far (none for a float cache)
         specs = split_specs(shape, hkv, num_sms) + persist_specs(shape, hkv, num_sms)
         if default and default.get("programs"):
             specs += program_specs(default["programs"], num_sms)
         for spec in specs:
             if sweep.over_budget():
                 break
-            sweep.time(head, shape, "split", spec, {})
+            sweep.time(head, shape, "split", spec, fp8)
     # phase 3: the tile grid at each shape's best split so far
     grid: list[tuple[str, Shape, tuple[str, int], dict[str, int]]] = []
     for head, shape in shapes:
@@ -365,8 +406,9 @@ def run(args) -> int:
         if best is None:
             continue
         _, _, d = parse_heads(head)
+        fp8 = fp8_of(best, with_tile=False)  # block_n is the grid's
         for tile in tile_grid(d, 1 if args.fp8 else 2, shape.max_len):
-            grid.append((head, shape, spec_of(best), tile))
+            grid.append((head, shape, spec_of(best), {**tile, **fp8}))
     if not sweep.over_budget():
         jobs = [(h, s.label, args.page, sp, t) for h, s, sp, t in grid]
         precompile(jobs, args, max(10.0, args.budget_s - (time.time() - sweep.t0)))
@@ -421,7 +463,36 @@ def config_text(row: dict[str, Any] | None) -> str:
     text = f"bn {row['block_n']} w{row['num_warps']} s{row['num_stages']} {row['split']}"
     text += f" ({row['splits']} splits"
     text += f", {row['programs']} programs)" if row.get("programs") else ")"
+    if row.get("fp8_compute"):
+        text += f" {fp8_label(row)}"
     return text
+
+
+def fp8_label(row: dict[str, Any]) -> str:
+    """``compute/staging`` and, for tiles sized by bytes, ``/bytes``."""
+    text = f"{row['fp8_compute']}/{row['fp8_staging']}"
+    return text + ("/bytes" if row.get("fp8_tile") == "bytes" else "")
+
+
+def fp8_variant_rows(payload: dict[str, Any]) -> list[list[str]]:
+    """Per shape and FP8 variant (phase 1b, default split): time and time / the default's."""
+    out = []
+    for s in payload["shapes"]:
+        rows = [r for r in payload["results"] if r["shape"] == s["key"]]
+        default = next((r for r in rows if r["phase"] == "default" and r.get("us")), None)
+        for r in rows:
+            if r["phase"] not in ("default", "fp8") or not r.get("fp8_compute"):
+                continue
+            us, d_us = r.get("us"), (default or {}).get("us")
+            out.append(
+                [
+                    s["key"], fp8_label(r) + (" (default)" if r["phase"] == "default" else ""),
+                    f"bn {r.get('block_n')} w{r.get('num_warps')} s{r.get('num_stages')}",
+                    fmt(us), fmt(r.get("pct_copy")), fmt(us / d_us, 3) if us and d_us else "—",
+                    r.get("error", ""),
+                ]
+            )  # fmt: skip
+    return out
 
 
 def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
@@ -506,6 +577,19 @@ def render(payload: dict[str, Any]) -> str:
         "",
         markdown_table(SUMMARY_COLUMNS, summary_rows(payload)),
         "",
+        *(
+            [
+                "## FP8 kernel variants at the default split (compute/staging[/bytes])",
+                "",
+                markdown_table(
+                    ["shape", "variant", "tile", "us", "% copy", "/ default", "error"],
+                    fp8_variant_rows(payload),
+                ),
+                "",
+            ]
+            if a.get("fp8")
+            else []
+        ),
         "## Tiles that suit every shape (time / the shape's best tile, at its best split)",
         "",
         markdown_table(["block_n", "warps", "stages", "geomean", "worst"],
@@ -560,12 +644,14 @@ def plan_facts(head: str, shape: Shape, page: int, kv_dtype=None) -> dict[str, A
         "largest_item_vs_sm_share": max(sizes) / per_sm,
         # partial outputs written by stage 1 and read by the merge (float32, D + 1 per row)
         "partial_traffic": merged * hq * (d + 1) * 4 * 2 / kv if kv else 0.0,
+        "fp8": f"{plan.fp8_compute}/{plan.fp8_staging}" if plan.fp8_compute else "—",
     }
 
 
 PLAN_COLUMNS = [
     "shape", "split", "splits", "tokens/split", "block_n", "warps", "stages", "programs",
     "items", "items/SM", "waves ceil/mean", "largest item / SM share", "partials / KV bytes",
+    "FP8 compute/staging",
 ]  # fmt: skip
 
 
@@ -575,7 +661,7 @@ def plans_markdown(facts: list[dict[str, Any]]) -> str:
             f["shape"], "yes" if f["split"] else "no", str(f["splits"]), str(f["tokens_per_split"]),
             str(f["block_n"]), str(f["warps"]), str(f["stages"]), str(f["programs"]),
             str(f["items"]), fmt(f["items_per_sm"], 2), fmt(f["wave_ratio"], 2),
-            fmt(f["largest_item_vs_sm_share"], 2), fmt(f["partial_traffic"], 3),
+            fmt(f["largest_item_vs_sm_share"], 2), fmt(f["partial_traffic"], 3), f["fp8"],
         ]
         for f in facts
     ]  # fmt: skip

@@ -217,6 +217,25 @@ def test_fp8_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
     assert saved["flashinfer"]["4/2/16 p8 B=2 L=40"]["best_path"] == "HND-tc"
     text = (tmp_path / "decode_tuning.md").read_text()
     assert "FP8 e4m3 KV" in text and "bf16 / best" in text
+    # phase 1b: every FP8 kernel variant once, after the default (which runs the plan's own)
+    rows = saved["results"]
+    assert [td.fp8_of(r) for r in rows if r["phase"] == "fp8"] == td.FP8_VARIANTS
+    default = next(r for r in rows if r["phase"] == "default")
+    assert td.fp8_of(default) == {
+        "fp8_compute": td.DEFAULT_FP8_COMPUTE,
+        "fp8_staging": td.DEFAULT_FP8_STAGING,
+        "fp8_tile": td.DEFAULT_FP8_TILE,
+    }
+    assert default not in td.FP8_VARIANTS and len(td.FP8_VARIANTS) == 7
+    fp8_rows = [r for r in rows if r["phase"] in ("default", "fp8")]
+    tokens = {r["block_n"] for r in fp8_rows if r["fp8_tile"] == "tokens"}
+    assert {r["block_n"] for r in fp8_rows if r["fp8_tile"] == "bytes"} == {2 * min(tokens)}
+    # later phases keep the best variant (the tile grid sets block_n itself)
+    best = min((r for r in rows if r["phase"] in ("default", "fp8")), key=lambda r: r["us"])
+    for r in rows:
+        if r["phase"] in ("split", "tile"):
+            assert td.fp8_of(r, with_tile=False) == td.fp8_of(best, with_tile=False)
+    assert "## FP8 kernel variants" in text and "| q/none |" in text
 
 
 def test_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
@@ -257,3 +276,5 @@ def test_plan_facts_explain_the_weak_shapes(capsys):
     if bd.FP8 is not None:
         f8 = td.plan_facts("32/8/128", bd.uniform_shape(32, 4096), 16, bd.FP8)
         assert f8["items"] == 256
+        assert f8["fp8"] == f"{td.DEFAULT_FP8_COMPUTE}/{td.DEFAULT_FP8_STAGING}"
+        assert group7["fp8"] == "—"

@@ -66,6 +66,25 @@ WIDE_TILE_BYTES = 32 * 1024
 NARROW_TILE_BYTES = 16 * 1024
 WIDE_TILE_MAX_PROGRAMS_PER_SM = 3
 NARROW_TILE_MAX_PROGRAMS_PER_SM = 6
+# FP8 (e4m3) KV: how the kernel turns the one-byte tiles into MMA operands (DecodePlan fields).
+# fp8_compute: the dots' dtype. "f16" folds the logit factor (sm_scale * log2(e) * k_scale) into
+# q and runs both dots in fp16 (e4m3 -> fp16 is one cvt per two values on sm_90); "q" converts
+# the tiles to q's dtype (e4m3 -> bf16 takes three cvts per two values).
+FP8_COMPUTE_CHOICES = ("f16", "q")
+DEFAULT_FP8_COMPUTE = "f16"
+# fp8_staging: which tiles are converted in their load layout and reach the operand layout
+# through shared memory as 16-bit values ("none": Triton reads e4m3 straight into the operand
+# layout, V one byte per shared-memory load). benchmarks/results/decode_fp8_sass.md counts the
+# sm_90 code of each choice: at the default tile "kv" takes the fewest instructions per byte
+# (0.45x those of the old kernel, "q"/"none") and no more shared memory than a bf16 tile of as
+# many tokens (68 against 70 KiB at head_dim 128), nor more registers per resident program.
+FP8_STAGING_CHOICES = ("none", "v", "kv")
+DEFAULT_FP8_STAGING = "kv"
+# fp8_tile: how default_kernel_config sizes an FP8 tile. "tokens": as many tokens as a tile of
+# q's dtype (half its bytes); "bytes": as many bytes (twice the tokens, up to 256), fewer
+# instructions per byte but twice the registers and shared memory of a converted tile.
+FP8_TILE_CHOICES = ("tokens", "bytes")
+DEFAULT_FP8_TILE = "tokens"
 
 
 @dataclass(frozen=True)
@@ -78,23 +97,33 @@ class KernelConfig:
 
 
 def default_kernel_config(
-    head_dim: int, dtype: torch.dtype, *, programs_per_sm: float = 0.0
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    programs_per_sm: float = 0.0,
+    kv_dtype: torch.dtype | None = None,
+    fp8_tile: str = DEFAULT_FP8_TILE,
 ) -> KernelConfig:
     """The tuned defaults for a launch of about ``programs_per_sm`` programs per SM.
 
     ``block_n`` is sized so that one iteration gathers :data:`WIDE_TILE_BYTES` (or
     :data:`NARROW_TILE_BYTES`) of K and V; four warps (eight for head_dim 256, whose tiles are
     twice as wide). The query group size does not change the choice (measured for 1 to 32).
+    An FP8 cache (``kv_dtype``) counts its tile in q's dtype, or with ``fp8_tile="bytes"`` in
+    its own one-byte elements (see :data:`FP8_TILE_CHOICES`).
     """
     block_d = max(16, next_power_of_2(head_dim))
     elem = torch.empty((), dtype=dtype).element_size()
+    max_block_n = 128
+    if kv_dtype == FP8_DTYPE and fp8_tile == "bytes":
+        elem, max_block_n = 1, 256
     if programs_per_sm <= WIDE_TILE_MAX_PROGRAMS_PER_SM:
         tile_bytes, num_stages = WIDE_TILE_BYTES, 3
     elif programs_per_sm <= NARROW_TILE_MAX_PROGRAMS_PER_SM:
         tile_bytes, num_stages = NARROW_TILE_BYTES, 3
     else:
         tile_bytes, num_stages = WIDE_TILE_BYTES, 2
-    block_n = min(128, max(16, tile_bytes // (2 * block_d * elem)))
+    block_n = min(max_block_n, max(16, tile_bytes // (2 * block_d * elem)))
     num_warps = 8 if block_d >= 256 else 4
     return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
@@ -129,6 +158,8 @@ class DecodePlan:
     # split path: the last split of each (request, KV head) merges (needs the workspace's
     # arrival counters); False: a second launch merges
     fused_merge: bool = False
+    fp8_compute: str | None = None  # FP8 KV: the dots' dtype, "f16" or "q" (None: float KV)
+    fp8_staging: str | None = None  # FP8 KV: tiles staged as 16-bit, "none"/"v"/"kv"
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -254,6 +285,9 @@ def plan_decode(
     window: int | None = None,
     kv_dtype: torch.dtype | None = None,
     fused_merge: bool | None = None,
+    fp8_compute: str | None = None,
+    fp8_staging: str | None = None,
+    fp8_tile: str | None = None,
 ) -> DecodePlan:
     """Compute the launch configuration for one batch layout.
 
@@ -269,8 +303,11 @@ def plan_decode(
     tokens attended, is capped at ``batch * window``).
 
     ``dtype`` is q's (and the output's); ``kv_dtype`` the cache's when it differs: an FP8 cache
-    (``torch.float8_e4m3fn``) beside fp16/bf16 q. The tile keeps the shape of q's dtype (the
-    K/V tiles are converted to it in registers), so an FP8 tile moves half the bytes.
+    (``torch.float8_e4m3fn``) beside fp16/bf16 q. ``fp8_compute`` (:data:`FP8_COMPUTE_CHOICES`)
+    and ``fp8_staging`` (:data:`FP8_STAGING_CHOICES`) choose how the kernel converts FP8 tiles,
+    ``fp8_tile`` (:data:`FP8_TILE_CHOICES`) how the default tile is sized (defaults
+    :data:`DEFAULT_FP8_COMPUTE`, :data:`DEFAULT_FP8_STAGING`, :data:`DEFAULT_FP8_TILE`; any of
+    them given for a float cache: ValueError).
 
     ``fused_merge`` (split plans): whether the last split of each (request, KV head) merges the
     splits in the same launch; by default when a merge reads at most
@@ -303,6 +340,7 @@ def plan_decode(
             f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
             f"{kv_dtype}"
         )
+    fp8_compute, fp8_staging, fp8_tile = _fp8_options(kv_dtype, fp8_compute, fp8_staging, fp8_tile)
     check_kv_layout(kv_layout)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -342,7 +380,10 @@ def plan_decode(
     # the split path aims at DEFAULT_PROGRAMS_PER_SM work items per SM; a single pass runs one
     # program per (request, KV head)
     load = 0.0 if will_split else batch * num_kv_heads / num_sms
-    config = default_kernel_config(head_dim, dtype, programs_per_sm=load)
+    config = default_kernel_config(
+        head_dim, dtype, programs_per_sm=load, kv_dtype=kv_dtype,
+        fp8_tile=fp8_tile or DEFAULT_FP8_TILE,
+    )  # fmt: skip
     if block_n is not None:
         check_positive_int("block_n", block_n, minimum=16)
         if block_n & (block_n - 1):
@@ -404,4 +445,33 @@ def plan_decode(
         window=window,
         kv_dtype=kv_dtype,
         fused_merge=fused_merge and splits > 1,
+        fp8_compute=fp8_compute,
+        fp8_staging=fp8_staging,
     )
+
+
+def _fp8_options(
+    kv_dtype: torch.dtype, *values: object
+) -> tuple[str | None, str | None, str | None]:
+    """``fp8_compute``, ``fp8_staging``, ``fp8_tile`` checked: the defaults for an FP8 cache,
+    None for a float one."""
+    options = zip(
+        ("fp8_compute", "fp8_staging", "fp8_tile"),
+        values,
+        (FP8_COMPUTE_CHOICES, FP8_STAGING_CHOICES, FP8_TILE_CHOICES),
+        (DEFAULT_FP8_COMPUTE, DEFAULT_FP8_STAGING, DEFAULT_FP8_TILE),
+        strict=True,
+    )
+    out = []
+    for name, value, choices, default in options:
+        if value is None:
+            out.append(default if kv_dtype == FP8_DTYPE else None)
+            continue
+        if kv_dtype != FP8_DTYPE:
+            raise ValueError(f"{name} applies only to {FP8_DTYPE} caches; this one is {kv_dtype}")
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        out.append(value)
+    return out[0], out[1], out[2]

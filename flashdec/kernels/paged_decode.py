@@ -48,6 +48,17 @@ from flashdec.kernels.validation import decode_metadata_stats, lookup, metadata_
 
 LOG2E = 1.4426950408889634
 
+# The kernel's KV_FP8 constexpr: 0 for a float cache; for an e4m3 cache FP8_ON plus the plan's
+# options (DecodePlan.fp8_compute, fp8_staging), as bits so that no launch signature grows.
+FP8_ON = 1
+FP8_F16 = 2  # the dots in fp16, the logit factor folded into q (fp8_compute="f16")
+FP8_STAGE_V = 4  # V converted in its load layout and staged as 16-bit (fp8_staging "v", "kv")
+FP8_STAGE_K = 8  # K likewise (fp8_staging="kv")
+_FP8_F16 = tl.constexpr(FP8_F16)
+_FP8_STAGE_V = tl.constexpr(FP8_STAGE_V)
+_FP8_STAGE_K = tl.constexpr(FP8_STAGE_K)
+_STAGING_BITS = {"none": 0, "v": FP8_STAGE_V, "kv": FP8_STAGE_V | FP8_STAGE_K}
+
 
 @triton.jit
 def _page_ids(table, offs_n, mask_n, stride_btn, PAGE_SIZE: tl.constexpr):
@@ -98,6 +109,39 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _query_tile(q_ptrs, mask_gd, qk_scale, k_scale_ptr, UPCAST, KV_FP8: tl.constexpr):
+    """The packed query tile ``[BLOCK_G, BLOCK_D]`` and the factor of its logits (log2 units).
+
+    With an FP8 cache the factor includes the head's K scale. ``FP8_F16`` folds it into q in
+    float32 and rounds q to fp16 once: the tiles then convert e4m3 -> fp16 (one cvt per two
+    values on sm_90, where e4m3 -> bf16 takes three), the logits need no multiply, and the PV
+    dot runs in fp16 (p rounded to 11 bits instead of bf16's 8). The scaled q must stay below
+    fp16's 65504 (one logit term would be 65504 * |key| log2 units, past any usable softmax).
+    """
+    q = tl.load(q_ptrs, mask=mask_gd, other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if _FP8_F16 & KV_FP8:
+            q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return q, qk_scale
+
+
+@triton.jit
+def _opaque(x):
+    """``x``, through an identity the compiler cannot see into (GPU only: no inline asm in the
+    interpreter). Triton would otherwise move the conversion of a loaded e4m3 tile into the MMA
+    operand layout, where V (tokens strided) is read from shared memory one byte per load and
+    packed by hand; behind this, the tile is converted in its load layout (16 bytes per load)
+    and reaches the operand layout through shared memory as 16-bit values (ldmatrix), as a
+    bf16 tile does. Measured on sm_90 SASS: about half the instructions per FP8 byte."""
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2
+    )
+
+
+@triton.jit
 def _online_softmax_step(
     q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8: tl.constexpr
 ):
@@ -107,11 +151,17 @@ def _online_softmax_step(
     else:
         if KV_FP8:
             # e4m3 -> fp16/bf16 is exact: the dots run on q's dtype (FP8 was loaded, half the
-            # bytes); the scales are folded into qk_scale and the output
+            # bytes; fp16 with FP8_F16); the V scale is applied to the output
             k = k.to(q.dtype)
             v = v.to(q.dtype)
+            if _FP8_STAGE_K & KV_FP8:
+                k = _opaque(k)
+            if _FP8_STAGE_V & KV_FP8:
+                v = _opaque(v)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-    qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+    if (_FP8_F16 & KV_FP8) == 0:  # else q carries the factor already
+        qk = qk * qk_scale
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -306,7 +356,7 @@ def _decode_kernel(
     UPCAST: tl.constexpr,  # interpreter only: its bf16 dot is wrong, so compute in fp32
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,  # attend to the last `window` positions of each request only
-    KV_FP8: tl.constexpr,  # e4m3 cache: key = stored * k_scale[head], value likewise
+    KV_FP8: tl.constexpr,  # e4m3 cache (FP8_ON + option bits): key = stored * k_scale[head]
     FUSED_MERGE: tl.constexpr,  # split path: the last split of a (request, KV head) merges
     MERGE_G: tl.constexpr,  # GROUP padded to a power of two
     MERGE_S: tl.constexpr,  # splits per merge step
@@ -326,12 +376,9 @@ def _decode_kernel(
             lo = tl.maximum(seq_len - window, 0)
         heads = kv_head * GROUP + offs_g
         q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=mask_gd, other=0.0)  # [BLOCK_G, BLOCK_D]
-        if UPCAST:
-            q = q.to(tl.float32)
-        head_qk_scale = qk_scale
-        if KV_FP8:
-            head_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        q, head_qk_scale = _query_tile(
+            q_ptrs, mask_gd, qk_scale, k_scale_ptr + kv_head, UPCAST, KV_FP8
+        )  # [BLOCK_G, BLOCK_D]
         acc, m_i, l_i = _attend_tokens(
             q,
             k_ptr + kv_head * stride_kh,
@@ -401,12 +448,9 @@ def _decode_kernel(
             q_ptrs = (
                 q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
             )
-            q = tl.load(q_ptrs, mask=mask_gd, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            head_qk_scale = qk_scale
-            if KV_FP8:
-                head_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+            q, head_qk_scale = _query_tile(
+                q_ptrs, mask_gd, qk_scale, k_scale_ptr + kv_head, UPCAST, KV_FP8
+            )
             acc, m_i, l_i = _attend_tokens(
                 q,
                 k_ptr + kv_head * stride_kh,
@@ -612,8 +656,14 @@ class _PlanConstants:
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan  # held so that the id() key cannot be reused while the entry lives
-        upcast = INTERPRET and plan.dtype == torch.bfloat16
         self.fp8 = plan.cache_dtype == FP8_DTYPE
+        kv_fp8 = 0
+        if self.fp8:
+            kv_fp8 = FP8_ON | (FP8_F16 if plan.fp8_compute == "f16" else 0)
+            if not INTERPRET:  # staging is a GPU code-layout choice (same values either way)
+                kv_fp8 |= _STAGING_BITS[plan.fp8_staging]
+        # fp16 dots are right in the interpreter: an fp8_compute="f16" plan runs its GPU path
+        upcast = INTERPRET and plan.dtype == torch.bfloat16 and not kv_fp8 & FP8_F16
         precision = "ieee" if (plan.dtype == torch.float32 or upcast) else "tf32"
         self.decode = (
             plan.num_kv_heads,
@@ -628,7 +678,7 @@ class _PlanConstants:
             upcast,
             precision,
             plan.window is not None,
-            self.fp8,
+            kv_fp8,
         )
         # (FUSED_MERGE, MERGE_G, MERGE_S): the merge tile only matters, and only specialises
         # the kernel, when the launch merges in place
@@ -817,8 +867,10 @@ def decode(
     FP8 KV: with ``torch.float8_e4m3fn`` caches (q and the output fp16/bf16) ``k_scale`` and
     ``v_scale`` are required — each a float or a float32 tensor ``[num_kv_heads]`` — and a key
     is ``stored.float() * k_scale[kv_head]`` (a value likewise). The kernel loads FP8 (half the
-    bytes), converts in registers, and folds the K scale into the softmax scale and the V scale
-    into the output. For CUDA-graph capture pass tensors (a float becomes a small cached device
+    bytes) and converts it on chip; by default (``DecodePlan.fp8_compute="f16"``) the K scale and
+    softmax scale are folded into q in float32 and both dots run in fp16, so q times that
+    factor must stay below 65504 (q itself may exceed fp16's range); the V scale is applied to
+    the output. For CUDA-graph capture pass tensors (a float becomes a small cached device
     tensor). Float caches take no scales (ValueError); the workspace's plan must have been made
     with ``kv_dtype=torch.float8_e4m3fn``.
 

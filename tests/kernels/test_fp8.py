@@ -16,6 +16,14 @@ from flashdec.kernels import (
     launch_kv_append,
     plan_decode,
 )
+from flashdec.kernels import paged_decode as pd
+from flashdec.kernels.decode_plan import (
+    DEFAULT_FP8_COMPUTE,
+    DEFAULT_FP8_STAGING,
+    FP8_COMPUTE_CHOICES,
+    FP8_STAGING_CHOICES,
+    default_kernel_config,
+)
 from flashdec.reference import apply_rope, dequantize_fp8, quantize_fp8
 from tests.helpers import TOLERANCES, make_paged_kv
 
@@ -146,6 +154,102 @@ def test_fp8_trusted_and_bound_launches(device):
         )
         k_scale.div_(2.0)
         v_scale.div_(0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# kernel variants (DecodePlan.fp8_compute / fp8_staging, plan_decode(fp8_tile=))
+# --------------------------------------------------------------------------------------------
+VARIANTS = [
+    {"fp8_compute": "f16"},
+    {"fp8_compute": "q", "fp8_staging": "none"},
+    {"fp8_compute": "f16", "fp8_staging": "kv", "fp8_tile": "bytes"},
+]
+VARIANT_CASES = [(dtype, scales, v) for dtype in DTYPES for scales in ("tensor", "float")
+                 for v in range(len(VARIANTS))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "scales", "variant"), VARIANT_CASES, ids=str)
+def test_fp8_variants_match_reference(dtype, scales, variant, device):
+    """Every variant, single pass and split, on a group of 3, a padded head_dim (40), ragged
+    lengths and permuted blocks. (Staging is a GPU code-layout choice: the interpreter runs the
+    same values without it; the GPU tests below cover it.)"""
+    options = VARIANTS[variant]
+    hq, hkv, d, bs = 6, 2, 40, 8
+    k_scale, v_scale = _scales(scales, hkv, device)
+    k, v, tables, lens = fp8_paged_kv([53, 1, 0, 130], hkv, d, bs, device, k_scale, v_scale)
+    gen = torch.Generator().manual_seed(10 + variant)
+    q = torch.randn(4, hq, d, generator=gen).to(device=device, dtype=dtype)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
+    for split in ({"num_splits": 1}, {"num_splits": 3}):
+        plan = plan_decode(4, hq, hkv, d, bs, 130, dtype, device, kv_dtype=FP8, **split,
+                           **options)  # fmt: skip
+        assert plan.fp8_compute == options["fp8_compute"]
+        assert plan.fp8_staging == options.get("fp8_staging", DEFAULT_FP8_STAGING)
+        assert plan.uses_split == (split["num_splits"] > 1)
+        out = torch.full_like(q, float("nan"))
+        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
+               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        _assert_close(out, ref)
+
+
+def test_fp8_plan_options_and_their_defaults(device):
+    plan = plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device, kv_dtype=FP8)
+    assert (plan.fp8_compute, plan.fp8_staging) == (DEFAULT_FP8_COMPUTE, DEFAULT_FP8_STAGING)
+    float_plan = plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device)
+    assert float_plan.fp8_compute is None and float_plan.fp8_staging is None
+    # fp8_tile="bytes": the tile of a bf16 cache in bytes, twice its tokens (up to 256)
+    tokens = default_kernel_config(128, torch.bfloat16, kv_dtype=FP8, fp8_tile="tokens")
+    as_bytes = default_kernel_config(128, torch.bfloat16, kv_dtype=FP8, fp8_tile="bytes")
+    assert tokens == default_kernel_config(128, torch.bfloat16)
+    assert as_bytes.block_n == 2 * tokens.block_n == 128
+    assert default_kernel_config(64, torch.float16, kv_dtype=FP8, fp8_tile="bytes").block_n == 256
+    assert default_kernel_config(128, torch.bfloat16, fp8_tile="bytes") == tokens  # float KV
+    narrow, wide = (
+        plan_decode(2, 8, 2, 128, 16, 4096, torch.bfloat16, device, kv_dtype=FP8, fp8_tile=t)
+        for t in ("tokens", "bytes")
+    )
+    assert wide.block_n == 2 * narrow.block_n
+    for compute in FP8_COMPUTE_CHOICES:
+        for staging in FP8_STAGING_CHOICES:
+            p = plan_decode(2, 8, 2, 64, 16, 100, torch.float16, device, kv_dtype=FP8,
+                            fp8_compute=compute, fp8_staging=staging)  # fmt: skip
+            bits = pd._PlanConstants(p).decode[-1]
+            assert bits & pd.FP8_ON and bool(bits & pd.FP8_F16) == (compute == "f16")
+            if not pd.INTERPRET:
+                assert bits & (pd.FP8_STAGE_K | pd.FP8_STAGE_V) == pd._STAGING_BITS[staging]
+    assert set(pd._STAGING_BITS) == set(FP8_STAGING_CHOICES)
+    assert pd._PlanConstants(float_plan).decode[-1] == 0
+
+
+def test_fp8_plan_option_errors(device):
+    args = (2, 8, 2, 64, 16, 100, torch.float16, device)
+    for name in ("fp8_compute", "fp8_staging", "fp8_tile"):
+        with pytest.raises(ValueError, match=f"{name} applies only to"):
+            plan_decode(*args, **{name: "f16"})
+        with pytest.raises(ValueError, match=f"{name} must be one of"):
+            plan_decode(*args, kv_dtype=FP8, **{name: "bf16"})
+        with pytest.raises(TypeError, match=f"{name} must be a str"):
+            plan_decode(*args, kv_dtype=FP8, **{name: 1})
+
+
+def test_fp8_f16_folds_the_scale_before_rounding_q(device):
+    """bf16 q far beyond fp16's range (1e5 > 65504) is fine with fp8_compute="f16": the logit
+    factor (sm_scale * log2(e) * k_scale) is applied in float32 before q is rounded to fp16,
+    so only the scaled q must fit (here about 25)."""
+    dtype, hq, hkv, d, bs = torch.bfloat16, 4, 2, 32, 8
+    k_scale, v_scale = 1e-3, 0.015
+    k, v, tables, lens = fp8_paged_kv([37, 90], hkv, d, bs, device, 0.02, v_scale)
+    q = (torch.randn(2, hq, d, generator=torch.Generator().manual_seed(4)) * 1e5).to(dtype)
+    q = q.to(device)
+    assert q.abs().max() > 65504
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
+    for compute in FP8_COMPUTE_CHOICES:
+        plan = plan_decode(2, hq, hkv, d, bs, 90, dtype, device, kv_dtype=FP8,
+                           fp8_compute=compute)  # fmt: skip
+        out = decode(q, k, v, tables, lens, workspace=plan.allocate_workspace(),
+                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        assert torch.isfinite(out).all()
+        _assert_close(out, ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,6 +500,32 @@ def test_gpu_fp8_large_shapes(hq, hkv, d, page, dtype):
     windowed = decode(q, k, v, tables, lens, window=1000, k_scale=0.02, v_scale=0.015)
     _assert_close(windowed, paged_decode_attention_ref(q, k, v, tables, lens, window=1000,
                                                        k_scale=0.02, v_scale=0.015))  # fmt: skip
+
+
+GPU_VARIANTS = [
+    {"fp8_compute": c, "fp8_staging": s} for c in FP8_COMPUTE_CHOICES for s in FP8_STAGING_CHOICES
+] + [{"fp8_staging": s, "fp8_tile": "bytes"} for s in FP8_STAGING_CHOICES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hq", "hkv", "d", "page", "dtype"), GPU_SHAPES[:3], ids=str)
+@pytest.mark.parametrize("variant", range(len(GPU_VARIANTS)))
+def test_gpu_fp8_variants(hq, hkv, d, page, dtype, variant):
+    """Every compiled variant (compute dtype x staging x tile sizing) on ragged long contexts,
+    single pass and split (windows: the default plan's, test_gpu_fp8_large_shapes)."""
+    options = GPU_VARIANTS[variant]
+    seq_lens = [3000, 17001, 1, 777]
+    k_scale, v_scale = _scales("tensor", hkv, "cuda")
+    k, v, tables, lens = fp8_paged_kv(seq_lens, hkv, d, page, "cuda", k_scale, v_scale)
+    q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(variant)).to("cuda", dtype)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
+    for split in ({"num_splits": 1}, {}):
+        plan = plan_decode(4, hq, hkv, d, page, 17001, dtype, "cuda", kv_dtype=FP8, **split,
+                           **options)  # fmt: skip
+        out = torch.full_like(q, float("nan"))
+        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
+               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        _assert_close(out, ref)
 
 
 @pytest.mark.gpu
