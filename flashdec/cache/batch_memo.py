@@ -26,7 +26,18 @@ from flashdec.cache.state import RequestId, RequestRecord
 class BatchMemo:
     """One batch's request state as arrays, valid while the cache is at ``version``."""
 
-    __slots__ = ("counts", "held", "last", "lens", "records", "rids", "rows", "tables", "version")
+    __slots__ = (
+        "_pending",
+        "counts",
+        "held",
+        "last",
+        "lens",
+        "records",
+        "rids",
+        "rows",
+        "tables",
+        "version",
+    )
 
     def __init__(self, records: list[RequestRecord], num_groups: int, version: int) -> None:
         num = len(records)
@@ -53,6 +64,7 @@ class BatchMemo:
             )
             self.tables.append([run.table for run in runs])
         self.version = version
+        self._pending: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
 
     def matches(self, request_ids: Sequence, version: int) -> bool:
         """Whether ``request_ids`` are this batch's ids — the same objects, in order (equality
@@ -66,10 +78,23 @@ class BatchMemo:
 
     def advance(self, new_blocks: Sequence[tuple[np.ndarray, np.ndarray]], version: int) -> None:
         """Account for a committed step: every length + 1, and per group the requests
-        ``new_blocks[g][0]`` (batch indices) now end with block ``new_blocks[g][1]``."""
+        ``new_blocks[g][0]`` (batch indices) now end with block ``new_blocks[g][1]``.
+
+        Applied by :meth:`settle` when the next step is planned: the commit itself then runs
+        no array operation (the first numpy call after a step's layers is the slow one)."""
+        if self._pending is not None:
+            self.settle()
+        self._pending = new_blocks
+        self.version = version
+
+    def settle(self) -> None:
+        """Apply the committed step :meth:`advance` recorded (before reading the arrays)."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
         self.lens += 1
-        for held, last, (index, blocks) in zip(self.held, self.last, new_blocks, strict=True):
+        for held, last, (index, blocks) in zip(self.held, self.last, pending, strict=True):
             if index.shape[0]:
                 held[index] += 1
                 last[index] = blocks
-        self.version = version

@@ -864,6 +864,7 @@ class PagedKVCache:
         """The repeated batch's one-token reservation, planned on arrays (full-attention groups:
         a request takes a block exactly when its token starts one). None when some request
         would be full or a pool is short: the general path then raises its exact error."""
+        memo.settle()
         lens = memo.lens
         news = []
         for group, held in zip(self._groups, memo.held, strict=True):

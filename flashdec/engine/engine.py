@@ -247,6 +247,8 @@ class DecodeEngine:
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
         self._dtype = self.activation_dtype
+        # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
+        self._device_index = cache.device.index if cache.device.type == "cuda" else -1
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
@@ -956,17 +958,22 @@ class DecodeEngine:
         self.cache.abort_token(tx_id)
 
     def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
-        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
-        if (
-            step.q_shape is not None
-            and shapes == (step.q_shape, step.kv_shape, step.kv_shape)
-            and q.dtype is self._dtype
-            and k.dtype is q.dtype
-            and v.dtype is q.dtype
-        ):
-            device = self.cache.device
-            if q.device == device and k.device == device and v.device == device:
-                return  # the common case: same shapes as the step's first layer
+        try:  # the common case: the shapes, dtype and device of the step's first layer
+            kv_shape, device = step.kv_shape, self._device_index
+            if (
+                q.shape == step.q_shape
+                and k.shape == kv_shape
+                and v.shape == kv_shape
+                and q.dtype is self._dtype
+                and k.dtype is q.dtype
+                and v.dtype is q.dtype
+                and q.get_device() == device
+                and k.get_device() == device
+                and v.get_device() == device
+            ):
+                return
+        except AttributeError:  # not tensors: the full check says what is wrong
+            pass
         q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, dtype=self._dtype)
         if step.q_shape is not None and q.shape != step.q_shape:
             raise ValueError(
