@@ -10,6 +10,8 @@ Python around them. This tool counts them per phase:
   uploads on a GPU cache);
 - **launches**: Triton kernel launches (on the CPU they are counted and skipped, so the host
   time is the engine's own, not the interpreter's);
+- ``--ops`` lists each phase's ops with their count and time per call (on a GPU: the host cost
+  of issuing each op, whose kernel runs asynchronously);
 - **host µs**: median wall time of each phase over the timed steps (without the counting mode),
   and with ``--profile`` the top functions of each phase by their own time (cProfile);
   **in ops µs**: of that, the median time inside the aten ops (measured in the counting pass):
@@ -65,15 +67,19 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.op_seconds: Counter[str] = Counter()
         self.seconds = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
         start = time.perf_counter()
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            self.seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.seconds += elapsed
+            self.op_seconds[name] += elapsed
 
 
 class LaunchCounter:
@@ -122,6 +128,7 @@ class PhaseCount:
     host_us: list[float] = field(default_factory=list)
     in_ops_us: list[float] = field(default_factory=list)
     op_names: Counter = field(default_factory=Counter)
+    op_us: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         def med(xs):
@@ -136,6 +143,7 @@ class PhaseCount:
             "host_us_median": med(self.host_us),
             "in_ops_us_median": med(self.in_ops_us),
             "op_names": dict(self.op_names.most_common()),
+            "op_us": dict(self.op_us.most_common()),
         }
 
 
@@ -220,6 +228,7 @@ def measure(
         entry.launches.append((launches.count - before) / per)
         entry.in_ops_us.append(mode.seconds * 1e6 / per)
         entry.op_names.update(ops)
+        entry.op_us.update({name: t * 1e6 for name, t in mode.op_seconds.items()})
         return result
 
     for _ in range(steps):
@@ -230,12 +239,10 @@ def measure(
             per=num_layers,
         )
         counted("commit_step", lambda tx=tx: engine.commit_step(tx))
-    for entry in (counts["step_layer"],):  # op names per layer, like the counts
-        entry.op_names = Counter({k: round(v / (steps * num_layers), 2)
-                                  for k, v in entry.op_names.items()})  # fmt: skip
-    for phase in ("begin_step", "commit_step"):
-        entry = counts[phase]
-        entry.op_names = Counter({k: round(v / steps, 2) for k, v in entry.op_names.items()})
+    for phase in PHASES:  # per step (step_layer: per layer, like its counts)
+        entry, per = counts[phase], steps * (num_layers if phase == "step_layer" else 1)
+        entry.op_names = Counter({k: round(v / per, 2) for k, v in entry.op_names.items()})
+        entry.op_us = Counter({k: round(v / per, 2) for k, v in entry.op_us.items()})
 
     profilers = {phase: cProfile.Profile() for phase in PHASES} if profile else {}
 
@@ -367,7 +374,8 @@ def main() -> None:
                 f"{s['in_ops_us_median']:11.1f}"
             )
             if args.ops:
-                print(f"    ops: {s['op_names']}")
+                print(f"    ops per call: {s['op_names']}")
+                print(f"    µs in each op per call: {s['op_us']}")
         for phase, text in reports.items():
             print(f"--- cProfile {phase} (B={batch})\n{text}")
     if args.json:
