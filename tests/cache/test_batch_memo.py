@@ -21,7 +21,8 @@ def _write_all(cache: PagedKVCache, tx, seed: int) -> None:
         spec = cache.kv_groups[g]
         k = tokens(cache, count, seed * 100 + 2 * layer, spec.num_kv_heads)
         v = tokens(cache, count, seed * 100 + 2 * layer + 1, spec.num_kv_heads)
-        cache.write_token_layer(tx, layer, k[..., : spec.head_dim], v[..., : spec.head_dim])
+        device = cache.device
+        cache.write_token_layer(tx, layer, k.to(device), v.to(device))
 
 
 def _observed(cache: PagedKVCache, tx, rids) -> list[torch.Tensor]:
@@ -74,12 +75,20 @@ def _pair(**kwargs) -> tuple[PagedKVCache, PagedKVCache]:
     return make_cache(**kwargs), make_cache(**kwargs)
 
 
-@pytest.mark.parametrize("kind", ["single", "grouped"])
-def test_repeated_batch_steps_equal_replanned_steps(kind):
+@pytest.mark.parametrize(
+    "kind, device",
+    [
+        ("single", "cpu"),
+        ("grouped", "cpu"),
+        pytest.param("single", "cuda", marks=pytest.mark.gpu),  # pinned staging, two buffers
+        pytest.param("grouped", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_repeated_batch_steps_equal_replanned_steps(kind, device):
     if kind == "single":
-        fast, twin = _pair(max_blocks=24, prefix_cache_capacity_blocks=0)
+        fast, twin = _pair(max_blocks=24, prefix_cache_capacity_blocks=0, device=device)
     else:
-        fast, twin = (PagedKVCache(kv_spec=GROUPED, device="cpu") for _ in range(2))
+        fast, twin = (PagedKVCache(kv_spec=GROUPED, device=device) for _ in range(2))
     rids = ["a", "b", "c"]
     for cache in (fast, twin):
         for rid in rids:
