@@ -6,7 +6,7 @@ Allocation is all-or-nothing and every call checks its arguments before it chang
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 
 class BlockAllocator:
@@ -52,6 +52,23 @@ class BlockAllocator:
         taken = [self._free.pop() for _ in range(n)]
         for block_id in taken:
             self._owner[block_id] = owner
+        return taken
+
+    def allocate_each(self, owners: Sequence[Hashable]) -> list[int]:
+        """One free block for each of ``owners`` (a batch's new blocks at a block boundary, in
+        one call); RuntimeError (nothing taken) if fewer are free."""
+        n = len(owners)
+        if n > len(self._free):
+            raise RuntimeError(
+                f"out of KV blocks: {n} requested, {len(self._free)} of {self._num_blocks} free"
+            )
+        if None in owners:
+            raise ValueError("owner must not be None (None marks a free block)")
+        free, owner_of = self._free, self._owner
+        taken = free[len(free) - n :][::-1]  # the same order n pops would give
+        del free[len(free) - n :]
+        for block_id, owner in zip(taken, owners, strict=True):
+            owner_of[block_id] = owner
         return taken
 
     def release(self, block_ids: Iterable[int], owner: Hashable | None = None) -> None:

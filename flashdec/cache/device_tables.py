@@ -22,7 +22,11 @@ class DeviceTables:
         self.width = width
         self.device = device
         self.tensor = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self._flat = self.tensor.view(-1)
         self._free = list(range(rows - 1, -1, -1))
+        # bumped by every change of the tensor's contents or address: a copy of some rows
+        # gathered at one version is still exact while the version holds
+        self.version = 0
 
     @property
     def num_rows(self) -> int:
@@ -35,7 +39,9 @@ class DeviceTables:
             rows = old.shape[0]
             self.tensor = torch.zeros(2 * rows, self.width, dtype=torch.int64, device=self.device)
             self.tensor[:rows] = old
+            self._flat = self.tensor.view(-1)
             self._free = list(range(2 * rows - 1, rows - 1, -1))
+            self.version += 1
         return self._free.pop()
 
     def release(self, row: int) -> None:
@@ -43,7 +49,8 @@ class DeviceTables:
 
     def write(self, flat_index: torch.Tensor, values: torch.Tensor) -> None:
         """``tensor.view(-1)[flat_index[i]] = values[i]`` (``flat = row * width + column``)."""
-        self.tensor.view(-1).index_copy_(0, flat_index, values)
+        self._flat.index_copy_(0, flat_index, values)
+        self.version += 1
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The rows ``rows`` (int64 indices) into ``out`` ``[len(rows), width]``."""

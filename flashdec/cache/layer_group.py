@@ -50,6 +50,11 @@ class LayerGroup:
         self.kv = torch.zeros((2, *shape), dtype=spec.dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]
         self.layer_views = [(self.k[i], self.v[i]) for i in range(spec.layer_count)]
+        # [2 * layers, blocks * Hkv * block_size, D]: K then V as rows of head_dim (bytes for
+        # FP8, whose index_copy is not implemented everywhere); made once, like the layer views
+        kv_rows = self.kv.view(torch.uint8) if spec.dtype == FP8_DTYPE else self.kv
+        self.slot_rows = kv_rows.view(2 * spec.layer_count, -1, spec.head_dim)
+        self._backups: dict[int, torch.Tensor] = {}  # one-token backups, per slot-row count
         self.allocator = BlockAllocator(spec.num_blocks)
         self.prefixes = PrefixRegistry(self.allocator, prefix_capacity, spec.block_size)
         self.tables = DeviceTables(width, self.kv.device)
@@ -70,11 +75,21 @@ class LayerGroup:
         """Blocks a request can hold at most (window groups), else None."""
         return None if self.window is None else window_block_bound(self.block_size, self.window)
 
-    def slot_rows_view(self) -> torch.Tensor:
-        """``[2 * layers, blocks * Hkv * block_size, D]``: K then V as rows of head_dim (bytes
-        for FP8, whose index_copy is not implemented everywhere)."""
-        kv = self.kv.view(torch.uint8) if self.is_fp8 else self.kv
-        return kv.view(2 * self.spec.layer_count, -1, self.head_dim)
+    def backup(self, slot_rows: torch.Tensor, fixed: bool) -> torch.Tensor:
+        """The bytes now in ``slot_rows`` of every layer, ``[2 * layers, len(slot_rows), D]``
+        (for an abort to put back). ``fixed``: into a buffer reused by every one-token
+        transaction with as many rows (one transaction is open at a time, and its backup is
+        read only by its own abort), so a step allocates nothing."""
+        if not fixed:
+            return self.slot_rows.index_select(1, slot_rows)
+        count = slot_rows.shape[0]
+        out = self._backups.get(count)
+        if out is None:
+            if len(self._backups) >= 8:
+                self._backups.clear()
+            rows = self.slot_rows
+            out = self._backups[count] = rows.new_empty((rows.shape[0], count, rows.shape[2]))
+        return torch.index_select(self.slot_rows, 1, slot_rows, out=out)
 
     def quantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K/V rows ``[T, Hkv, D]`` as this FP8 group stores them (saturating)."""

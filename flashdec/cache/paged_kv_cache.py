@@ -34,6 +34,7 @@ from flashdec._checks import (
     check_shape,
     check_tensor,
 )
+from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import (
@@ -57,6 +58,7 @@ from flashdec.cache.transaction import (
     HISTORY_LIMIT,
     OpenTransaction,
     SlotBuffers,
+    TableRows,
     TokenTransactionView,
     TransactionLog,
     TransactionSlots,
@@ -69,6 +71,7 @@ LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 _NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+_NO_NEW = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
@@ -134,7 +137,17 @@ def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) ->
 class _Reservation:
     """What a transaction takes in one group, planned on the host before anything changes."""
 
-    __slots__ = ("block_ids", "reserved", "starts", "table_rows", "token_rows", "updates")
+    __slots__ = (
+        "block_ids",
+        "new",
+        "reserved",
+        "starts",
+        "table_rows",
+        "token_rows",
+        "update_arrays",
+        "update_batch",
+        "updates",
+    )
 
     def __init__(self) -> None:
         self.block_ids: np.ndarray | None = None  # [stored tokens] int64
@@ -144,7 +157,12 @@ class _Reservation:
         # device-table writes (row, logical block, block id) and, per request, the view's
         # (committed table row, first held block, committed end, reserved blocks, their start)
         self.updates: list[tuple[int, int, int]] = []
-        self.table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]] = []
+        self.update_batch: list[int] = []  # one-token reservations: each update's batch index
+        self.table_rows: TableRows = []
+        # the repeated-batch path: the updates as (flat index, block id, flat index in the
+        # batch's tables) arrays, and (batch indices, blocks) of the new blocks
+        self.update_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.new: tuple[np.ndarray, np.ndarray] = _NO_NEW
 
 
 def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
@@ -157,16 +175,32 @@ def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
     return every
 
 
+def _lazy_table_rows(tables: list[np.ndarray], held: list[int], reserved) -> TableRows:
+    """A view's table rows of a repeated-batch step, made only if the view's block tables are
+    read: ``held`` is a snapshot, and committed entries of ``tables`` never change."""
+
+    def rows() -> list:
+        out = [(table, 0, n, (), 0) for table, n in zip(tables, held, strict=True)]
+        if reserved is not None:
+            for i, block, start in zip(*reserved, strict=True):
+                out[i] = (tables[i], 0, held[i], (block,), start)
+        return out
+
+    return rows
+
+
 class _Plan:
     """A transaction's batch (shared by every group) and one reservation per group."""
 
-    __slots__ = ("counts", "groups", "positions", "records")
+    __slots__ = ("counts", "groups", "memo", "positions", "records", "rows")
 
     def __init__(self, records: list[RequestRecord], counts: list[int], num_groups: int) -> None:
         self.records = records
         self.counts = counts
         self.positions: np.ndarray | None = None  # [T] int64, every token
         self.groups = [_Reservation() for _ in range(num_groups)]
+        self.rows: np.ndarray | None = None  # [B] int64 device-table rows, when known
+        self.memo: BatchMemo | None = None  # the repeated batch this plan came from
 
     def reserved(self) -> list[dict[RequestId, list[int]]]:
         return [part.reserved for part in self.groups]
@@ -301,6 +335,7 @@ class PagedKVCache:
         self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
         self._version = 0
         self._appended = False  # a legacy append wrote tokens (scales are fixed then)
+        self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
 
     def __repr__(self) -> str:
         if not self._single:
@@ -733,6 +768,7 @@ class PagedKVCache:
         allocate = group.allocator.allocate
         reserved, starts, updates, table_rows = (part.reserved, part.starts, part.updates,
                                                  part.table_rows)  # fmt: skip
+        update_batch = part.update_batch
         if index == 0:  # the record is its own group-0 run
             positions = np.empty(num, dtype=np.int64)
             for i, rec in enumerate(records):
@@ -747,6 +783,7 @@ class PagedKVCache:
                     reserved[rec.request_id] = [block]
                     starts[rec.request_id] = logical
                     updates.append((rec.row, logical, block))
+                    update_batch.append(i)
                     block_ids[i] = block
                     table_rows.append((rec.table, 0, rec.num_blocks, (block,), logical))
             plan.positions = positions
@@ -762,6 +799,7 @@ class PagedKVCache:
                     reserved[rec.request_id] = [block]
                     starts[rec.request_id] = logical
                     updates.append((rec.row, logical, block))
+                    update_batch.append(i)
                     block_ids[i] = block
                     table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
         part.block_ids = block_ids
@@ -784,6 +822,7 @@ class PagedKVCache:
                 part.reserved[rec.request_id] = [block]
                 part.starts[rec.request_id] = logical
                 part.updates.append((rec.row, logical, block))
+                part.update_batch.append(i)
                 block_ids[i] = block
                 part.table_rows.append(
                     (run.table, run.first_block, run.num_blocks, (block,), logical)
@@ -820,6 +859,55 @@ class PagedKVCache:
         part.block_ids = np.asarray(block_ids, dtype=np.int64)
         if len(token_rows) != row:
             part.token_rows = np.asarray(token_rows, dtype=np.int64)
+
+    def _memo_plan(self, memo: BatchMemo) -> _Plan | None:
+        """The repeated batch's one-token reservation, planned on arrays (full-attention groups:
+        a request takes a block exactly when its token starts one). None when some request
+        would be full or a pool is short: the general path then raises its exact error."""
+        memo.settle()
+        lens = memo.lens
+        news = []
+        for group, held in zip(self._groups, memo.held, strict=True):
+            logical = lens // group.block_size
+            starting = logical >= held  # the token starts a new block
+            index = np.flatnonzero(starting) if starting.any() else _NO_NEW[0]
+            if index.shape[0] and (
+                index.shape[0] > group.allocator.num_free or logical[index].max() >= group.width
+            ):
+                return None
+            news.append((index, logical))
+        plan = _Plan(memo.records, memo.counts, len(self._groups))
+        plan.positions, plan.rows, plan.memo = lens.copy(), memo.rows, memo
+        rids = memo.rids
+        try:
+            for group, part, (index, logical), last, tables, held in zip(
+                self._groups, plan.groups, news, memo.last, memo.tables, memo.held, strict=True
+            ):
+                block_ids = last.copy()
+                if index.shape[0]:
+                    picked = index.tolist()
+                    owners = [request_owner(rids[i]) for i in picked]
+                    blocks = group.allocator.allocate_each(owners)
+                    new_logical = logical[index]
+                    block_ids[index] = blocks
+                    starts = new_logical.tolist()
+                    part.reserved = {o[1]: [b] for o, b in zip(owners, blocks, strict=True)}
+                    part.starts = {o[1]: x for o, x in zip(owners, starts, strict=True)}
+                    width = group.width
+                    values = np.asarray(blocks, dtype=np.int64)
+                    part.update_arrays = (memo.rows[index] * width + new_logical, values,
+                                          index * width + new_logical)  # fmt: skip
+                    part.new = (index, values)
+                    reserved = (picked, blocks, starts)
+                else:
+                    part.update_arrays = (*_NO_UPDATES, _NO_UPDATES[0])
+                    reserved = None
+                part.block_ids = block_ids
+                part.table_rows = _lazy_table_rows(tables, held.tolist(), reserved)
+        except BaseException:
+            self._release(plan.reserved())
+            raise
+        return plan
 
     def _release(self, reserved: list[dict[RequestId, list[int]]]) -> None:
         for group, per_request in zip(self._groups, reserved, strict=False):
@@ -940,22 +1028,46 @@ class PagedKVCache:
             buffers = group.slot_buffers = SlotBuffers(
                 capacity, group.num_kv_heads, group.width, self._device, generation
             )
-        flat, values = self._flat_updates(self._flush_updates(group, part), group.width)
+        width, tables = group.width, group.tables
+        if part.update_arrays is not None:
+            if group.pending_updates:  # never with a valid memo; kept exact all the same
+                pending = self._flat_updates(self._flush_updates(group, _Reservation()), width)
+                tables.write(*(torch.from_numpy(a).to(self._device) for a in pending))
+            flat, values, in_batch = part.update_arrays
+        else:
+            pending = bool(group.pending_updates)
+            flat, values = self._flat_updates(self._flush_updates(group, part), width)
+            in_batch = _NO_UPDATES[0]
+            if not pending and part.update_batch:  # the same entries in the batch's tables
+                in_batch = np.asarray(part.update_batch, dtype=np.int64) * width + flat % width
+            elif pending:
+                buffers.set_gathered(None, 0, 0)  # other rows' writes: gather anew
         if flat.shape[0] > buffers.capacity:  # a long prefix attached since the last step
-            group.tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
-            flat, values = _NO_UPDATES
+            tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
+            flat, values, in_batch = (*_NO_UPDATES, _NO_UPDATES[0])
+            buffers.set_gathered(None, 0, 0)
         num = len(plan.records)
-        rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
-        buffers.upload(plan.positions, part.block_ids, rows, (flat, values), group.block_size,
-                       num_rows)  # fmt: skip
+        rows = plan.rows
+        if rows is None:
+            rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
+        # the batch's tables as of the last step, when nothing but its own writes came since
+        reuse = buffers.gathered(rows, num_rows, tables.version) and (
+            in_batch.shape[0] == flat.shape[0]
+        )
+        buffers.upload(plan.positions, part.block_ids, rows, (flat, values, in_batch),
+                       group.block_size, num_rows)  # fmt: skip
         count = flat.shape[0]
-        if count:
-            group.tables.write(
-                buffers.region(buffers.UPDATE_INDEX, count),
-                buffers.region(buffers.UPDATE_VALUE, count),
-            )
         slots = buffers.slots(num, num_rows)
-        group.tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
+        if count:
+            update_values = buffers.region(buffers.UPDATE_VALUE, count)
+            tables.write(buffers.region(buffers.UPDATE_INDEX, count), update_values)
+            if reuse:
+                buffers.tables_flat.index_copy_(
+                    0, buffers.region(buffers.UPDATE_BATCH, count), update_values
+                )
+        if not reuse:
+            tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
+        buffers.set_gathered(rows, num_rows, tables.version)
         return slots
 
     # ---- legacy single-layer append --------------------------------------------------------
@@ -1012,22 +1124,36 @@ class PagedKVCache:
         (>= the batch) adds padding rows that writers skip and decode sees as empty: a graph
         captured for ``pad_to`` rows serves this smaller batch.
         """
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        memo = self._memo
+        plan = None
+        if (
+            memo is not None
+            and type(request_ids) in (list, tuple)
+            and memo.matches(request_ids, self._version)
+        ):  # the batch of the last step, nothing else changed since: validated then
+            rids = memo.rids
+        else:
+            rids = self._check_ids(request_ids, unique=True, nonempty=True)
+            memo = None
         num_rows = len(rids)
         if pad_to is not None:
             num_rows = check_positive_int("pad_to", pad_to)
             if num_rows < len(rids):
                 raise ValueError(f"pad_to ({pad_to}) must be >= the batch size ({len(rids)})")
-        records = self._active_records(rids, "begin a token for")
+        records = memo.records if memo is not None else self._active_records(
+            rids, "begin a token for")  # fmt: skip
         self._tx.ensure_none_open("begin a token transaction")
-        plan = self._plan(records, [1] * len(records))
-        self._take_all(plan, one_each=True)
+        if memo is not None:
+            plan = self._memo_plan(memo)
+        if plan is None:  # the general path (also to raise a full request's exact error)
+            plan = self._plan(records, [1] * len(records))
+            self._take_all(plan, one_each=True)
         try:
             slots = [
                 self._fixed_slots(group, plan, part, num_rows)
                 for group, part in zip(self._groups, plan.groups, strict=True)
             ]
-            return self._open(rids, plan, slots)
+            return self._open(rids, plan, slots, one_each=True)
         except BaseException:
             self._release(plan.reserved())
             raise
@@ -1065,11 +1191,19 @@ class PagedKVCache:
             raise
 
     def _open(
-        self, rids: list[RequestId], plan: _Plan, slots: list[TransactionSlots]
+        self,
+        rids: list[RequestId],
+        plan: _Plan,
+        slots: list[TransactionSlots],
+        one_each: bool = False,
     ) -> TokenTransactionView:
         records = plan.records
-        starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
         positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
+        if one_each:  # a token at each request's length
+            starts, after = positions, positions + 1
+        else:
+            starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
+            after = starts + np.asarray(plan.counts, dtype=np.int32)
         first = plan.groups[0]
         block_ids = _every_token(first, positions.shape[0])
         host = {
@@ -1077,7 +1211,7 @@ class PagedKVCache:
             "block_ids": block_ids,
             "offsets": positions % self._groups[0].block_size,
             "seq_lens": starts,
-            "seq_lens_after": starts + np.asarray(plan.counts, dtype=np.int32),
+            "seq_lens_after": after,
         }
         tx = OpenTransaction(
             self._tx.next_id(), self._version + 1, tuple(rids), plan.counts,
@@ -1085,9 +1219,11 @@ class PagedKVCache:
             slots, host, first.table_rows,
         )  # fmt: skip
         tx.parts = plan.groups
+        tx.memo = plan.memo if one_each else None
+        tx.one_each = one_each
         if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
             tx.backups = [
-                group.slot_rows_view().index_select(1, group_slots.slot_rows)
+                group.backup(group_slots.slot_rows, fixed=one_each)
                 for group, group_slots in zip(self._groups, slots, strict=True)
             ]
         view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width,
@@ -1219,9 +1355,19 @@ class PagedKVCache:
         version = self._version + 1
         view = open_tx.view(TransactionState.COMMITTED, version, self._groups[0].width,
                             self._device)  # fmt: skip
-        records = [self._requests[rid] for rid in open_tx.request_ids]
+        memo = open_tx.memo
+        records = memo.records if memo is not None else [self._requests[rid] for rid in
+                                                         open_tx.request_ids]  # fmt: skip
         self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
+        # the next step of the same batch starts from arrays, if nothing else changed since
+        # this transaction began (one transaction at a time: nothing can, but be exact)
+        if not open_tx.one_each or self._has_window or self._version != open_tx.cache_version:
+            self._memo = None
+        elif memo is not None:
+            memo.advance([part.new for part in open_tx.parts], version)
+        else:
+            self._memo = BatchMemo(records, len(self._groups), version)
         self._version = version
         return view
 
@@ -1235,7 +1381,7 @@ class PagedKVCache:
         if open_tx.backups is not None:
             for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
                                             strict=True):  # fmt: skip
-                group.slot_rows_view().index_copy_(1, slots.slot_rows, backup)
+                group.slot_rows.index_copy_(1, slots.slot_rows, backup)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version

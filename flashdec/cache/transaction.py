@@ -17,7 +17,7 @@ bounded deque, to tell "already committed" from "unknown" for recent handles.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +27,10 @@ import torch
 from flashdec.cache.state import RequestId
 
 HISTORY_LIMIT = 256
+# per request of a transaction: (committed row of its table, first held block, committed end,
+# reserved blocks, logical index of the first reserved one); or a callable that makes that list
+TableRow = tuple[np.ndarray, int, int, Sequence[int], int]
+TableRows = Sequence[TableRow] | Callable[[], Sequence[TableRow]]
 PAD_BLOCK_ID = -1  # block id of a padding row: writers skip it, decode sees seq_len 0
 
 
@@ -66,7 +70,7 @@ class TokenTransactionView:
         request_ids: tuple[RequestId, ...],
         state: TransactionState,
         host: dict[str, np.ndarray],
-        table_rows: Sequence[tuple[np.ndarray, int, int, Sequence[int], int]],
+        table_rows: TableRows,
         table_width: int,
         device: torch.device,
     ) -> None:
@@ -78,8 +82,9 @@ class TokenTransactionView:
         init(self, "_host", host)
         # (committed row of the request's table, its first held and end block, reserved blocks,
         # the logical index of the first reserved one): committed entries never change while the
-        # row object lives (terminal requests get a fresh row), so the table can be built lazily
-        init(self, "_table_rows", tuple(table_rows))
+        # row object lives (terminal requests get a fresh row), so the table can be built lazily;
+        # a callable makes that list on first use (from a snapshot it captured)
+        init(self, "_table_rows", table_rows if callable(table_rows) else tuple(table_rows))
         init(self, "_table_width", table_width)
         init(self, "_device", device)
         init(self, "_tensors", {})
@@ -91,8 +96,11 @@ class TokenTransactionView:
         tensor = self._tensors.get(name)
         if tensor is None:
             if name == "block_tables":
-                host = np.zeros((len(self._table_rows), self._table_width), dtype=np.int32)
-                for i, (row, first, committed, reserved, start) in enumerate(self._table_rows):
+                table_rows = self._table_rows
+                if callable(table_rows):
+                    table_rows = table_rows()
+                host = np.zeros((len(table_rows), self._table_width), dtype=np.int32)
+                for i, (row, first, committed, reserved, start) in enumerate(table_rows):
                     host[i, first:committed] = row[first:committed]
                     host[i, start : start + len(reserved)] = reserved
             else:
@@ -207,8 +215,10 @@ class SlotBuffers:
 
     # regions of ``capacity`` entries each, then the slot rows (capacity * num_kv_heads)
     POSITIONS, BLOCK_IDS, OFFSETS, SEQ_LENS, SEQ_LENS_AFTER, TABLE_ROWS = range(6)
-    UPDATE_INDEX, UPDATE_VALUE = 6, 7  # device-table writes: flat index, block id
-    NUM_REGIONS = 8
+    # device-table writes: flat index, block id, and the flat index of the same entry in the
+    # batch's gathered tables (applied there too when the gather is skipped)
+    UPDATE_INDEX, UPDATE_VALUE, UPDATE_BATCH = 6, 7, 8
+    NUM_REGIONS = 9
 
     def __init__(
         self, capacity: int, num_kv_heads: int, width: int, device: torch.device, generation: int
@@ -231,6 +241,10 @@ class SlotBuffers:
         self._turn = 0
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
         self.tables = torch.zeros(capacity, width, dtype=torch.int64, device=device)
+        self.tables_flat = self.tables.view(-1)
+        # what ``tables`` holds: the device-table rows gathered (as bytes), their count and the
+        # device tables' version then; None when unknown
+        self._gathered: tuple[bytes, int, int] | None = None
         self._views: dict[tuple, object] = {}  # fixed views, made once per shape
         self._heads = np.arange(num_kv_heads, dtype=np.int64)
 
@@ -243,13 +257,15 @@ class SlotBuffers:
         positions: np.ndarray,
         block_ids: np.ndarray,
         table_rows: np.ndarray,
-        updates: tuple[np.ndarray, np.ndarray],
+        updates: tuple[np.ndarray, np.ndarray, np.ndarray],
         block_size: int,
         num_rows: int,
     ) -> None:
         """Pack one transaction into the next staging buffer and copy it to the device.
 
         Rows ``[len(positions), num_rows)`` become padding (block id ``PAD_BLOCK_ID``, length 0).
+        ``updates``: the device-table writes (flat index, block id, flat index in the batch's
+        tables; the last may be empty when the tables are gathered anew).
         """
         slot = self._turn
         event = self._events[slot]
@@ -264,20 +280,39 @@ class SlotBuffers:
         if num_rows > batch:
             per_row[:, batch:num_rows] = self._padding
         count = updates[0].shape[0]
-        host[self._at(self.UPDATE_INDEX, count)] = updates[0]
-        host[self._at(self.UPDATE_VALUE, count)] = updates[1]
+        if count:
+            host[self._at(self.UPDATE_INDEX, count)] = updates[0]
+            host[self._at(self.UPDATE_VALUE, count)] = updates[1]
+            if updates[2].shape[0]:
+                host[self._at(self.UPDATE_BATCH, count)] = updates[2]
         start = self.NUM_REGIONS * self.capacity
         slot_rows = host[start : start + batch * self.num_kv_heads].reshape(batch, -1)
-        np.multiply(block_ids[:, None], self.num_kv_heads, out=slot_rows)
-        slot_rows += self._heads
-        slot_rows *= block_size
-        slot_rows += offsets[:, None]
+        # row of (block, head, offset) in a layer viewed as [blocks * Hkv * block_size, D]
+        heads = self._heads
+        np.add((block_ids * (heads.shape[0] * block_size) + offsets)[:, None],
+               heads * block_size, out=slot_rows)  # fmt: skip
         self.device_buffer.copy_(self._staging[slot], non_blocking=True)
         if self.device.type == "cuda":
             event = self._events[slot] or torch.cuda.Event()
             event.record()
             self._events[slot] = event
         self._turn = (slot + 1) % len(self._staging)
+
+    def gathered(self, rows: np.ndarray, num_rows: int, version: int) -> bool:
+        """Whether ``tables`` already holds device-table rows ``rows`` (then ``num_rows``
+        total) as of device-table ``version``: the same batch as the last step, nothing else
+        written since. Padding rows keep a copy of row 0 from some earlier gather: they are
+        never read (length 0), and hold in-range ids either way."""
+        gathered = self._gathered
+        return (
+            gathered is not None
+            and gathered[1] == num_rows
+            and gathered[2] == version
+            and gathered[0] == rows.tobytes()
+        )
+
+    def set_gathered(self, rows: np.ndarray | None, num_rows: int, version: int) -> None:
+        self._gathered = None if rows is None else (rows.tobytes(), num_rows, version)
 
     def region(self, region: int, count: int) -> torch.Tensor:
         key = (region, count)
@@ -318,8 +353,10 @@ class OpenTransaction:
         "counts",
         "group_slots",
         "host",
+        "memo",
         "next_layer",
         "num_tokens",
+        "one_each",
         "parts",
         "request_ids",
         "reserved",
@@ -339,7 +376,7 @@ class OpenTransaction:
         starts: list[dict[RequestId, int]],
         group_slots: list[TransactionSlots],
         host: dict[str, np.ndarray],
-        table_rows: list[tuple[np.ndarray, int, int, Sequence[int], int]],
+        table_rows: TableRows,
     ) -> None:
         self.transaction_id = transaction_id
         self.cache_version = cache_version
@@ -358,6 +395,8 @@ class OpenTransaction:
         self.next_layer = 0  # layers [0, next_layer) are written
         # per group: old K and V bytes of the slots, for abort
         self.backups: list[torch.Tensor] | None = None
+        self.one_each = False  # one token per request (begin_token)
+        self.memo = None  # the repeated batch it was planned from (BatchMemo), if any
 
     def view(
         self,

@@ -105,11 +105,13 @@ class _OpenStep:
     __slots__ = (
         "decode",
         "group_decode",
+        "group_layer_outputs",
         "group_outputs",
         "group_shapes",
         "group_slots",
         "kind",
         "kv_shape",
+        "layer_outputs",
         "max_len_after",
         "num_rows",
         "num_tokens",
@@ -136,12 +138,14 @@ class _OpenStep:
         self.max_len_after = max(lens_after)
         self.decode: DecodeState | None = None
         self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
+        self.layer_outputs: tuple[torch.Tensor, ...] = ()  # its views per layer (one unbind)
         self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
         self.kv_shape = (slots.num_rows if kind == "decode" else self.num_tokens, 0, 0)
         # with several KV layer groups, the same per group (one entry each)
         self.group_slots = group_slots
         self.group_decode: list[DecodeState | None] = [None] * len(group_slots)
         self.group_outputs: list[torch.Tensor | None] = [None] * len(group_slots)  # [Lg, ...]
+        self.group_layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(group_slots)
         self.group_shapes: list[tuple | None] = [None] * len(group_slots)  # (q, kv) shapes
 
     @property
@@ -243,6 +247,8 @@ class DecodeEngine:
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
         self._dtype = self.activation_dtype
+        # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
+        self._device_index = cache.device.index if cache.device.type == "cuda" else -1
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
@@ -605,16 +611,18 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ multi-layer step
     def _check_batch(self, request_ids: object, action: str) -> tuple:
-        if not isinstance(request_ids, (list, tuple)):
-            raise TypeError(
-                f"request_ids must be a list or tuple, got {type(request_ids).__name__}"
-            )
+        _check_batch_type(request_ids)
         rids = tuple(request_ids)
+        self._explain_batch(rids, action)
+        return rids
+
+    def _explain_batch(self, rids: Sequence, action: str) -> None:
+        """RuntimeError for an id the engine holds but the cache cannot know (waiting or closed
+        before admission): the cache checks every other id itself."""
         waiting, closed = self._waiting, self._closed
-        for rid in rids:  # the cache checks activity; ids it cannot know are explained here
+        for rid in rids:
             if rid in waiting or (type(rid) in (str, int) and rid in closed):
                 self._require_state(rid, EngineRequestState.ACTIVE, action)
-        return rids
 
     def begin_step(self, request_ids: Sequence, *, pad_to: int | None = None):
         """Open a step: the cache reserves one slot per request (all-or-nothing).
@@ -623,12 +631,16 @@ class DecodeEngine:
         ``q, k, v`` with ``pad_to`` rows (padding rows are neither stored nor attended).
         """
         self._require_no_open_step("begin_step")
-        rids = self._check_batch(request_ids, "step")
-        view = self.cache.begin_token(list(rids), pad_to=pad_to)
+        _check_batch_type(request_ids)
+        try:  # the cache validates the batch (in O(1) when it is the last step's)
+            view = self.cache.begin_token(request_ids, pad_to=pad_to)
+        except (ValueError, RuntimeError):
+            self._explain_batch(request_ids, "step")
+            raise
         slots = self.cache.transaction_slots(view)
-        positions = view.host_positions.tolist()
-        self._open = _OpenStep("decode", view, slots, positions, [p + 1 for p in positions],
-                               self._all_group_slots(view))  # fmt: skip
+        positions = view.host_positions
+        self._open = _OpenStep("decode", view, slots, positions.tolist(),
+                               (positions + 1).tolist(), self._all_group_slots(view))  # fmt: skip
         return view
 
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
@@ -946,17 +958,22 @@ class DecodeEngine:
         self.cache.abort_token(tx_id)
 
     def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
-        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
-        if (
-            step.q_shape is not None
-            and shapes == (step.q_shape, step.kv_shape, step.kv_shape)
-            and q.dtype is self._dtype
-            and k.dtype is q.dtype
-            and v.dtype is q.dtype
-        ):
-            device = self.cache.device
-            if q.device == device and k.device == device and v.device == device:
-                return  # the common case: same shapes as the step's first layer
+        try:  # the common case: the shapes, dtype and device of the step's first layer
+            kv_shape, device = step.kv_shape, self._device_index
+            if (
+                q.shape == step.q_shape
+                and k.shape == kv_shape
+                and v.shape == kv_shape
+                and q.dtype is self._dtype
+                and k.dtype is q.dtype
+                and v.dtype is q.dtype
+                and q.get_device() == device
+                and k.get_device() == device
+                and v.get_device() == device
+            ):
+                return
+        except AttributeError:  # not tensors: the full check says what is wrong
+            pass
         q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, dtype=self._dtype)
         if step.q_shape is not None and q.shape != step.q_shape:
             raise ValueError(
@@ -968,12 +985,13 @@ class DecodeEngine:
         """Fused RoPE + append and Triton decode as two bound launches (the common path):
         per layer only the layer's tensors are read, every other argument was bound once."""
         state = self._decode_state_of(step, q.shape[1])
-        outputs = step.outputs
-        if outputs is None:  # one allocation per step for every layer's output
+        outs = step.layer_outputs
+        if not outs:  # one allocation per step for every layer's output, and one unbind
             outputs = step.outputs = torch.empty(
-                (self.cache.num_layers, *q.shape), dtype=q.dtype, device=q.device
+                (self._num_layers, *q.shape), dtype=q.dtype, device=q.device
             )
-        out = outputs[layer_idx]
+            outs = step.layer_outputs = outputs.unbind(0)
+        out = outs[layer_idx]
         k_layer, v_layer = self._layer_views[layer_idx]
         append, decode = state.bound(self.rope, step.slots, self.sm_scale, q, k, v, k_layer,
                                      v_layer, out)  # fmt: skip
@@ -1019,13 +1037,14 @@ class DecodeEngine:
     def _fast_group_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """``_fast_layer`` for a layer of group ``g``: its plan, slots and window."""
         state = self._group_decode_state(step, g, q.shape[1])
-        outputs = step.group_outputs[g]
-        if outputs is None:  # one allocation per step and group for its layers' outputs
+        outs = step.group_layer_outputs[g]
+        if not outs:  # one allocation per step and group for its layers' outputs
             count = len(self.cache.group_layers(g))
             outputs = step.group_outputs[g] = torch.empty(
                 (count, *q.shape), dtype=q.dtype, device=q.device
             )
-        out = outputs[self._layer_local[layer_idx]]
+            outs = step.group_layer_outputs[g] = outputs.unbind(0)
+        out = outs[self._layer_local[layer_idx]]
         k_layer, v_layer = self._layer_views[layer_idx]
         append, decode = state.bound(self._ropes[g], step.group_slots[g], self._sm_scales[g], q,
                                      k, v, k_layer, v_layer, out)  # fmt: skip
@@ -1089,6 +1108,11 @@ class DecodeEngine:
         state = self._decode_state_of(step, q_rot.shape[1])
         # each layer's output outlives the shared workspace
         return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))
+
+
+def _check_batch_type(request_ids: object) -> None:
+    if not isinstance(request_ids, (list, tuple)):
+        raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
 
 
 def _activation_dtype(specs: Sequence, dtype: object) -> torch.dtype:

@@ -1,0 +1,100 @@
+"""The repeated batch of one-token transactions, kept as arrays.
+
+A decode loop steps the same requests again and again, and between two of its steps the only
+change is the one its own commit made: every length grew by one, and at a block boundary each
+request holds one more block. :class:`BatchMemo` keeps what ``begin_token`` reads from the
+request records — lengths, device-table rows, held blocks and the last block's id per KV group —
+as arrays, so the next step of the same batch is planned with a few vector operations instead of
+a Python pass over every request.
+
+The memo is valid only at the cache version its last commit left: any other change of the cache
+(a lifecycle call, a prefix, a prompt import, another batch, an abort) moves the version, and the
+next step takes the general path, which re-checks everything (and raises its exact errors).
+Full-attention groups only: a window group's held range moves on its own.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+
+from flashdec.cache.state import RequestId, RequestRecord
+
+
+class BatchMemo:
+    """One batch's request state as arrays, valid while the cache is at ``version``."""
+
+    __slots__ = (
+        "_pending",
+        "counts",
+        "held",
+        "last",
+        "lens",
+        "records",
+        "rids",
+        "rows",
+        "tables",
+        "version",
+    )
+
+    def __init__(self, records: list[RequestRecord], num_groups: int, version: int) -> None:
+        num = len(records)
+        self.records = records
+        self.rids: tuple[RequestId, ...] = tuple(rec.request_id for rec in records)
+        self.counts = [1] * num  # tokens per request of every step
+        self.lens = np.fromiter((rec.seq_len for rec in records), np.int64, num)  # committed
+        self.rows = np.fromiter((rec.row for rec in records), np.int64, num)  # device-table rows
+        # per group: held blocks, the id of the last one, and every request's host table (an
+        # array that keeps its identity until the request ends, which moves the version)
+        self.held: list[np.ndarray] = []
+        self.last: list[np.ndarray] = []
+        self.tables: list[list[np.ndarray]] = []
+        for g in range(num_groups):
+            runs = [rec.run(g) for rec in records]
+            held = np.fromiter((run.num_blocks for run in runs), np.int64, num)
+            self.held.append(held)
+            self.last.append(
+                np.fromiter(
+                    (run.table[run.num_blocks - 1] if run.num_blocks else -1 for run in runs),
+                    np.int64,
+                    num,
+                )
+            )
+            self.tables.append([run.table for run in runs])
+        self.version = version
+        self._pending: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+
+    def matches(self, request_ids: Sequence, version: int) -> bool:
+        """Whether ``request_ids`` are this batch's ids — the same objects, in order (equality
+        would let ``True`` stand for ``1``) — and the cache is still at this memo's version."""
+        rids = self.rids
+        return (
+            version == self.version
+            and len(request_ids) == len(rids)
+            and all(map(operator.is_, request_ids, rids))
+        )
+
+    def advance(self, new_blocks: Sequence[tuple[np.ndarray, np.ndarray]], version: int) -> None:
+        """Account for a committed step: every length + 1, and per group the requests
+        ``new_blocks[g][0]`` (batch indices) now end with block ``new_blocks[g][1]``.
+
+        Applied by :meth:`settle` when the next step is planned: the commit itself then runs
+        no array operation (the first numpy call after a step's layers is the slow one)."""
+        if self._pending is not None:
+            self.settle()
+        self._pending = new_blocks
+        self.version = version
+
+    def settle(self) -> None:
+        """Apply the committed step :meth:`advance` recorded (before reading the arrays)."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        self.lens += 1
+        for held, last, (index, blocks) in zip(self.held, self.last, pending, strict=True):
+            if index.shape[0]:
+                held[index] += 1
+                last[index] = blocks
