@@ -203,7 +203,7 @@ def cpu_sweep(monkeypatch):
 def test_fp8_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
     if bd.FP8 is None:
         pytest.skip("no float8 in this torch")
-    monkeypatch.setattr(td, "FP8_SHAPES", [("4/2/16", bd.uniform_shape(2, 40))])
+    monkeypatch.setattr(td, "FP8_SHAPES", [("4/2/16", bd.uniform_shape(2, 130))])
     args = td.parse_args(["--fp8", "--page", "8", "--workers", "1", "--out-dir", str(tmp_path)])
     assert td.run(args) == 0
     saved = json.loads((tmp_path / "decode_tuning.json").read_text())
@@ -212,9 +212,9 @@ def test_fp8_run_on_the_cpu_with_stand_ins(cpu_sweep, monkeypatch, tmp_path):
     assert (
         saved["shapes"][0]["bf16_default_us"]
         and saved["shapes"][0]["kv_mib"]
-        == 80 * 2 * 16 * 2 / 2**20  # tokens x Hkv x D x (K, V) x 1 byte
+        == 260 * 2 * 16 * 2 / 2**20  # tokens x Hkv x D x (K, V) x 1 byte
     )
-    assert saved["flashinfer"]["4/2/16 p8 B=2 L=40"]["best_path"] == "HND-tc"
+    assert saved["flashinfer"]["4/2/16 p8 B=2 L=130"]["best_path"] == "HND-tc"
     text = (tmp_path / "decode_tuning.md").read_text()
     assert "FP8 e4m3 KV" in text and "bf16 / best" in text
     # phase 1b: every FP8 kernel variant once, after the default (which runs the plan's own)

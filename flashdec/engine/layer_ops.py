@@ -311,7 +311,7 @@ class DecodeState:
             decode = BoundDecode(
                 q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale,
                 ws.plan, out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale,
-                self.v_scale,
+                self.v_scale, ws.counters,
             )  # fmt: skip
             pair = self._bound[key] = (append, decode, slots)  # slots kept: the id stays unique
         return pair[0], pair[1]
@@ -329,6 +329,7 @@ class DecodeState:
         return launch_decode(
             q, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale, ws.plan,
             out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale, self.v_scale,
+            ws.counters,
         )  # fmt: skip
 
 

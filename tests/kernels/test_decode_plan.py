@@ -146,3 +146,17 @@ def test_plan_rejects_bad_arguments(kwargs, error):
 def test_workspace_allocate_needs_a_plan():
     with pytest.raises(TypeError):
         DecodeWorkspace.allocate("plan")  # type: ignore[arg-type]
+
+
+def test_short_contexts_get_a_context_sized_single_stage_tile():
+    # B=1024 L=17: one loop iteration per program, so no pipeline and a tile of 32 tokens
+    short = plan_decode(1024, 32, 8, 128, 16, 17, torch.bfloat16, "cpu")
+    assert not short.uses_split
+    assert (short.block_n, short.num_stages) == (32, 1)
+    assert plan_decode(1024, 32, 8, 128, 16, 5, torch.bfloat16, "cpu").block_n == 16
+    # a context of at least one default tile keeps the default tile
+    longer = plan_decode(1024, 32, 8, 128, 16, 64, torch.bfloat16, "cpu")
+    assert longer.block_n == 64 and longer.num_stages > 1
+    # explicit choices still win
+    forced = plan_decode(1024, 32, 8, 128, 16, 17, torch.bfloat16, "cpu", block_n=64, num_stages=2)
+    assert (forced.block_n, forced.num_stages) == (64, 2)

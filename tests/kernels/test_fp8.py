@@ -213,12 +213,12 @@ def test_fp8_plan_options_and_their_defaults(device):
         for staging in FP8_STAGING_CHOICES:
             p = plan_decode(2, 8, 2, 64, 16, 100, torch.float16, device, kv_dtype=FP8,
                             fp8_compute=compute, fp8_staging=staging)  # fmt: skip
-            bits = pd._PlanConstants(p).decode[-1]
+            bits = pd._PlanConstants(p).decode[-4]  # before FUSED_MERGE, MERGE_G, MERGE_S
             assert bits & pd.FP8_ON and bool(bits & pd.FP8_F16) == (compute == "f16")
             if not pd.INTERPRET:
                 assert bits & (pd.FP8_STAGE_K | pd.FP8_STAGE_V) == pd._STAGING_BITS[staging]
     assert set(pd._STAGING_BITS) == set(FP8_STAGING_CHOICES)
-    assert pd._PlanConstants(float_plan).decode[-1] == 0
+    assert pd._PlanConstants(float_plan).decode[-4] == 0
 
 
 def test_fp8_plan_option_errors(device):
