@@ -384,10 +384,12 @@ def plan_decode(
         head_dim, dtype, programs_per_sm=load, kv_dtype=kv_dtype,
         fp8_tile=fp8_tile or DEFAULT_FP8_TILE,
     )  # fmt: skip
-    if not will_split and read_len < config.block_n:
-        # short contexts: one loop iteration, so a tile sized to the context and no pipeline
-        # stages; the smaller tile lets more programs share an SM to hide the dependent loads
-        # (length -> page id -> K/V) of each
+    if not will_split and load > NARROW_TILE_MAX_PROGRAMS_PER_SM and read_len < config.block_n:
+        # many short requests (several waves of programs): one loop iteration each, so a tile
+        # sized to the context and no pipeline stages; the smaller tile lets more programs share
+        # an SM to hide the dependent loads (length -> page id -> K/V) of each. (Small batches
+        # keep the default tile: a CUDA graph replayed past its plan's length bucket then tiles
+        # exactly as a fresh plan does.)
         config = KernelConfig(max(16, next_power_of_2(read_len)), config.num_warps, 1)
     if block_n is not None:
         check_positive_int("block_n", block_n, minimum=16)
