@@ -75,16 +75,17 @@ DEFAULT_FP8_COMPUTE = "f16"
 # fp8_staging: which tiles are converted in their load layout and reach the operand layout
 # through shared memory as 16-bit values ("none": Triton reads e4m3 straight into the operand
 # layout, V one byte per shared-memory load). benchmarks/results/decode_fp8_sass.md counts the
-# sm_90 code of each choice: at the default tile "kv" takes the fewest instructions per byte
-# (0.45x those of the old kernel, "q"/"none") and no more shared memory than a bf16 tile of as
-# many tokens (68 against 70 KiB at head_dim 128), nor more registers per resident program.
+# sm_90 code of each choice ("kv" issues the fewest instructions per byte), but timed on the H200
+# (decode_tuning_fp8.md, 32/8/128 B=16 L=16384) staging V alone is faster: f16/v 228 us against
+# f16/kv 279 us and the old kernel (q/none) 335 us at the same tile.
 FP8_STAGING_CHOICES = ("none", "v", "kv")
-DEFAULT_FP8_STAGING = "kv"
+DEFAULT_FP8_STAGING = "v"
 # fp8_tile: how default_kernel_config sizes an FP8 tile. "tokens": as many tokens as a tile of
-# q's dtype (half its bytes); "bytes": as many bytes (twice the tokens, up to 256), fewer
-# instructions per byte but twice the registers and shared memory of a converted tile.
+# q's dtype (half its bytes); "bytes": as many bytes (twice the tokens, up to 256). Measured on
+# the H200 (same shape): f16/v/bytes 187 us, the fastest variant (bf16 KV: 245 us; FlashInfer's
+# FP8 decode: 203 us).
 FP8_TILE_CHOICES = ("tokens", "bytes")
-DEFAULT_FP8_TILE = "tokens"
+DEFAULT_FP8_TILE = "bytes"
 
 
 @dataclass(frozen=True)
