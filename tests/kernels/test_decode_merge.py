@@ -16,7 +16,8 @@ import torch
 from flashdec import dense_decode_attention_ref, paged_decode_attention_ref
 from flashdec.kernels import BoundDecode, DecodeWorkspace, decode, launch_decode, plan_decode
 from flashdec.kernels.decode_plan import FUSED_MERGE_MAX_ROWS, MERGE_TILE_ELEMS
-from tests.helpers import TOLERANCES, make_paged_kv
+from tests.helpers import make_paged_kv
+from tests.kernels.test_decode import _assert_close, _q
 from tests.kernels.test_decode_window import windowed_kv
 from tests.kernels.test_fp8 import FP8, fp8_paged_kv
 
@@ -24,17 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 # one request per split count: 1 (written directly), 2, 4, many; a seq_len 0 row
 RAGGED = [200, 0, 17, 64, 1, 130]
-
-
-def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = TOLERANCES[out.dtype]
-    assert not torch.isnan(out).any(), "an output row was not written (NaN poison left)"
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
-
-
-def _q(batch, num_q_heads, head_dim, dtype, device, seed=1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, num_q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
 
 
 def _split_plan(batch, hq, hkv, d, page, max_len, dtype, device, **kwargs):
