@@ -30,10 +30,12 @@ class BatchMemo:
         "_pending",
         "counts",
         "held",
+        "held_lists",
         "last",
         "lens",
         "records",
         "rids",
+        "room",
         "rows",
         "tables",
         "version",
@@ -63,8 +65,20 @@ class BatchMemo:
                 )
             )
             self.tables.append([run.table for run in runs])
+        # per group: ``held`` as a list (a view's table-row snapshot; replaced, never edited,
+        # when ``held`` changes), and the steps every request can still take in its held blocks
+        # (min over requests of held * block_size - length; None: not known, compute it)
+        self.held_lists: list[list[int] | None] = [None] * num_groups
+        self.room: list[int | None] = [None] * num_groups
         self.version = version
         self._pending: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+
+    def held_list(self, g: int) -> list[int]:
+        """Group ``g``'s ``held`` as a list, shared until ``held`` changes (never edit it)."""
+        held = self.held_lists[g]
+        if held is None:
+            held = self.held_lists[g] = self.held[g].tolist()
+        return held
 
     def matches(self, request_ids: Sequence, version: int) -> bool:
         """Whether ``request_ids`` are this batch's ids — the same objects, in order (equality
@@ -94,7 +108,14 @@ class BatchMemo:
             return
         self._pending = None
         self.lens += 1
-        for held, last, (index, blocks) in zip(self.held, self.last, pending, strict=True):
+        room = self.room
+        for g, (held, last, (index, blocks)) in enumerate(
+            zip(self.held, self.last, pending, strict=True)
+        ):
             if index.shape[0]:
                 held[index] += 1
                 last[index] = blocks
+                self.held_lists[g] = None
+                room[g] = None
+            elif room[g] is not None:
+                room[g] -= 1  # no block taken: every request has one slot less to go

@@ -867,7 +867,13 @@ class PagedKVCache:
         memo.settle()
         lens = memo.lens
         news = []
-        for group, held in zip(self._groups, memo.held, strict=True):
+        for g, (group, held) in enumerate(zip(self._groups, memo.held, strict=True)):
+            room = memo.room[g]
+            if room is None:
+                room = memo.room[g] = int((held * group.block_size - lens).min())
+            if room > 0:  # every token lands in a held block (the steady state: no array op)
+                news.append((_NO_NEW[0], None))
+                continue
             logical = lens // group.block_size
             starting = logical >= held  # the token starts a new block
             index = np.flatnonzero(starting) if starting.any() else _NO_NEW[0]
@@ -880,8 +886,8 @@ class PagedKVCache:
         plan.positions, plan.rows, plan.memo = lens.copy(), memo.rows, memo
         rids = memo.rids
         try:
-            for group, part, (index, logical), last, tables, held in zip(
-                self._groups, plan.groups, news, memo.last, memo.tables, memo.held, strict=True
+            for g, (group, part, (index, logical), last, tables) in enumerate(
+                zip(self._groups, plan.groups, news, memo.last, memo.tables, strict=True)
             ):
                 block_ids = last.copy()
                 if index.shape[0]:
@@ -903,7 +909,7 @@ class PagedKVCache:
                     part.update_arrays = (*_NO_UPDATES, _NO_UPDATES[0])
                     reserved = None
                 part.block_ids = block_ids
-                part.table_rows = _lazy_table_rows(tables, held.tolist(), reserved)
+                part.table_rows = _lazy_table_rows(tables, memo.held_list(g), reserved)
         except BaseException:
             self._release(plan.reserved())
             raise
