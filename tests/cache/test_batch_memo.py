@@ -80,7 +80,7 @@ def _pair(**kwargs) -> tuple[PagedKVCache, PagedKVCache]:
     [
         ("single", "cpu"),
         ("grouped", "cpu"),
-        pytest.param("single", "cuda", marks=pytest.mark.gpu),  # pinned staging, two buffers
+        pytest.param("single", "cuda", marks=pytest.mark.gpu),  # pageable staging, no events
         pytest.param("grouped", "cuda", marks=pytest.mark.gpu),
     ],
 )
@@ -103,6 +103,37 @@ def test_repeated_batch_steps_equal_replanned_steps(kind, device):
     # padding rows, and a tuple of the same ids (same objects): still the memo
     assert _step_both(fast, twin, tuple(rids), 20, pad_to=5)
     assert _step_both(fast, twin, rids, 21)
+
+
+@pytest.mark.parametrize("kind", ["single", "grouped"])
+def test_memo_room_counts_down_to_each_block_boundary(kind):
+    """The steady step skips the block arithmetic while every request has room in its held
+    blocks: the tracked room must equal the recomputed one after every step, through several
+    staggered boundaries, and the steps must match the re-planned twin."""
+    if kind == "single":
+        fast, twin = _pair(max_blocks=24, block_size=8, prefix_cache_capacity_blocks=0)
+    else:  # block sizes 2 and 1: some request crosses a boundary at every step
+        fast, twin = (PagedKVCache(kv_spec=GROUPED, device="cpu") for _ in range(2))
+    rids = ["a", "b", "c"]
+    for cache in (fast, twin):
+        for rid in rids:
+            cache.add_request(rid)
+        for ahead, seed in ((["a", "b"], 0), (["a"], 1)):  # lengths 2, 1, 0: staggered
+            tx = cache.begin_token(ahead)
+            _write_all(cache, tx, seed)
+            cache.commit_token(tx)
+    skipped = 0
+    for seed in range(2, 14):
+        _step_both(fast, twin, rids, seed)
+        memo = fast._memo
+        memo.settle()
+        for g, spec in enumerate(fast.kv_groups):
+            expected = int((memo.held[g] * spec.block_size - memo.lens).min())
+            if memo.room[g] is not None:
+                assert memo.room[g] == expected
+                skipped += expected > 0
+            assert memo.held_list(g) == memo.held[g].tolist()
+    assert bool(skipped) is (kind == "single")  # the fast path was taken where it can be
 
 
 def test_any_other_change_leaves_the_memo():
