@@ -133,8 +133,9 @@ class _OpenStep:
         self.slots = slots  # group 0's
         self.num_rows = slots.num_rows
         self.num_tokens = view.num_tokens  # tokens of the transaction (every group's input rows)
-        self.positions = positions
-        self.seq_lens_after = lens_after
+        # tuples, as StepResult reports them (begin_step makes tuples: no copy on its path)
+        self.positions: tuple[int, ...] = tuple(positions)
+        self.seq_lens_after: tuple[int, ...] = tuple(lens_after)
         self.max_len_after = max(lens_after)
         self.decode: DecodeState | None = None
         self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
@@ -638,9 +639,11 @@ class DecodeEngine:
             self._explain_batch(request_ids, "step")
             raise
         slots = self.cache.transaction_slots(view)
-        positions = view.host_positions
-        self._open = _OpenStep("decode", view, slots, positions.tolist(),
-                               (positions + 1).tolist(), self._all_group_slots(view))  # fmt: skip
+        # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
+        positions = tuple(view.host_positions.tolist())
+        self._open = _OpenStep("decode", view, slots, positions,
+                               tuple(map((1).__add__, positions)),
+                               self._all_group_slots(view))  # fmt: skip
         return view
 
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
@@ -716,8 +719,8 @@ class DecodeEngine:
         return StepResult(  # from host-side lengths: committing never waits for the GPU
             transaction_id=view.transaction_id,
             request_ids=step.request_ids,
-            positions=tuple(step.positions),
-            seq_lens=tuple(step.seq_lens_after),
+            positions=step.positions,
+            seq_lens=step.seq_lens_after,
             num_layers=self._num_layers,
         )
 
