@@ -197,7 +197,7 @@ class _Plan:
     def __init__(self, records: list[RequestRecord], counts: list[int], num_groups: int) -> None:
         self.records = records
         self.counts = counts
-        self.positions: np.ndarray | None = None  # [T] int64, every token
+        self.positions: np.ndarray | None = None  # [T] int64 (int32: a memo plan), every token
         self.groups = [_Reservation() for _ in range(num_groups)]
         self.rows: np.ndarray | None = None  # [B] int64 device-table rows, when known
         self.memo: BatchMemo | None = None  # the repeated batch this plan came from
@@ -883,7 +883,8 @@ class PagedKVCache:
                 return None
             news.append((index, logical))
         plan = _Plan(memo.records, memo.counts, len(self._groups))
-        plan.positions, plan.rows, plan.memo = lens.copy(), memo.rows, memo
+        # int32 (a copy: the memo's lengths move on): the view's positions as they are
+        plan.positions, plan.rows, plan.memo = lens.astype(np.int32), memo.rows, memo
         rids = memo.rids
         try:
             for g, (group, part, (index, logical), last, tables) in enumerate(
@@ -1204,7 +1205,8 @@ class PagedKVCache:
         one_each: bool = False,
     ) -> TokenTransactionView:
         records = plan.records
-        positions = plan.positions.astype(np.int32)  # views show SPEC's int32 metadata
+        # views show SPEC's int32 metadata (the repeated-batch plan's positions already are)
+        positions = plan.positions.astype(np.int32, copy=False)
         if one_each:  # a token at each request's length
             starts, after = positions, positions + 1
         else:
