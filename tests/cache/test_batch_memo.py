@@ -232,3 +232,27 @@ def test_abort_of_a_repeated_step_restores_the_bytes_and_the_memo_recovers():
         cache.commit_token(tx)
         cache.validate_invariants()
     assert [cache.seq_len(r) for r in rids] == [7, 7]
+
+
+@pytest.mark.gpu
+def test_pageable_upload_snapshots_the_host_bytes_when_it_is_issued():
+    """The slot upload is a non_blocking copy from pageable memory with no event: CUDA stages
+    the bytes before the call returns, so rewriting the staging buffer right after (as the next
+    step does) must never reach the device, even with the stream still busy."""
+    cache = make_cache(max_blocks=24, prefix_cache_capacity_blocks=0, device="cuda")
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        cache.add_request(rid)
+    for seed in range(3):
+        busy = torch.randn(4096, 4096, device="cuda")
+        torch.cuda._sleep(50_000_000)  # keep the stream busy: the copy is queued behind it
+        busy = busy @ busy
+        tx = cache.begin_token(rids)
+        buffers = cache._groups[0].slot_buffers
+        expected = buffers._host.copy()
+        buffers._host[:] = -7  # what the next step's packing would do
+        torch.cuda.synchronize()
+        assert torch.equal(buffers.device_buffer.cpu(), torch.from_numpy(expected))
+        _write_all(cache, tx, seed)
+        cache.commit_token(tx)
+        cache.validate_invariants()
