@@ -1,4 +1,4 @@
-"""The grouped cache on the GPU (pinned staging buffers, per-group fixed-address slots): a
+"""The grouped cache on the GPU (pageable staging buffers, per-group fixed-address slots): a
 Gemma-like full + window layout at real head shapes over a long generation."""
 
 from __future__ import annotations
