@@ -256,7 +256,10 @@ class BoundLaunch:
     bound (only the 16-byte alignment is checked); anything else takes :class:`Launcher`'s path.
     """
 
-    __slots__ = ("_args", "_compiled", "_device", "_launcher", "_spec", "aligned", "dynamic")
+    __slots__ = (
+        "_args", "_compiled", "_device", "_grid", "_launcher", "_patch", "_spec", "aligned",
+        "dynamic",
+    )  # fmt: skip
 
     def __init__(self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages,
                  dynamic) -> None:  # fmt: skip
@@ -264,30 +267,37 @@ class BoundLaunch:
         self._spec = (grid, tuple(tensors), tuple(scalars), tuple(constexprs), num_warps,
                       num_stages)  # fmt: skip
         self.dynamic = tuple(dynamic)
-        self.aligned = tuple(tensors[i].data_ptr() % 16 == 0 for i in self.dynamic)
+        self._grid = grid
+        self._set_aligned(tuple(tensors[i].data_ptr() % 16 == 0 for i in self.dynamic))
         self._compiled: _Compiled | None = None
         self._args: list | None = None  # pointers, scalars and constexprs, in order
         self._device = 0
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self._args
-        if args is not None and not _hooks_active():
-            args = args.copy()
-            for index, aligned, tensor in zip(self.dynamic, self.aligned, tensors, strict=True):
+        if args is not None and len(tensors) == len(self._patch) and not _hooks_active():
+            # patched in place: the launcher reads the list before returning, and every dynamic
+            # position is rewritten on each call, so no copy is needed (lengths checked above)
+            for (index, aligned), tensor in zip(self._patch, tensors, strict=False):
                 ptr = tensor.data_ptr()
                 if (ptr % 16 == 0) is not aligned:
                     return self._slow(tensors)
                 args[index] = ptr
             c = self._compiled
-            cooperative, pdl = c.mode
             c.launch(
-                self._spec[0], 1, 1, _current_stream(self._device), c.function, cooperative,
-                pdl, None, None, c.metadata, None, None, None, *args,
+                self._grid, 1, 1, _current_stream(self._device), c.function, c.mode[0],
+                c.mode[1], None, None, c.metadata, None, None, None, *args,
             )  # fmt: skip
             return None
         return self._slow(tensors)
 
+    def _set_aligned(self, aligned: tuple[bool, ...]) -> None:
+        self.aligned = aligned
+        self._patch = tuple(zip(self.dynamic, aligned, strict=True))  # one pair per dynamic
+
     def _slow(self, dynamic: tuple[torch.Tensor, ...]) -> None:
+        if len(dynamic) != len(self.dynamic):
+            raise TypeError(f"expected {len(self.dynamic)} dynamic tensors, got {len(dynamic)}")
         grid, tensors, scalars, constexprs, num_warps, num_stages = self._spec
         tensors = list(tensors)
         for index, tensor in zip(self.dynamic, dynamic, strict=True):
@@ -301,5 +311,5 @@ class BoundLaunch:
             compiled = self._launcher._by_value.get(key)
             if compiled is not None and compiled.direct:
                 self._compiled, self._device = compiled, device
-                self.aligned = tuple(ptrs[i] % 16 == 0 for i in self.dynamic)
+                self._set_aligned(tuple(ptrs[i] % 16 == 0 for i in self.dynamic))
                 self._args = [*ptrs, *scalars, *constexprs]

@@ -224,8 +224,34 @@ def test_bound_launch_swaps_only_the_dynamic_pointers(fast_launch):
     direct = kernel.log[1][1]
     assert direct[:4] == (5, 1, 1, STREAM)
     assert direct[13:] == (x2.data_ptr(), y.data_ptr(), 3, 0.5, 16)
-    bound(x)  # the bound argument list itself is never modified
+    bound(x)  # every dynamic position is rewritten per call (the list is patched in place)
     assert kernel.log[2][1][13:] == (x.data_ptr(), y.data_ptr(), 3, 0.5, 16)
+
+
+def test_bound_launch_rejects_a_wrong_number_of_dynamic_tensors(fast_launch):
+    kernel = _Kernel()
+    x, y = _tensors()
+    bound = _runtime.Launcher(kernel).bind(5, (x, y), (3, 0.5), (16,), 4, dynamic=(0, 1))
+    bound(x, y)
+    for wrong in ((x,), (x, y, x)):
+        with pytest.raises(TypeError, match="2 dynamic tensors"):
+            bound(*wrong)
+    assert kernel.kinds() == ["jit"]  # nothing launched with a stale pointer
+    bound(x, y)
+    assert kernel.log[-1][1][13:] == (x.data_ptr(), y.data_ptr(), 3, 0.5, 16)
+
+
+def test_bound_launch_after_an_alignment_fallback_uses_fresh_pointers(fast_launch):
+    kernel = _Kernel()
+    launcher = _runtime.Launcher(kernel)
+    base = torch.zeros(64)
+    x, y = base[:8], base[16:24]
+    bound = launcher.bind(5, (x, y), (3, 0.5), (16,), 4, dynamic=(0, 1))
+    bound(x, y)
+    bound(base[32:40], y[1:])  # first pointer patched, second misaligned: fallback
+    bound(x, y)
+    assert kernel.log[-1][0] == "direct"
+    assert kernel.log[-1][1][13:] == (x.data_ptr(), y.data_ptr(), 3, 0.5, 16)
 
 
 def test_bound_launch_falls_back_when_alignment_changes(fast_launch):
