@@ -55,6 +55,13 @@ from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.serving import run_serve_benchmark
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:  # checked before the model is built, not after minutes of benchmarking
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b-shape", help="a built-in shape")
@@ -71,7 +78,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers runs")
     p.add_argument("--no-eager", action="store_true", help="skip FlashDec without CUDA graphs")
     p.add_argument("--vllm-json", help="vllm_anchor.py's --json output of the same lease")
-    p.add_argument("--serve-requests", type=int, default=128)
+    p.add_argument("--serve-requests", type=_at_least_one, default=128,
+                   help="requests of the Poisson serving run (>= 1)")  # fmt: skip
     p.add_argument("--serve-rate", type=float, default=16.0, help="Poisson arrivals per second")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", help="results file name (default: e2e, or e2e_fp8 with FP8 KV)")

@@ -648,7 +648,7 @@ class _ModelRunner:
         max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
         plan = plan_bucket(engine.cache, max_len)
         held = self.graphs.get(bucket)
-        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]):
+        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]) and held[2].fits(tx):
             self.graph_replays += 1
             return engine.replay_step(tx, held[2])
         if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)

@@ -321,3 +321,21 @@ def test_fp8_kv_cache_on_the_gpu_graphs_equal_eager():
         flashdec.LLM(model, kv_cache_dtype="fp8", cuda_graphs=False), prompt, tokens
     )
     assert ((got - want).norm() / want.norm()).item() < 0.25
+
+
+@pytest.mark.gpu
+def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
+    """A batch-1 graph, then a batch of 12 (the cache's slot buffers grow: new addresses),
+    then batch 1 again: the old graph must not be replayed; the tokens equal eager decoding."""
+    model = build_random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=0)
+    gen = torch.Generator().manual_seed(3)
+    one = [torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()]
+    many = [torch.randint(0, model.config.vocab_size, (5 + i,), generator=gen).tolist()
+            for i in range(12)]  # fmt: skip
+    graphed = flashdec.LLM(model, max_batch_size=16)
+    eager = flashdec.LLM(model, max_batch_size=16, cuda_graphs=False)
+    for prompts in (one, many, one):
+        assert graphed.generate(prompts, NEW, ignore_eos=True) == eager.generate(
+            prompts, NEW, ignore_eos=True
+        )
+    assert graphed._runner.graph_replays > 0

@@ -171,6 +171,12 @@ class CapturedStep:
         self.generation = generation  # the slot buffers' generation(s) it read
         self._keep = keep  # buffers the graph reads (its decode workspaces)
 
+    def fits(self, tx) -> bool:
+        """Whether ``replay_step(tx, self)`` is valid: the open step ``tx`` has this graph's
+        rows and reads the same slot buffers (a bigger batch since the capture replaces them)."""
+        step = self.engine._require_open_step(tx, "decode")
+        return (self.num_rows, self.generation) == (step.num_rows, step.generations)
+
 
 class DecodeEngine:
     """Runs decode steps for a batch of requests over one :class:`PagedKVCache`.
@@ -772,7 +778,7 @@ class DecodeEngine:
         step = self._require_open_step(tx, "decode")
         if not isinstance(captured, CapturedStep) or captured.engine is not self:
             raise TypeError("captured must be a CapturedStep of this engine")
-        if (captured.num_rows, captured.generation) != (step.num_rows, step.generations):
+        if not captured.fits(tx):
             raise ValueError(
                 f"captured step has {captured.num_rows} rows (buffers generation "
                 f"{captured.generation}); this step has {step.num_rows} (generation "
