@@ -174,7 +174,9 @@ class CapturedStep:
     def fits(self, tx) -> bool:
         """Whether ``replay_step(tx, self)`` is valid: the open step ``tx`` has this graph's
         rows and reads the same slot buffers (a bigger batch since the capture replaces them)."""
-        step = self.engine._require_open_step(tx, "decode")
+        return self._fits(self.engine._require_open_step(tx, "decode"))
+
+    def _fits(self, step: _OpenStep) -> bool:
         return (self.num_rows, self.generation) == (step.num_rows, step.generations)
 
 
@@ -778,7 +780,7 @@ class DecodeEngine:
         step = self._require_open_step(tx, "decode")
         if not isinstance(captured, CapturedStep) or captured.engine is not self:
             raise TypeError("captured must be a CapturedStep of this engine")
-        if not captured.fits(tx):
+        if not captured._fits(step):  # the open step is looked up once
             raise ValueError(
                 f"captured step has {captured.num_rows} rows (buffers generation "
                 f"{captured.generation}); this step has {step.num_rows} (generation "
