@@ -55,6 +55,7 @@ class LayerGroup:
         kv_rows = self.kv.view(torch.uint8) if spec.dtype == FP8_DTYPE else self.kv
         self.slot_rows = kv_rows.view(2 * spec.layer_count, -1, spec.head_dim)
         self._backups: dict[int, torch.Tensor] = {}  # one-token backups, per slot-row count
+        self._writer_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.allocator = BlockAllocator(spec.num_blocks)
         self.prefixes = PrefixRegistry(self.allocator, prefix_capacity, spec.block_size)
         self.tables = DeviceTables(width, self.kv.device)
@@ -90,6 +91,37 @@ class LayerGroup:
             rows = self.slot_rows
             out = self._backups[count] = rows.new_empty((rows.shape[0], count, rows.shape[2]))
         return torch.index_select(self.slot_rows, 1, slot_rows, out=out)
+
+    def writer_backup(self, num_slot_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[2 * layers, num_slot_rows, D]`` rows of the slot buffers' writer backup (see
+        :class:`SlotBuffers`): as bytes like ``slot_rows`` (for the restore) and in the group's
+        dtype (for the writers). Fixed addresses per buffers; views made once per row count."""
+        buffers = self.slot_buffers
+        key = (buffers.generation, num_slot_rows)
+        views = self._writer_views.get(key)
+        if views is None:
+            backup = buffers.writer_backup
+            if backup is None:
+                rows = self.slot_rows
+                backup = buffers.writer_backup = rows.new_empty(
+                    (rows.shape[0], buffers.capacity * self.num_kv_heads, rows.shape[2])
+                )
+            if len(self._writer_views) >= 16 or any(k[0] != key[0] for k in self._writer_views):
+                self._writer_views.clear()
+            part = backup[:, :num_slot_rows]
+            views = self._writer_views[key] = (part, part.view(self.dtype))
+        return views
+
+    def restore(self, slot_rows: torch.Tensor, backup: torch.Tensor, layers: int) -> None:
+        """Put the old bytes of ``slot_rows`` back from ``backup`` in the group's first
+        ``layers`` layers (K and V)."""
+        count = self.spec.layer_count
+        if layers >= count:
+            self.slot_rows.index_copy_(1, slot_rows, backup)
+        elif layers > 0:
+            for start in (0, count):  # K rows, then V rows
+                part = slice(start, start + layers)
+                self.slot_rows[part].index_copy_(1, slot_rows, backup[part])
 
     def quantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K/V rows ``[T, Hkv, D]`` as this FP8 group stores them (saturating)."""

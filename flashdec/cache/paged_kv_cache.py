@@ -19,6 +19,7 @@ cache keeps the bookkeeping (layer order, the reservation) and the caller suppli
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -1122,7 +1123,11 @@ class PagedKVCache:
 
     # ---- multi-layer token transactions ----------------------------------------------------
     def begin_token(
-        self, request_ids: Sequence[RequestId], *, pad_to: int | None = None
+        self,
+        request_ids: Sequence[RequestId],
+        *,
+        pad_to: int | None = None,
+        backup_by_writer: bool = False,
     ) -> TokenTransactionView:
         """Reserve one slot per request in every group (taking a block where needed).
 
@@ -1130,7 +1135,16 @@ class PagedKVCache:
         captured in a CUDA graph can be replayed for a later step of the same batch. ``pad_to``
         (>= the batch) adds padding rows that writers skip and decode sees as empty: a graph
         captured for ``pad_to`` rows serves this smaller batch.
+
+        ``backup_by_writer`` (with ``restore_on_abort``): instead of copying the reserved slots
+        of every layer now, each layer's writer saves the old bytes of its slots into
+        :meth:`transaction_backup` before storing (the fused append kernel does, in the same
+        launch). Abort then restores the layers whose writer was called.
         """
+        if not isinstance(backup_by_writer, bool):
+            raise TypeError(
+                f"backup_by_writer must be a bool, got {type(backup_by_writer).__name__}"
+            )
         memo = self._memo
         plan = None
         if (
@@ -1160,7 +1174,7 @@ class PagedKVCache:
                 self._fixed_slots(group, plan, part, num_rows)
                 for group, part in zip(self._groups, plan.groups, strict=True)
             ]
-            return self._open(rids, plan, slots, one_each=True)
+            return self._open(rids, plan, slots, one_each=True, backup_by_writer=backup_by_writer)
         except BaseException:
             self._release(plan.reserved())
             raise
@@ -1203,6 +1217,7 @@ class PagedKVCache:
         plan: _Plan,
         slots: list[TransactionSlots],
         one_each: bool = False,
+        backup_by_writer: bool = False,
     ) -> TokenTransactionView:
         records = plan.records
         # views show SPEC's int32 metadata (the repeated-batch plan's positions already are)
@@ -1230,10 +1245,12 @@ class PagedKVCache:
         tx.memo = plan.memo if one_each else None
         tx.one_each = one_each
         if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
-            tx.backups = [
-                group.backup(group_slots.slot_rows, fixed=one_each)
-                for group, group_slots in zip(self._groups, slots, strict=True)
-            ]
+            groups = zip(self._groups, slots, strict=True)
+            if backup_by_writer:  # filled layer by layer by the writers
+                tx.backups = [group.writer_backup(s.slot_rows.shape[0])[0] for group, s in groups]
+                tx.backup_complete = False
+            else:
+                tx.backups = [group.backup(s.slot_rows, fixed=one_each) for group, s in groups]
         view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width,
                        self._device)  # fmt: skip
         self._tx.start(tx)
@@ -1285,6 +1302,7 @@ class PagedKVCache:
         open_tx = self._tx.resolve(tx)
         layer = self._check_next_layer(open_tx, layer_idx)
         k_layer, v_layer, group = self._layer_info[layer]
+        open_tx.attempted = layer + 1  # its bytes may change from here: abort restores it
         result = writer(k_layer, v_layer, open_tx.group_slots[group])
         open_tx.next_layer = layer + 1
         return result
@@ -1301,9 +1319,42 @@ class PagedKVCache:
                 f"token transaction {open_tx.transaction_id} already has {open_tx.next_layer} "
                 "layer(s) written; write_all_layers_with needs a fresh transaction"
             )
+        open_tx.attempted = self._num_layers
         result = writer()
         open_tx.next_layer = self._num_layers
         return result
+
+    def transaction_backup(
+        self, tx: TokenTransactionView | int, *, group: int = 0
+    ) -> torch.Tensor | None:
+        """Where the writers of an open ``backup_by_writer`` transaction save the old bytes of
+        ``group``'s slots: ``[2 * layers_in_group, T * Hkv, D]`` in the group's dtype; layer
+        ``i`` of the group (its i-th layer) has K rows at ``[i]`` and V rows at
+        ``[layers_in_group + i]``, slot row ``t * Hkv + h`` for token ``t``, KV head ``h``.
+        Fixed addresses for a batch size (until a bigger batch replaces the slot buffers). None
+        when the transaction's backup is not the writers' (or there is none)."""
+        open_tx = self._tx.resolve(tx)
+        g = self._check_group(group)
+        if open_tx.backups is None or open_tx.backup_complete:
+            return None
+        return g.writer_backup(open_tx.backups[g.index].shape[1])[1]
+
+    def complete_backup(self, tx: TokenTransactionView | int) -> None:
+        """Copy every layer's reserved slots of an open ``backup_by_writer`` transaction into its
+        backup now: abort then restores all layers whatever the writers did (e.g. kernels
+        recorded in a CUDA graph capture that never ran). Needs no layer written yet."""
+        open_tx = self._tx.resolve(tx)
+        if open_tx.backups is None or open_tx.backup_complete:
+            return
+        if open_tx.attempted:
+            raise RuntimeError(
+                f"token transaction {open_tx.transaction_id} already has layers written; "
+                "complete_backup must come before the first"
+            )
+        for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
+                                        strict=True):  # fmt: skip
+            backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
+        open_tx.backup_complete = True
 
     def transaction_view(
         self, tx: TokenTransactionView | int, *, group: int = 0
@@ -1387,9 +1438,12 @@ class PagedKVCache:
                             self._device)  # fmt: skip
         # restore even with no layer counted: a writer that raised may have stored part of one
         if open_tx.backups is not None:
+            complete, attempted = open_tx.backup_complete, open_tx.attempted
             for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
                                             strict=True):  # fmt: skip
-                group.slot_rows.index_copy_(1, slots.slot_rows, backup)
+                # writers' backups: only the attempted layers (the group's first ones) hold any
+                layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
+                group.restore(slots.slot_rows, backup, layers)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version

@@ -226,6 +226,10 @@ class SlotBuffers:
         self.num_kv_heads = num_kv_heads
         self.device = device
         self.generation = generation
+        # [2 * layers, capacity * Hkv, D]: the old bytes of a transaction's slots when its
+        # writers save them (made on first use; replaced with these buffers, so a CUDA graph
+        # that wrote it is recaptured through the generation like the rest)
+        self.writer_backup: torch.Tensor | None = None
         size = self.NUM_REGIONS * capacity + capacity * num_kv_heads
         # pageable, one copy, no events: a non_blocking copy from pageable memory stages the host
         # bytes before it returns (measured on the H200 host: 5 us, and rewriting the buffer right
@@ -336,6 +340,8 @@ class OpenTransaction:
     """Everything the cache keeps for the one open transaction."""
 
     __slots__ = (
+        "attempted",
+        "backup_complete",
         "backups",
         "cache_version",
         "counts",
@@ -381,8 +387,11 @@ class OpenTransaction:
         self.table_rows = table_rows  # group 0's, for the views
         self.parts: list = []  # the cache's per-group reservations, for views of other groups
         self.next_layer = 0  # layers [0, next_layer) are written
-        # per group: old K and V bytes of the slots, for abort
+        self.attempted = 0  # layers [0, attempted) had a writer called (it may have raised)
+        # per group: old K and V bytes of the slots, for abort; complete, or filled by each
+        # layer's writer (then valid for the attempted layers only)
         self.backups: list[torch.Tensor] | None = None
+        self.backup_complete = True
         self.one_each = False  # one token per request (begin_token)
         self.memo = None  # the repeated batch it was planned from (BatchMemo), if any
 

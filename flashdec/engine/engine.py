@@ -103,6 +103,8 @@ class _OpenStep:
     """Engine-side state of the one open transaction (the cache keeps the reservation)."""
 
     __slots__ = (
+        "backups",
+        "bound",
         "decode",
         "group_decode",
         "group_layer_outputs",
@@ -148,6 +150,10 @@ class _OpenStep:
         self.group_outputs: list[torch.Tensor | None] = [None] * len(group_slots)  # [Lg, ...]
         self.group_layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(group_slots)
         self.group_shapes: list[tuple | None] = [None] * len(group_slots)  # (q, kv) shapes
+        # per group: where the fused append saves the slots' old bytes (None: the cache did)
+        self.backups: tuple[torch.Tensor | None, ...] = ()
+        # the single-group fast path's launch and the q, k, v strides it was bound to
+        self.bound: tuple | None = None
 
     @property
     def generations(self) -> tuple[int, ...]:
@@ -250,6 +256,9 @@ class DecodeEngine:
         # each layer's index inside its group (its row of the group's per-step outputs)
         self._layer_local = tuple(
             cache.group_layers(g).index(i) for i, g in enumerate(self._layer_groups)
+        )
+        self._group_views = tuple(
+            [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
         )
         self._group_decode_states: list[DecodeState | None] = [None] * len(specs)
         # what the scheduler derives requests' needs from: empty for one full-attention group
@@ -641,17 +650,24 @@ class DecodeEngine:
         """
         self._require_no_open_step("begin_step")
         _check_batch_type(request_ids)
+        cache = self.cache
+        # the fused append saves the old slot bytes for abort in its own launch
+        by_writer = self._fused_triton
         try:  # the cache validates the batch (in O(1) when it is the last step's)
-            view = self.cache.begin_token(request_ids, pad_to=pad_to)
+            view = cache.begin_token(request_ids, pad_to=pad_to, backup_by_writer=by_writer)
         except (ValueError, RuntimeError):
             self._explain_batch(request_ids, "step")
             raise
-        slots = self.cache.transaction_slots(view)
+        slots = cache.transaction_slots(view)
         # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
         positions = tuple(view.host_positions.tolist())
-        self._open = _OpenStep("decode", view, slots, positions,
-                               tuple(map((1).__add__, positions)),
-                               self._all_group_slots(view))  # fmt: skip
+        step = _OpenStep("decode", view, slots, positions, tuple(map((1).__add__, positions)),
+                         self._all_group_slots(view))  # fmt: skip
+        if by_writer:
+            step.backups = tuple(
+                cache.transaction_backup(view, group=g) for g in range(self._num_groups)
+            )
+        self._open = step
         return view
 
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
@@ -754,6 +770,9 @@ class DecodeEngine:
             raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
         if self.cache.layers_written(step.transaction_id):
             raise RuntimeError("capture_step needs a step with no layer written yet")
+        # the captured kernels do not run until the replay: an abort before it must not
+        # restore from backup rows they never wrote
+        self.cache.complete_backup(step.transaction_id)
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
@@ -993,7 +1012,7 @@ class DecodeEngine:
         step.q_shape, step.kv_shape = q.shape, k.shape
 
     def _fast_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """Fused RoPE + append and Triton decode as two bound launches (the common path):
+        """Fused RoPE + append and Triton decode bound once per batch shape (the common path):
         per layer only the layer's tensors are read, every other argument was bound once."""
         state = self._decode_state_of(step, q.shape[1])
         outs = step.layer_outputs
@@ -1003,16 +1022,19 @@ class DecodeEngine:
             )
             outs = step.layer_outputs = outputs.unbind(0)
         out = outs[layer_idx]
-        k_layer, v_layer = self._layer_views[layer_idx]
-        append, decode = state.bound(self.rope, step.slots, self.sm_scale, q, k, v, k_layer,
-                                     v_layer, out)  # fmt: skip
-        q_rot = state.q_rot
+        strides = (q.stride(), k.stride(), v.stride())
+        bound = step.bound
+        if bound is not None and bound[1] == strides:  # as the step's earlier layers
+            launch = bound[0]
+        else:
+            backup = step.backups[0] if step.backups else None
+            launch = state.bound(self.rope, step.slots, self.sm_scale, q, k, v,
+                                 self._layer_views, backup, out)  # fmt: skip
+            step.bound = (launch, strides)
         self.cache.write_token_layer_with(
-            step.transaction_id,
-            layer_idx,
-            lambda k_cache, v_cache, slots: append(q, k, v, k_cache, v_cache, q_rot),
+            step.transaction_id, layer_idx, lambda *_: launch(layer_idx, q, k, v, out)
         )
-        return decode(q_rot, k_layer, v_layer, out)
+        return out
 
     def _decode_state_of(self, step: _OpenStep, num_heads: int) -> DecodeState:
         state = step.decode
@@ -1050,22 +1072,20 @@ class DecodeEngine:
         state = self._group_decode_state(step, g, q.shape[1])
         outs = step.group_layer_outputs[g]
         if not outs:  # one allocation per step and group for its layers' outputs
-            count = len(self.cache.group_layers(g))
+            count = len(self._group_views[g])
             outputs = step.group_outputs[g] = torch.empty(
                 (count, *q.shape), dtype=q.dtype, device=q.device
             )
             outs = step.group_layer_outputs[g] = outputs.unbind(0)
-        out = outs[self._layer_local[layer_idx]]
-        k_layer, v_layer = self._layer_views[layer_idx]
-        append, decode = state.bound(self._ropes[g], step.group_slots[g], self._sm_scales[g], q,
-                                     k, v, k_layer, v_layer, out)  # fmt: skip
-        q_rot = state.q_rot
+        local = self._layer_local[layer_idx]
+        out = outs[local]
+        backup = step.backups[g] if step.backups else None
+        launch = state.bound(self._ropes[g], step.group_slots[g], self._sm_scales[g], q, k, v,
+                             self._group_views[g], backup, out)  # fmt: skip
         self.cache.write_token_layer_with(
-            step.transaction_id,
-            layer_idx,
-            lambda k_cache, v_cache, slots: append(q, k, v, k_cache, v_cache, q_rot),
+            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
         )
-        return decode(q_rot, k_layer, v_layer, out)
+        return out
 
     def _group_decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
         state = step.group_decode[g]

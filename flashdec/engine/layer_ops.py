@@ -27,8 +27,7 @@ from flashdec._checks import (
 from flashdec.cache import PagedKVCache, TransactionSlots
 from flashdec.cache.paged_kv_cache import torch_scatter
 from flashdec.kernels import (
-    BoundDecode,
-    BoundFusedRopeKVAppend,
+    BoundLayerAttention,
     DecodeWorkspace,
     launch_decode,
     launch_fused_rope_kv_append,
@@ -292,29 +291,36 @@ class DecodeState:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_layer: torch.Tensor,
-        v_layer: torch.Tensor,
+        layer_views: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        backup: torch.Tensor | None,
         out: torch.Tensor,
-    ) -> tuple[BoundFusedRopeKVAppend, BoundDecode]:
-        """The fused append and the decode of this plan bound to ``slots`` (fixed-address for a
-        batch shape) and to these inputs' strides: a layer then costs two direct launches."""
-        key = (id(slots), q.stride(), k.stride(), v.stride(), out.stride())
-        pair = self._bound.get(key)
-        if pair is None:
+    ) -> BoundLayerAttention:
+        """RoPE + append + decode of this plan for any layer of ``layer_views`` (the group's, in
+        order), bound to ``slots`` (fixed-address for a batch shape), to the transaction's
+        writer ``backup`` (``[2 * layers, rows, D]`` or None) and to these inputs' strides."""
+        key = (id(slots), q.stride(), k.stride(), v.stride(), out.stride(),
+               None if backup is None else backup.data_ptr())  # fmt: skip
+        entry = self._bound.get(key)
+        if entry is None:
             if len(self._bound) > 16:
                 self._bound.clear()
-            ws, q_rot = self.workspace, self.q_rot
-            append = BoundFusedRopeKVAppend(
-                q, k, v, k_layer, v_layer, slots.block_ids, slots.offsets, slots.positions,
-                rope.rotary_dim, rope.base, q_rot, rope.inv_freq, self.k_scale, self.v_scale,
+            ws = self.workspace
+            if backup is None:
+                layers = [(k_layer, v_layer, None) for k_layer, v_layer in layer_views]
+                backup_v = 0
+            else:  # K rows of layer i at [i], its V rows one group of layers further on
+                count = len(layer_views)
+                layers = [(kv[0], kv[1], backup[i]) for i, kv in enumerate(layer_views)]
+                backup_v = count * backup.stride(0)
+            launch = BoundLayerAttention(
+                q, k, v, layers, slots.block_ids, slots.offsets, slots.positions,
+                rope.rotary_dim, rope.base, rope.inv_freq, self.q_rot, slots.block_tables,
+                slots.seq_lens_after, sm_scale, ws.plan, out, ws.partial_out, ws.partial_lse,
+                slots.num_rows, self.k_scale, self.v_scale, ws.counters, backup_v,
             )  # fmt: skip
-            decode = BoundDecode(
-                q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale,
-                ws.plan, out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale,
-                self.v_scale, ws.counters,
-            )  # fmt: skip
-            pair = self._bound[key] = (append, decode, slots)  # slots kept: the id stays unique
-        return pair[0], pair[1]
+            # slots and backup kept: their ids and addresses stay unique while bound
+            entry = self._bound[key] = (launch, slots, backup)
+        return entry[0]
 
     def decode(
         self,

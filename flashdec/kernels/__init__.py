@@ -9,6 +9,7 @@ from flashdec.kernels.append import (
     launch_kv_append,
 )
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, KernelConfig, plan_decode
+from flashdec.kernels.layer_attention import BoundLayerAttention
 from flashdec.kernels.paged_decode import (
     BoundDecode,
     decode,
@@ -20,6 +21,7 @@ from flashdec.kernels.validation import clear_validation_cache
 __all__ = [
     "BoundDecode",
     "BoundFusedRopeKVAppend",
+    "BoundLayerAttention",
     "DecodePlan",
     "DecodeWorkspace",
     "KernelConfig",

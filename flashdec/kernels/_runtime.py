@@ -118,12 +118,12 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
-def _current_stream(device: int) -> int:
+def current_stream(device: int) -> int:
     # queried per call: CUDA-graph capture and torch.cuda.stream() change the current stream
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def _hooks_active() -> bool:
+def hooks_active() -> bool:
     """Whether a Triton launch hook (e.g. the proton profiler) is registered."""
     runtime = triton.knobs.runtime
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
@@ -190,10 +190,10 @@ class Launcher:
             self._by_value[key] = compiled
             if launched:
                 return  # compiled and launched by Triton itself
-        if compiled.direct and not _hooks_active():
+        if compiled.direct and not hooks_active():
             cooperative, pdl = compiled.mode
             compiled.launch(
-                grid, 1, 1, _current_stream(device), compiled.function, cooperative, pdl,
+                grid, 1, 1, current_stream(device), compiled.function, cooperative, pdl,
                 None, None, compiled.metadata, None, None, None, *ptrs, *scalars, *constexprs,
             )  # fmt: skip
         else:
@@ -275,7 +275,7 @@ class BoundLaunch:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self._args
-        if args is not None and len(tensors) == len(self._patch) and not _hooks_active():
+        if args is not None and len(tensors) == len(self._patch) and not hooks_active():
             # patched in place: the launcher reads the list before returning, and every dynamic
             # position is rewritten on each call, so no copy is needed (lengths checked above)
             for (index, aligned), tensor in zip(self._patch, tensors, strict=False):
@@ -285,11 +285,19 @@ class BoundLaunch:
                 args[index] = ptr
             c = self._compiled
             c.launch(
-                self._grid, 1, 1, _current_stream(self._device), c.function, c.mode[0],
+                self._grid, 1, 1, current_stream(self._device), c.function, c.mode[0],
                 c.mode[1], None, None, c.metadata, None, None, None, *args,
             )  # fmt: skip
             return None
         return self._slow(tensors)
+
+    def direct(self) -> DirectLaunch | None:
+        """This launch as a :class:`DirectLaunch` with its own copy of the argument list (the
+        dynamic pointers as of the last call); None until a call has taken the direct path or
+        while a launch hook is registered."""
+        if self._args is None or hooks_active():
+            return None
+        return DirectLaunch(self._compiled, self._grid, self._device, list(self._args))
 
     def _set_aligned(self, aligned: tuple[bool, ...]) -> None:
         self.aligned = aligned
@@ -313,3 +321,36 @@ class BoundLaunch:
                 self._compiled, self._device = compiled, device
                 self._set_aligned(tuple(ptrs[i] % 16 == 0 for i in self.dynamic))
                 self._args = [*ptrs, *scalars, *constexprs]
+
+
+class DirectLaunch:
+    """A compiled kernel's launch with every argument held in ``args`` (pointers as ints, then
+    scalars and constexprs), issued by one C call. The owner rewrites pointer entries in place
+    — only with tensors of the dtype, strides and 16-byte alignment the launch was bound with —
+    and checks :func:`hooks_active` before issuing (a profiler hook needs Triton's own path)."""
+
+    __slots__ = (
+        "_cooperative",
+        "_function",
+        "_grid",
+        "_launch",
+        "_metadata",
+        "_pdl",
+        "args",
+        "device",
+    )  # fmt: skip
+
+    def __init__(self, compiled: _Compiled, grid: int, device: int, args: list) -> None:
+        self.args = args
+        self.device = device
+        self._grid = grid
+        self._launch = compiled.launch
+        self._function = compiled.function
+        self._metadata = compiled.metadata
+        self._cooperative, self._pdl = compiled.mode
+
+    def issue(self, stream: int) -> None:
+        self._launch(
+            self._grid, 1, 1, stream, self._function, self._cooperative, self._pdl, None, None,
+            self._metadata, None, None, None, *self.args,
+        )  # fmt: skip

@@ -156,6 +156,7 @@ def _fused_rope_kv_append_kernel(
     q_out_ptr,
     k_scale_ptr,  # float32 [Hkv], read only with QUANTIZE
     v_scale_ptr,
+    backup_ptr,  # [rows * Hkv, D] this layer's K backup rows, read only with BACKUP
     stride_qb,
     stride_qh,
     stride_qd,
@@ -177,6 +178,8 @@ def _fused_rope_kv_append_kernel(
     stride_qoh,
     stride_qod,
     stride_f,
+    stride_br,  # backup row stride
+    backup_v,  # elements from the K backup rows to the V backup rows
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -186,6 +189,7 @@ def _fused_rope_kv_append_kernel(
     BLOCK_D: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,  # accurate sin/cos on the GPU (angles reach 1e4+ radians)
     QUANTIZE: tl.constexpr,  # FP8 cache: store x / scale, saturated (k from its float32 rotation)
+    BACKUP: tl.constexpr,  # copy the slot's old bytes to backup row b * Hkv + h first (abort)
 ):
     b = tl.program_id(0)
     half: tl.constexpr = ROTARY_DIM // 2
@@ -245,6 +249,12 @@ def _fused_rope_kv_append_kernel(
     )
     kc = k_cache_ptr + block * stride_kcb + slot * stride_kct
     kc_ptrs = kc + offs_hk[:, None] * stride_kch + offs_d[None, :] * stride_kcd
+    vc = v_cache_ptr + block * stride_vcb + slot * stride_vct
+    vc_ptrs = vc + offs_hk[:, None] * stride_vch + offs_d[None, :] * stride_vcd
+    if BACKUP:  # the same program reads the slot before it stores: no race with the write
+        bk_ptrs = backup_ptr + (b * NUM_KV_HEADS + offs_hk[:, None]) * stride_br + offs_d[None, :]
+        tl.store(bk_ptrs, tl.load(kc_ptrs, mask=mask_k), mask=mask_k)
+        tl.store(bk_ptrs + backup_v, tl.load(vc_ptrs, mask=mask_k), mask=mask_k)
     v = tl.load(
         v_ptr + b * stride_vb + offs_hk[:, None] * stride_vh + offs_d[None, :] * stride_vd,
         mask=mask_k,
@@ -257,8 +267,7 @@ def _fused_rope_kv_append_kernel(
     else:
         k_store = k_rot.to(k_cache_ptr.dtype.element_ty)
     tl.store(kc_ptrs, k_store, mask=mask_k)
-    vc = v_cache_ptr + block * stride_vcb + slot * stride_vct
-    tl.store(vc + offs_hk[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v, mask=mask_k)
+    tl.store(vc_ptrs, v, mask=mask_k)
 
 
 _KV_APPEND = Launcher(_kv_append_kernel)
@@ -319,9 +328,10 @@ def launch_kv_append(
 
 def _fused_launch(
     q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out, inv_freq,
-    k_scale, v_scale,
+    k_scale, v_scale, backup=None, backup_v=0,
 ) -> tuple:  # fmt: skip
-    """The arguments of one fused RoPE + append launch."""
+    """The arguments of one fused RoPE + append launch (``backup``: see
+    :class:`BoundFusedRopeKVAppend`)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if rotary_dim is None:
@@ -331,7 +341,10 @@ def _fused_launch(
     quantize = k_cache.dtype == FP8_DTYPE
     if not quantize:  # never read: positions stands in for the scale pointers
         k_scale = v_scale = positions
-    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim, quantize)
+    has_backup = backup is not None
+    if not has_backup:  # never read
+        backup = positions
+    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim, quantize, has_backup)
     consts = _FUSED_CONSTEXPRS.get(key)
     if consts is None:
         consts = _FUSED_CONSTEXPRS[key] = (
@@ -344,16 +357,17 @@ def _fused_launch(
             next_power_of_2(head_dim),
             not INTERPRET,
             quantize,
+            has_backup,
         )
     return (
         batch,
         (
             q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out, k_scale,
-            v_scale,
+            v_scale, backup,
         ),
         (
             *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-            *q_out.stride(), inv_freq.stride(0),
+            *q_out.stride(), inv_freq.stride(0), backup.stride(0) if has_backup else 0, backup_v,
         ),
         consts,
         4,
@@ -391,20 +405,37 @@ def launch_fused_rope_kv_append(
 
 class BoundFusedRopeKVAppend:
     """:func:`launch_fused_rope_kv_append` bound to one step's slots and RoPE table: a call takes
-    the layer's ``q, k, v, k_cache, v_cache, q_out`` — with the dtypes and strides of the ones it
-    was bound with — and launches with no per-call argument building. An FP8 cache's
-    ``k_scale``/``v_scale`` tensors are bound (fixed addresses: update values in place)."""
+    the layer's ``q, k, v, k_cache, v_cache, q_out`` (and ``backup``) — with the dtypes and
+    strides of the ones it was bound with — and launches with no per-call argument building. An
+    FP8 cache's ``k_scale``/``v_scale`` tensors are bound (fixed addresses: update values in
+    place).
 
-    __slots__ = ("_launch",)
+    ``backup`` (``[rows * Hkv, D]`` in the cache's dtype, rows of ``D`` contiguous elements):
+    before storing, the kernel copies each slot's old K bytes to row ``b * Hkv + h`` and its old
+    V bytes ``backup_v`` elements further on — what an abort of the transaction puts back.
+    """
+
+    # positions of the per-call tensors among the launch's tensors
+    DYNAMIC = (0, 1, 2, 3, 4, 9)
+    BACKUP = 12
+
+    __slots__ = ("_has_backup", "launch")
 
     def __init__(self, q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
-                 base, q_out, inv_freq=None, k_scale=None, v_scale=None) -> None:  # fmt: skip
+                 base, q_out, inv_freq=None, k_scale=None, v_scale=None, backup=None,
+                 backup_v=0) -> None:  # fmt: skip
         args = _fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions,
-                             rotary_dim, base, q_out, inv_freq, k_scale, v_scale)  # fmt: skip
-        self._launch = _FUSED.bind(*args, dynamic=(0, 1, 2, 3, 4, 9))
+                             rotary_dim, base, q_out, inv_freq, k_scale, v_scale, backup,
+                             backup_v)  # fmt: skip
+        self._has_backup = backup is not None
+        dynamic = (*self.DYNAMIC, self.BACKUP) if self._has_backup else self.DYNAMIC
+        self.launch = _FUSED.bind(*args, dynamic=dynamic)
 
-    def __call__(self, q, k, v, k_cache, v_cache, q_out) -> torch.Tensor:
-        self._launch(q, k, v, k_cache, v_cache, q_out)
+    def __call__(self, q, k, v, k_cache, v_cache, q_out, backup=None) -> torch.Tensor:
+        if self._has_backup:
+            self.launch(q, k, v, k_cache, v_cache, q_out, backup)
+        else:
+            self.launch(q, k, v, k_cache, v_cache, q_out)
         return q_out
 
 

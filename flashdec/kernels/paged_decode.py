@@ -809,7 +809,7 @@ class BoundDecode:
     tensors are bound too (fixed addresses: update their values in place), and so are the
     workspace's ``counters`` (one launch instead of two with a ``fused_merge`` plan)."""
 
-    __slots__ = ("_decode", "_merge", "_single")
+    __slots__ = ("decode", "merge", "single")
 
     def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
                  partial_out, partial_lse, batch, k_scale=None, v_scale=None,
@@ -818,20 +818,21 @@ class BoundDecode:
             q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
             partial_lse, batch, k_scale, v_scale, counters,
         )  # fmt: skip
-        self._single = not plan.uses_split
-        if self._single:  # out also stands in for the two partial buffers
-            self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
+        self.single = not plan.uses_split  # out also stands in for the two partial buffers
+        if self.single:
+            self.decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
         else:
-            self._decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
-        self._merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
+            self.decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
+        # splits merged by a second launch (a plan without fused_merge, or no counters)
+        self.merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
 
     def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
-        if self._single:
-            self._decode(q, k_cache, v_cache, out, out, out)
+        if self.single:
+            self.decode(q, k_cache, v_cache, out, out, out)
         else:
-            self._decode(q, k_cache, v_cache, out)
-            if self._merge is not None:  # splits merged by a second launch
-                self._merge(out)
+            self.decode(q, k_cache, v_cache, out)
+            if self.merge is not None:
+                self.merge(out)
         return out
 
 

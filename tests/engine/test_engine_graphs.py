@@ -122,3 +122,58 @@ def test_padded_rows_are_neither_stored_nor_attended():
     blocks = {b for rid in rids[:2] for b in engine.cache.request_block_ids(rid)}
     assert set(changed.tolist()) <= blocks
     engine.cache.validate_invariants()
+
+
+def _warm_and_capture(engine, rids, static):
+    """One eager step (compiles), then a captured one; returns the captured step."""
+    tx = engine.begin_step(rids)
+    for i in range(LAYERS):
+        engine.step_layer(tx, i, *static[i])
+    engine.commit_step(tx)
+    tx = engine.begin_step(rids)
+    captured = engine.capture_step(
+        tx, lambda: [engine.step_layer(tx, i, *static[i]) for i in range(LAYERS)]
+    )
+    engine.commit_step(tx)
+    return captured
+
+
+@pytest.mark.gpu
+def test_abort_after_a_replay_or_a_failed_capture_leaves_storage_bit_identical():
+    """The fused append saves each layer's old slot bytes in its own launch (replayed with the
+    graph); a capture that fails never ran its kernels, so abort restores from the cache's own
+    copy taken before the capture."""
+    engine, rids = _filled_engine(3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    static = [
+        tuple(torch.randn(3, h, D, generator=gen, device="cuda").bfloat16()
+              for h in (HQ, HKV, HKV))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    captured = _warm_and_capture(engine, rids, static)
+    cache = engine.cache
+    for _ in range(BS):  # every offset of a block, one crossing
+        before = (cache.k_cache.clone(), cache.v_cache.clone(), cache.seq_lens_tensor(rids))
+        tx = engine.begin_step(rids)
+        engine.replay_step(tx, captured)
+        assert not torch.equal(cache.k_cache, before[0])  # the replay did write
+        engine.abort_step(tx)
+        assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1])
+        assert torch.equal(cache.seq_lens_tensor(rids), before[2])
+        tx = engine.begin_step(rids)  # then really advance one token
+        engine.replay_step(tx, captured)
+        engine.commit_step(tx)
+    before = (cache.k_cache.clone(), cache.v_cache.clone())
+    tx = engine.begin_step(rids)
+
+    def fails_after_two_layers():
+        for i in range(2):
+            engine.step_layer(tx, i, *static[i])
+        raise OSError("injected in the captured body")
+
+    with pytest.raises(OSError, match="injected"):
+        engine.capture_step(tx, fails_after_two_layers)
+    assert not engine.has_open_step
+    torch.cuda.synchronize()
+    assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1])
+    cache.validate_invariants()

@@ -438,3 +438,42 @@ def test_gpu_public_append_reads_the_device_once_then_never():
     args = (t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
     assert syncs(lambda: kv_append(*args)) == 1
     assert syncs(lambda: kv_append(*args)) == 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_bound_append_saves_the_old_slot_bytes_first(kv_dtype, device):
+    """With a backup, each stored slot's old K and V bytes land at row ``b * Hkv + h`` (V rows
+    ``backup_v`` elements on) before the store; padding rows (block -1) save nothing."""
+    from flashdec.kernels import BoundFusedRopeKVAppend
+
+    gen = torch.Generator().manual_seed(0)
+    batch, hq, hkv, d, blocks, bs = 3, 4, 2, 8, 5, 4
+    q, k, v = (torch.randn(batch, h, d, generator=gen).to(device) for h in (hq, hkv, hkv))
+    k_cache, v_cache = (
+        torch.randn(blocks, hkv, bs, d, generator=gen).to(kv_dtype).to(device) for _ in range(2)
+    )
+    block_ids = torch.tensor([3, -1, 0], device=device)
+    offsets = torch.tensor([1, 0, 2], device=device)
+    positions = torch.tensor([13, 0, 2], device=device)
+    old_k, old_v = k_cache.clone(), v_cache.clone()
+    backup = torch.full((2, batch * hkv, d), 5.0, device=device).to(kv_dtype)
+    scales = {}
+    if kv_dtype == torch.float8_e4m3fn:
+        ones = torch.ones(hkv, device=device)
+        scales = {"k_scale": ones, "v_scale": ones}
+    q_out = torch.empty_like(q)
+    append = BoundFusedRopeKVAppend(
+        q, k, v, k_cache, v_cache, block_ids, offsets, positions, d, 10000.0, q_out,
+        backup=backup[0], backup_v=backup.stride(0), **scales,
+    )  # fmt: skip
+    append(q, k, v, k_cache, v_cache, q_out, backup[0])
+    bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int32
+    for b in range(batch):
+        rows = slice(b * hkv, (b + 1) * hkv)
+        if block_ids[b] < 0:
+            assert torch.equal(backup[0, rows].float(), torch.full((hkv, d), 5.0))
+            continue
+        blk, off = int(block_ids[b]), int(offsets[b])
+        assert torch.equal(backup[0, rows].view(bits), old_k[blk, :, off].view(bits))
+        assert torch.equal(backup[1, rows].view(bits), old_v[blk, :, off].view(bits))
+        assert not torch.equal(k_cache[blk, :, off].view(bits), old_k[blk, :, off].view(bits))

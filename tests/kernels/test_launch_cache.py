@@ -68,7 +68,7 @@ class _Kernel:
 def fast_launch(monkeypatch):
     monkeypatch.setattr(_runtime, "FAST_LAUNCH", True)
     monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
-    monkeypatch.setattr(_runtime, "_current_stream", lambda device: STREAM)
+    monkeypatch.setattr(_runtime, "current_stream", lambda device: STREAM)
 
 
 def _tensors():
@@ -134,7 +134,7 @@ def test_fallback_through_the_compiled_runner(fast_launch, monkeypatch, reason):
     launcher = _runtime.Launcher(kernel)
     x, y = _tensors()
     if reason == "hook":
-        monkeypatch.setattr(_runtime, "_hooks_active", lambda: True)
+        monkeypatch.setattr(_runtime, "hooks_active", lambda: True)
     launcher(3, (x, y), (3, 0.5), (16,), num_warps=4)
     launcher(3, (x, y), (3, 0.5), (16,), num_warps=4)
     assert kernel.kinds() == ["jit", "runner"]
@@ -145,17 +145,17 @@ def test_hooks_are_seen_in_triton_knobs():
     import triton
 
     hooks = triton.knobs.runtime.launch_enter_hook
-    assert not _runtime._hooks_active()
+    assert not _runtime.hooks_active()
 
     def hook(metadata):
         return None
 
     hooks.add(hook)
     try:
-        assert _runtime._hooks_active()
+        assert _runtime.hooks_active()
     finally:
         hooks.remove(hook)
-    assert not _runtime._hooks_active()
+    assert not _runtime.hooks_active()
 
 
 def test_disabled_fast_launch_always_goes_through_triton(monkeypatch):
