@@ -71,8 +71,9 @@ class BoundLayerAttention:
         )  # fmt: skip
         self.q_rot = q_rot
         self._layers = tuple(layers)
-        # (append, decode, merge or None, per-layer (k, v, backup) pointers) once both ran
-        self._direct: tuple | None = None
+        # (append, decode, merge or None, per-layer (k, v, backup) pointers) once both ran;
+        # False for a binding that cannot take the direct path (misaligned)
+        self._direct: tuple | bool | None = None
 
     def __call__(
         self,
@@ -83,7 +84,7 @@ class BoundLayerAttention:
         out: torch.Tensor,
     ) -> None:
         direct = self._direct
-        if direct is not None and not hooks_active():
+        if direct and not hooks_active():
             q_ptr, k_ptr, v_ptr, out_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             if not (q_ptr | k_ptr | v_ptr | out_ptr) & 15:  # bound 16-byte aligned, like these
                 append, decode, merge, pointers = direct
@@ -113,7 +114,7 @@ class BoundLayerAttention:
         if self._direct is None:
             self._direct = self._make_direct()
 
-    def _make_direct(self) -> tuple | None:
+    def _make_direct(self) -> tuple | bool | None:
         append, decode, merge = self._append.launch, self._decode.decode, self._decode.merge
         direct = (append.direct(), decode.direct(), None if merge is None else merge.direct())
         if direct[0] is None or direct[1] is None or (merge is not None and direct[2] is None):
@@ -124,5 +125,5 @@ class BoundLayerAttention:
             for k_cache, v_cache, backup in self._layers
         )
         if not all(aligned) or any(ptr & 15 for row in pointers for ptr in row):
-            return None  # a misaligned binding keeps the checked path
+            return False  # a misaligned binding keeps the bound launches' path
         return (*direct, pointers)

@@ -272,3 +272,23 @@ def test_bound_launch_without_fast_launch_substitutes_through_triton(monkeypatch
     bound = _runtime.Launcher(kernel).bind(5, (x, y), (3,), (16,), 4, dynamic=(0,))
     bound(x2)
     assert kernel.log[0][2] == (x2, y, 3, 16)
+
+
+def test_direct_launch_is_a_copy_of_the_bound_arguments(fast_launch, monkeypatch):
+    kernel = _Kernel()
+    x, y = _tensors()
+    bound = _runtime.Launcher(kernel).bind(5, (x, y), (3,), (16,), 4, dynamic=(1,))
+    assert bound.direct() is None  # not resolved before a first call
+    bound(y)
+    direct = bound.direct()
+    assert direct.args == [x.data_ptr(), y.data_ptr(), 3, 16]
+    other = torch.zeros(64)[32:40]
+    direct.args[1] = other.data_ptr()  # the owner's patch does not touch the bound launch
+    direct.issue(STREAM)
+    bound(y)
+    launched = [entry[1] for entry in kernel.log if entry[0] == "direct"]
+    assert launched[0][:4] == (5, 1, 1, STREAM)
+    assert launched[0][13:] == (x.data_ptr(), other.data_ptr(), 3, 16)
+    assert launched[1][13:] == (x.data_ptr(), y.data_ptr(), 3, 16)
+    monkeypatch.setattr(_runtime, "hooks_active", lambda: True)
+    assert bound.direct() is None  # a profiler hook needs Triton's own path
