@@ -32,6 +32,7 @@ class BatchMemo:
         "held",
         "held_lists",
         "last",
+        "last_transaction",
         "lens",
         "records",
         "rids",
@@ -41,8 +42,11 @@ class BatchMemo:
         "version",
     )
 
-    def __init__(self, records: list[RequestRecord], num_groups: int, version: int) -> None:
+    def __init__(
+        self, records: list[RequestRecord], num_groups: int, version: int, transaction_id: int
+    ) -> None:
         num = len(records)
+        self.last_transaction = transaction_id  # the committed step the memo reflects
         self.records = records
         self.rids: tuple[RequestId, ...] = tuple(rec.request_id for rec in records)
         self.counts = [1] * num  # tokens per request of every step
@@ -90,9 +94,14 @@ class BatchMemo:
             and all(map(operator.is_, request_ids, rids))
         )
 
-    def advance(self, new_blocks: Sequence[tuple[np.ndarray, np.ndarray]], version: int) -> None:
-        """Account for a committed step: every length + 1, and per group the requests
-        ``new_blocks[g][0]`` (batch indices) now end with block ``new_blocks[g][1]``.
+    def advance(
+        self,
+        new_blocks: Sequence[tuple[np.ndarray, np.ndarray]],
+        version: int,
+        transaction_id: int,
+    ) -> None:
+        """Account for committed step ``transaction_id``: every length + 1, and per group the
+        requests ``new_blocks[g][0]`` (batch indices) now end with block ``new_blocks[g][1]``.
 
         Applied by :meth:`settle` when the next step is planned: the commit itself then runs
         no array operation (the first numpy call after a step's layers is the slow one)."""
@@ -100,6 +109,7 @@ class BatchMemo:
             self.settle()
         self._pending = new_blocks
         self.version = version
+        self.last_transaction = transaction_id
 
     def settle(self) -> None:
         """Apply the committed step :meth:`advance` recorded (before reading the arrays)."""

@@ -1036,6 +1036,16 @@ class PagedKVCache:
             buffers = group.slot_buffers = SlotBuffers(
                 capacity, group.num_kv_heads, group.width, self._device, generation
             )
+        num = len(plan.records)
+        memo, tx_id = plan.memo, self._tx.next_id()
+        if (
+            memo is not None
+            and part.update_arrays is not None
+            and not part.update_arrays[0].shape[0]
+            and not group.pending_updates
+            and buffers.advance_resident(memo.last_transaction, tx_id, num, num_rows)
+        ):  # the last step's metadata, one token on: nothing to pack, copy or gather
+            return buffers.slots(num, num_rows)
         width, tables = group.width, group.tables
         if part.update_arrays is not None:
             if group.pending_updates:  # never with a valid memo; kept exact all the same
@@ -1054,7 +1064,6 @@ class PagedKVCache:
             tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
             flat, values, in_batch = (*_NO_UPDATES, _NO_UPDATES[0])
             buffers.set_gathered(None, 0, 0)
-        num = len(plan.records)
         rows = plan.rows
         if rows is None:
             rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
@@ -1063,7 +1072,7 @@ class PagedKVCache:
             in_batch.shape[0] == flat.shape[0]
         )
         buffers.upload(plan.positions, part.block_ids, rows, (flat, values, in_batch),
-                       group.block_size, num_rows)  # fmt: skip
+                       group.block_size, num_rows, tx_id)  # fmt: skip
         count = flat.shape[0]
         slots = buffers.slots(num, num_rows)
         if count:
@@ -1424,9 +1433,9 @@ class PagedKVCache:
         if not open_tx.one_each or self._has_window or self._version != open_tx.cache_version:
             self._memo = None
         elif memo is not None:
-            memo.advance([part.new for part in open_tx.parts], version)
+            memo.advance([part.new for part in open_tx.parts], version, open_tx.transaction_id)
         else:
-            self._memo = BatchMemo(records, len(self._groups), version)
+            self._memo = BatchMemo(records, len(self._groups), version, open_tx.transaction_id)
         self._version = version
         return view
 

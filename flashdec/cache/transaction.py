@@ -247,6 +247,9 @@ class SlotBuffers:
         # device tables' version then; None when unknown
         self._gathered: tuple[bytes, int, int] | None = None
         self._views: dict[tuple, object] = {}  # fixed views, made once per shape
+        # whose metadata ``device_buffer`` holds: (transaction id, batch, rows), or None
+        self.resident: tuple[int, int, int] | None = None
+        self._increments: dict[tuple[int, int], torch.Tensor] = {}  # see advance_resident
         self._heads = np.arange(num_kv_heads, dtype=np.int64)
 
     def _at(self, region: int, count: int) -> slice:
@@ -261,8 +264,9 @@ class SlotBuffers:
         updates: tuple[np.ndarray, np.ndarray, np.ndarray],
         block_size: int,
         num_rows: int,
+        transaction_id: int,
     ) -> None:
-        """Pack one transaction into the staging buffer and copy it to the device.
+        """Pack transaction ``transaction_id`` into the staging buffer and copy it to the device.
 
         Rows ``[len(positions), num_rows)`` become padding (block id ``PAD_BLOCK_ID``, length 0).
         ``updates``: the device-table writes (flat index, block id, flat index in the batch's
@@ -289,6 +293,32 @@ class SlotBuffers:
         np.add((block_ids * (heads.shape[0] * block_size) + offsets)[:, None],
                heads * block_size, out=slot_rows)  # fmt: skip
         self.device_buffer.copy_(self._staging, non_blocking=True)
+        self.resident = (transaction_id, batch, num_rows)
+
+    def advance_resident(
+        self, previous_id: int, transaction_id: int, batch: int, num_rows: int
+    ) -> bool:
+        """When the device buffer holds transaction ``previous_id``'s metadata for this batch
+        shape, move it on the device to the next token of every row — positions, offsets, both
+        lengths and slot rows + 1, block ids and table rows as they are — and mark it as
+        ``transaction_id``'s: one small add instead of packing and copying. Valid only when no
+        row's next token starts a block (the caller knows). False, nothing done, otherwise."""
+        if self.resident != (previous_id, batch, num_rows):
+            return False
+        increment = self._increments.get((batch, num_rows))
+        if increment is None:
+            if len(self._increments) >= 8:
+                self._increments.clear()
+            ones = np.zeros(self.device_buffer.shape[0], dtype=np.int64)
+            for region in (self.POSITIONS, self.OFFSETS, self.SEQ_LENS, self.SEQ_LENS_AFTER):
+                ones[self._at(region, batch)] = 1
+            start = self.NUM_REGIONS * self.capacity
+            ones[start : start + batch * self.num_kv_heads] = 1
+            increment = torch.from_numpy(ones).to(self.device)
+            self._increments[(batch, num_rows)] = increment
+        self.device_buffer.add_(increment)
+        self.resident = (transaction_id, batch, num_rows)
+        return True
 
     def gathered(self, rows: np.ndarray, num_rows: int, version: int) -> bool:
         """Whether ``tables`` already holds device-table rows ``rows`` (then ``num_rows``

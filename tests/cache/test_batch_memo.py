@@ -105,6 +105,47 @@ def test_repeated_batch_steps_equal_replanned_steps(kind, device):
     assert _step_both(fast, twin, rids, 21)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_inside_held_blocks_advance_the_device_metadata_in_place(device, monkeypatch):
+    """Between block boundaries the last step's device metadata is moved one token on by one
+    add (no packing, no copy); every step still equals the twin's re-planned upload, and an
+    abort, another row count or a boundary falls back to the full upload."""
+    from flashdec.cache.transaction import SlotBuffers
+
+    advanced = []
+    real = SlotBuffers.advance_resident
+
+    def spy(self, *args):
+        done = real(self, *args)
+        advanced.append(done)
+        return done
+
+    monkeypatch.setattr(SlotBuffers, "advance_resident", spy)
+    fast, twin = _pair(block_size=8, max_blocks=24, prefix_cache_capacity_blocks=0,
+                       device=device)  # fmt: skip
+    rids = ["a", "b"]
+    for cache in (fast, twin):
+        for rid in rids:
+            cache.add_request(rid)
+    for seed in range(1, 12):  # crosses the boundary at token 8
+        _step_both(fast, twin, rids, seed)
+    # steps 2..8 and 10..11 advance (step 1 plans and uploads, step 9 takes blocks: uploads)
+    assert advanced == [True] * 9
+    assert _step_both(fast, twin, rids, 30, pad_to=3)  # other rows: uploaded
+    assert advanced[-1] is False
+    assert _step_both(fast, twin, rids, 31, pad_to=3)  # the same rows again: advanced
+    assert advanced[-1] is True
+    tx = fast.begin_token(rids)  # 2 rows after 3: uploaded; then aborted (the memo goes)
+    assert advanced[-1] is False
+    fast.abort_token(tx)
+    twin.abort_token(twin.begin_token(rids))
+    calls = len(advanced)
+    assert not _step_both(fast, twin, rids, 32)  # re-planned and uploaded
+    assert len(advanced) == calls
+    assert _step_both(fast, twin, rids, 33)
+    assert advanced[-1] is True
+
+
 @pytest.mark.parametrize("kind", ["single", "grouped"])
 def test_memo_room_counts_down_to_each_block_boundary(kind):
     """The steady step skips the block arithmetic while every request has room in its held
