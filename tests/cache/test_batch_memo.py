@@ -297,3 +297,4 @@ def test_pageable_upload_snapshots_the_host_bytes_when_it_is_issued():
         _write_all(cache, tx, seed)
         cache.commit_token(tx)
         cache.validate_invariants()
+        cache._memo = None  # re-planned, so every step uploads (no on-device advance)
