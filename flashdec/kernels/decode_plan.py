@@ -108,8 +108,8 @@ def default_kernel_config(
     """The tuned defaults for a launch of about ``programs_per_sm`` programs per SM.
 
     ``block_n`` is sized so that one iteration gathers :data:`WIDE_TILE_BYTES` (or
-    :data:`NARROW_TILE_BYTES`) of K and V; four warps (eight for head_dim 256, whose tiles are
-    twice as wide). The query group size does not change the choice (measured for 1 to 32).
+    :data:`NARROW_TILE_BYTES`) of K and V, with four warps for every head_dim. The query group
+    size does not change the choice (measured for 1 to 32).
     An FP8 cache (``kv_dtype``) counts its tile in q's dtype, or with ``fp8_tile="bytes"`` in
     its own one-byte elements (see :data:`FP8_TILE_CHOICES`).
     """
@@ -125,8 +125,9 @@ def default_kernel_config(
     else:
         tile_bytes, num_stages = WIDE_TILE_BYTES, 2
     block_n = min(max_block_n, max(16, tile_bytes // (2 * block_d * elem)))
-    num_warps = 8 if block_d >= 256 else 4
-    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    # head_dim 256 too: eight warps were 7-26% slower than four on every 16/8/256 shape swept
+    # on the H200 (tune256, benchmarks/results/decode_tuning_256.md; bf16, page 16)
+    return KernelConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
 
 
 @dataclass(frozen=True)

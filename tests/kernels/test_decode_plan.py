@@ -96,7 +96,8 @@ def test_tile_width_follows_programs_per_sm():
     # the tile is sized in bytes: head_dim 64 gathers twice as many tokens
     assert default_kernel_config(64, torch.bfloat16).block_n == 128
     assert default_kernel_config(128, torch.float32).block_n == 32
-    assert default_kernel_config(256, torch.bfloat16).num_warps == 8
+    # four warps for head_dim 256 too (eight were slower on every 16/8/256 shape swept)
+    assert default_kernel_config(256, torch.bfloat16).num_warps == 4
 
 
 def test_split_work_items_stay_within_two_per_sm():
