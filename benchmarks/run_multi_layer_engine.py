@@ -316,8 +316,9 @@ def report(rows: list[dict], args) -> None:
 **kernels eager** = those launches issued from Python without the engine (what the kernels cost
 when launched one by one). **Graph step** = `begin_step` + one replay of the 32 layers captured
 with `engine.capture_step` + `commit_step`, synchronised. **Overhead** = step − kernels: Python
-validation, the cache's bookkeeping, the transaction's host→device metadata copy and its abort
-backup, and launch gaps. The host columns are the CPU time to issue each part (not
+validation, the cache's bookkeeping, the transaction's device metadata (a host→device copy at a
+block boundary, else one device add) and launch gaps (the fused append saves the abort backup in
+its own launch). The host columns are the CPU time to issue each part (not
 synchronised): when the host part exceeds the kernels the step is host-bound (small batches),
 which is what the graph replay removes.
 
