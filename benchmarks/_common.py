@@ -6,6 +6,7 @@ naming the exact command, git commit, GPU and library versions, so a result can 
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -14,8 +15,10 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,58 @@ def import_flashdec(root: str | None) -> tuple[Any, dict[str, str]]:
     else:
         commit = "unknown (set FLASHDEC_ROOT_COMMIT)"
     return flashdec, {"path": str(origin), "commit": commit}
+
+
+def add_call_cost_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """The options bench_eager and bench_launch share: heads, page and dtype of the problem, a
+    CPU ``--smoke`` run, and the before/after plumbing (``--flashdec-root``, ``--label``,
+    ``--before``, ``--out-dir``, ``--name``, whose default is ``name``)."""
+    p.add_argument("--heads", default="32/8/128")
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU: interpreter)")
+    p.add_argument("--flashdec-root", help="import flashdec from this directory")
+    p.add_argument("--label", default="", help="names this run (e.g. before / after)")
+    p.add_argument("--before", help="an earlier run's JSON, shown side by side")
+    p.add_argument("--out-dir")
+    p.add_argument("--name", default=name)
+
+
+@dataclass(frozen=True)
+class CallCostRun:
+    """Where and on what a call-cost benchmark runs, from ``add_call_cost_arguments``'s options."""
+
+    has_gpu: bool
+    device: torch.device
+    dtype: torch.dtype
+    heads: tuple[int, int, int]  # (hq, hkv, head_dim)
+    page: int
+    origin: dict[str, str]  # where the measured flashdec came from (``import_flashdec``)
+    out_dir: Path
+
+
+def start_call_cost_run(args: argparse.Namespace, script: str) -> CallCostRun | None:
+    """Import flashdec (from ``--flashdec-root`` if given) and resolve the shared options;
+    ``--smoke`` shrinks the heads to 4/2/16 with pages of 8 and writes to a temporary folder.
+    None (the reason printed) without a GPU unless ``--smoke``."""
+    has_gpu = use_interpreter_without_gpu()
+    if not has_gpu and not args.smoke:
+        print(f"{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    _, origin = import_flashdec(args.flashdec_root)
+    hq, hkv, d = (int(x) for x in args.heads.split("/"))
+    page = args.page
+    if args.smoke:
+        hq, hkv, d, page = 4, 2, 16, 8
+    return CallCostRun(
+        has_gpu=has_gpu,
+        device=torch.device("cuda" if has_gpu else "cpu"),
+        dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
+        heads=(hq, hkv, d),
+        page=page,
+        origin=origin,
+        out_dir=Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else RESULTS_DIR)),
+    )
 
 
 def sync(device: torch.device | str) -> None:

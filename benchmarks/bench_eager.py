@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,16 +33,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (
-    RESULTS_DIR,
+    add_call_cost_arguments,
     attach_before,
     bar_plot,
     environment,
     environment_markdown,
     fmt,
     graph_us,
-    import_flashdec,
     markdown_table,
-    use_interpreter_without_gpu,
+    start_call_cost_run,
     wall_us_per_call,
     write_results,
 )
@@ -80,37 +78,24 @@ class FreshPool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", default="32/8/128")
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    add_call_cost_arguments(p, "eager")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU: interpreter)")
     p.add_argument("--no-flashinfer", action="store_true")
-    p.add_argument("--flashdec-root", help="import flashdec from this directory")
-    p.add_argument("--label", default="", help="names this run (e.g. before / after)")
-    p.add_argument("--before", help="an earlier run's JSON, shown side by side")
-    p.add_argument("--out-dir")
-    p.add_argument("--name", default="eager")
     args = p.parse_args(argv)
-    has_gpu = use_interpreter_without_gpu()
-    if not has_gpu and not args.smoke:
-        print("bench_eager needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    run = start_call_cost_run(args, "bench_eager")
+    if run is None:
         return 2
-    _, origin = import_flashdec(args.flashdec_root)
     import flashdec.kernels as kernels
     from benchmarks.bench_append import build
     from benchmarks.bench_decode import Case, load_flashinfer
 
-    device = torch.device("cuda" if has_gpu else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    hq, hkv, d = (int(x) for x in args.heads.split("/"))
-    page, decode_shapes, batches = args.page, DECODE_SHAPES, APPEND_BATCHES
+    has_gpu, device, dtype, origin = run.has_gpu, run.device, run.dtype, run.origin
+    (hq, hkv, d), page, out_dir = run.heads, run.page, run.out_dir
+    decode_shapes, batches = DECODE_SHAPES, APPEND_BATCHES
     calls, repeats, warmup = args.calls, args.repeats, 20
     if args.smoke:
-        hq, hkv, d, page = 4, 2, 16, 8
         decode_shapes, batches, calls, repeats, warmup = [(1, 300), (3, 40)], [1, 3], 3, 1, 1
-    out_dir = Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else RESULTS_DIR))
     flashinfer, fi_error = None, "disabled (--no-flashinfer)"
     if not args.no_flashinfer and has_gpu:
         flashinfer, fi_error = load_flashinfer()
@@ -133,7 +118,7 @@ def main(argv=None) -> int:
         case = Case([n] * b, hq, hkv, d, page, dtype, device=device)
         q, k, v, tables, lens = case.q, case.k, case.v, case.tables, case.lens
         plan = case.plan()
-        ws = plan.allocate_workspace()
+        with_ws, trusted = case.flashdec_fns_for(plan)  # decode(workspace=ws), launch_decode
         row = {"table": "decode", "shape": f"B={b} L={n}", "splits": plan.num_splits}
         out = kernels.decode(q, k, v, tables, lens)
         row["nows_us"] = wall(
@@ -147,28 +132,7 @@ def main(argv=None) -> int:
 
         row["fresh_us"] = wall(fresh, setup=pool.refill)
         del pool
-        row["ws_us"] = wall(
-            lambda q=q, k=k, v=v, t=tables, lens=lens, ws=ws: kernels.decode(
-                q, k, v, t, lens, workspace=ws
-            )
-        )
-
-        def trusted(q=q, k=k, v=v, t=tables, lens=lens, ws=ws, plan=plan, b=b, s=d**-0.5):
-            return kernels.launch_decode(
-                q,
-                k,
-                v,
-                t,
-                lens,
-                s,
-                plan,
-                ws.out,
-                ws.partial_out,
-                ws.partial_lse,
-                b,
-                counters=ws.counters,
-            )
-
+        row["ws_us"] = wall(with_ws)
         row["kernel_graph_us"] = kernel_graph_us(trusted)
         if flashinfer is not None:
             for key, tensor_cores in (("fi_tc", True), ("fi_cc", False)):
@@ -193,7 +157,7 @@ def main(argv=None) -> int:
             f"x{fmt(row['ws_vs_fi'], 2)}",
             flush=True,
         )
-        del case, ws, out
+        del case, with_ws, trusted, out
 
     for batch in batches:
         t = build(batch, hq, hkv, d, page, dtype, device=device)

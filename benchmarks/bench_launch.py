@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,15 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (
-    RESULTS_DIR,
+    add_call_cost_arguments,
     attach_before,
     environment,
     environment_markdown,
     fmt,
     host_us_per_call,
-    import_flashdec,
     markdown_table,
-    use_interpreter_without_gpu,
+    start_call_cost_run,
     write_results,
 )
 
@@ -49,24 +47,14 @@ def _fresh(make, count):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", default="32/8/128")
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    add_call_cost_arguments(p, "launch")
     p.add_argument("--decode-shapes", nargs="+", default=["1x32768", "64x2048"])
     p.add_argument("--append-batch", type=int, default=64)
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, few calls (CPU: interpreter)")
-    p.add_argument("--flashdec-root", help="import flashdec from this directory")
-    p.add_argument("--label", default="", help="names this run (e.g. before / after)")
-    p.add_argument("--before", help="an earlier run's JSON, shown side by side")
-    p.add_argument("--out-dir")
-    p.add_argument("--name", default="launch")
     args = p.parse_args(argv)
-    has_gpu = use_interpreter_without_gpu()
-    if not has_gpu and not args.smoke:
-        print("bench_launch needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    run = start_call_cost_run(args, "bench_launch")
+    if run is None:
         return 2
-    _, origin = import_flashdec(args.flashdec_root)
     import flashdec.kernels as kernels
     from benchmarks.bench_append import build
     from benchmarks.bench_decode import Case
@@ -77,19 +65,12 @@ def main(argv=None) -> int:
     except ImportError:  # the measured version has no stats kernel
         stats_kernel = None
 
-    device = torch.device("cuda" if has_gpu else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    hq, hkv, d = (int(x) for x in args.heads.split("/"))
-    page, shapes, batch, calls, block = (
-        args.page,
-        [tuple(int(x) for x in s.split("x")) for s in args.decode_shapes],
-        args.append_batch,
-        args.calls,
-        50,
-    )
+    device, dtype, origin = run.device, run.dtype, run.origin
+    (hq, hkv, d), page = run.heads, run.page
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.decode_shapes]
+    batch, calls, block = args.append_batch, args.calls, 50
     if args.smoke:
-        hq, hkv, d, page, shapes, batch, calls, block = 4, 2, 16, 8, [(1, 300), (3, 40)], 3, 4, 2
-    out_dir = Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else RESULTS_DIR))
+        shapes, batch, calls, block = [(1, 300), (3, 40)], 3, 4, 2
     rows: list[dict] = []
 
     def measure(call: str, shape: str, fn, note: str = "") -> None:
@@ -115,36 +96,11 @@ def main(argv=None) -> int:
         case = Case([n] * b, hq, hkv, d, page, dtype, device=device)
         q, k, v, tables, lens = case.q, case.k, case.v, case.tables, case.lens
         plan = case.plan()
-        ws = plan.allocate_workspace()
-        scale = d**-0.5
+        with_ws, trusted = case.flashdec_fns_for(plan)  # decode(workspace=ws), launch_decode
         splits = f"{plan.num_splits} split(s)"
-
-        def trusted(q=q, k=k, v=v, tables=tables, lens=lens, plan=plan, ws=ws, b=b, s=scale):
-            return kernels.launch_decode(
-                q,
-                k,
-                v,
-                tables,
-                lens,
-                s,
-                plan,
-                ws.out,
-                ws.partial_out,
-                ws.partial_lse,
-                b,
-                counters=ws.counters,
-            )
-
         layer[shape] = trusted
         measure("launch_decode (trusted)", shape, trusted, splits)
-        measure(
-            "decode(workspace=ws)",
-            shape,
-            lambda q=q, k=k, v=v, t=tables, lens=lens, ws=ws: kernels.decode(
-                q, k, v, t, lens, workspace=ws
-            ),
-            splits,
-        )
+        measure("decode(workspace=ws)", shape, with_ws, splits)
         measure(
             "decode (no workspace, same metadata)",
             shape,
@@ -272,7 +228,7 @@ def main(argv=None) -> int:
     if args.smoke:
         md.append("\nSMOKE RUN (tiny shapes through the interpreter): not a measurement.")
     payload = {"environment": env, "label": args.label, "flashdec": origin, "rows": rows}
-    md_path, _ = write_results(args.name, "\n".join(md), payload, out_dir)
+    md_path, _ = write_results(args.name, "\n".join(md), payload, run.out_dir)
     print(f"wrote {md_path}")
     return 0
 
