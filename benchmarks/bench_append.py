@@ -69,6 +69,21 @@ def build(batch, hq, hkv, d, page, dtype, seed=0, device="cuda"):
     }
 
 
+# build()'s tensors in the order fused_rope_kv_append and its trusted launcher take them
+APPEND_ARGS = ("q", "k", "v", "k_cache", "v_cache", "block_ids", "offsets", "positions")
+
+
+def append_args(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(t[key] for key in APPEND_ARGS)
+
+
+def trusted_append(t: dict[str, torch.Tensor], q_out: torch.Tensor):
+    """The engine's append of one layer on ``build``'s problem ``t``: the trusted fused launch
+    (RoPE base 10000 over the whole head, q rotated into ``q_out``), arguments bound once."""
+    args = (*append_args(t), None, 10000.0, q_out)
+    return lambda: launch_fused_rope_kv_append(*args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", nargs="+", type=int, default=BATCHES)
@@ -105,33 +120,10 @@ def main(argv=None) -> int:
         kc, vc = t["k_cache"], t["v_cache"]
         slots = (t["block_ids"].long(), t["offsets"].long())
 
-        def fused(t=t, q_out=q_out):
-            return launch_fused_rope_kv_append(
-                t["q"],
-                t["k"],
-                t["v"],
-                t["k_cache"],
-                t["v_cache"],
-                t["block_ids"],
-                t["offsets"],
-                t["positions"],
-                None,
-                10000.0,
-                q_out,
-            )
+        fused, tensors = trusted_append(t, q_out), append_args(t)
 
-        def fused_checked(t=t, q_out=q_out):
-            return fused_rope_kv_append(
-                t["q"],
-                t["k"],
-                t["v"],
-                t["k_cache"],
-                t["v_cache"],
-                t["block_ids"],
-                t["offsets"],
-                t["positions"],
-                q_out=q_out,
-            )
+        def fused_checked(tensors=tensors, q_out=q_out):
+            return fused_rope_kv_append(*tensors, q_out=q_out)
 
         def triton_unfused(t=t):
             q_rot = apply_rope(t["q"], t["positions"])

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     if run is None:
         return 2
     import flashdec.kernels as kernels
-    from benchmarks.bench_append import build
+    from benchmarks.bench_append import build, trusted_append
     from benchmarks.bench_decode import Case
     from flashdec._checks import check_paged_decode_inputs
 
@@ -146,13 +146,7 @@ def main(argv=None) -> int:
     q_out = torch.empty_like(t["q"])
     append_shape = f"B={batch}"
     cache_args = (t["k_cache"], t["v_cache"])
-
-    def fused_trusted():
-        return kernels.launch_fused_rope_kv_append(
-            t["q"], t["k"], t["v"], *cache_args, t["block_ids"], t["offsets"], t["positions"],
-            None, 10000.0, q_out,
-        )  # fmt: skip
-
+    fused_trusted = trusted_append(t, q_out)
     measure("launch_fused_rope_kv_append (trusted)", append_shape, fused_trusted)
     measure(
         "launch_kv_append (trusted)",

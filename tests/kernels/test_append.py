@@ -47,6 +47,27 @@ def _setup(batch, hq, hkv, d, num_blocks, block_size, dtype, device, seed=0, lay
     }
 
 
+# _setup's tensors in the order fused_rope_kv_append / its launcher (and kv_append) take them
+FUSED_ARGS = ("q", "k", "v", "k_cache", "v_cache", "block_ids", "offsets", "positions")
+KV_APPEND_ARGS = ("k_cache", "v_cache", "k", "v", "block_ids", "offsets")
+
+
+def _fused_call(t, **kwargs):
+    return fused_rope_kv_append(*(t[key] for key in FUSED_ARGS), **kwargs)
+
+
+def _launch_fused(t, q_out, *extra, q=None, base=10000.0):
+    """The trusted fused launch on ``t`` (whole-head RoPE); ``q`` replaces ``t["q"]`` (in place
+    when it is also ``q_out``), ``extra`` is passed on positionally (``inv_freq``)."""
+    q = t["q"] if q is None else q
+    rest = (t[key] for key in FUSED_ARGS[1:])
+    return launch_fused_rope_kv_append(q, *rest, None, base, q_out, *extra)
+
+
+def _kv_args(t):
+    return tuple(t[key] for key in KV_APPEND_ARGS)
+
+
 def _written(cache, t):
     return cache[t["block_ids"].long(), :, t["offsets"].long()]  # [B, Hkv, D]
 
@@ -67,7 +88,7 @@ def _untouched_equal(before, after, t):
 def test_kv_append_is_a_bitwise_scatter(dtype, strided, device):
     t = _setup(5, 4, 2, 24, 7, 8, dtype, device, layers=3 if strided else None)
     k_before, v_before = t["k_cache"].clone(), t["v_cache"].clone()
-    kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    kv_append(*_kv_args(t))
     assert torch.equal(_written(t["k_cache"], t), t["k"])
     assert torch.equal(_written(t["v_cache"], t), t["v"])
     _untouched_equal(k_before, t["k_cache"], t)
@@ -82,18 +103,7 @@ def test_kv_append_is_a_bitwise_scatter(dtype, strided, device):
 def test_fused_rope_append_matches_reference(dtype, hq, hkv, d, rotary_dim, device):
     t = _setup(4, hq, hkv, d, 6, 16, dtype, device, layers=2)
     k_before = t["k_cache"].clone()
-    q_rot = fused_rope_kv_append(
-        t["q"],
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-        rotary_dim=rotary_dim,
-        base=10000.0,
-    )
+    q_rot = _fused_call(t, rotary_dim=rotary_dim, base=10000.0)
     _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], rotary_dim))
     _assert_rope_close(_written(t["k_cache"], t), apply_rope(t["k"], t["positions"], rotary_dim))
     assert torch.equal(_written(t["v_cache"], t), t["v"])  # v is stored bitwise
@@ -108,39 +118,16 @@ def test_fused_q_out_in_place_and_launchers_agree(device):
     t = _setup(3, 4, 2, 32, 5, 8, dtype, device)
     ref_q = apply_rope(t["q"], t["positions"], None, 500.0)
     q_out = torch.full_like(t["q"], float("nan"))
-    got = fused_rope_kv_append(
-        t["q"],
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-        base=500.0,
-        q_out=q_out,
-    )
+    got = _fused_call(t, base=500.0, q_out=q_out)
     assert got is q_out
     _assert_rope_close(got, ref_q)
     k_written = _written(t["k_cache"], t).clone()
     # in place (q_out=q) through the trusted launcher gives the same bits
     q = t["q"].clone()
-    launch_fused_rope_kv_append(
-        q,
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-        None,
-        500.0,
-        q,
-    )
+    _launch_fused(t, q, q=q, base=500.0)
     assert torch.equal(q, got)
     assert torch.equal(_written(t["k_cache"], t), k_written)
-    launch_kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    launch_kv_append(*_kv_args(t))
     assert torch.equal(_written(t["k_cache"], t), t["k"])
     assert flashdec.kv_append is kv_append
     assert flashdec.fused_rope_kv_append is fused_rope_kv_append
@@ -149,17 +136,8 @@ def test_fused_q_out_in_place_and_launchers_agree(device):
 def test_empty_batch_is_a_no_op(device):
     t = _setup(0, 2, 1, 16, 3, 8, torch.float32, device)
     before = t["k_cache"].clone()
-    kv_append(t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
-    q = fused_rope_kv_append(
-        t["q"],
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-    )
+    kv_append(*_kv_args(t))
+    q = _fused_call(t)
     assert q.shape == (0, 2, 16) and torch.equal(before, t["k_cache"])
 
 
@@ -204,25 +182,9 @@ def test_rejected_calls_write_nothing(fused, device):
             continue
         with pytest.raises(error):
             if fused:
-                fused_rope_kv_append(
-                    args["q"],
-                    args["k"],
-                    args["v"],
-                    args["k_cache"],
-                    args["v_cache"],
-                    args["block_ids"],
-                    args["offsets"],
-                    args["positions"],
-                )
+                _fused_call(args)
             else:
-                kv_append(
-                    args["k_cache"],
-                    args["v_cache"],
-                    args["k"],
-                    args["v"],
-                    args["block_ids"],
-                    args["offsets"],
-                )
+                kv_append(*_kv_args(args))
         assert torch.equal(t["k_cache"], k_before), what
         assert torch.equal(t["v_cache"], v_before), what
         assert torch.equal(t["q"], q_before), what
@@ -231,15 +193,7 @@ def test_rejected_calls_write_nothing(fused, device):
 def test_fused_rejects_bad_rope_arguments(device):
     t = _setup(2, 4, 2, 16, 3, 8, torch.float32, device)
     k_before = t["k_cache"].clone()
-    common = (
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-    )
+    common = tuple(t[key] for key in FUSED_ARGS[1:])  # all but q
     with pytest.raises(ValueError, match="rotary_dim"):
         fused_rope_kv_append(t["q"], *common, rotary_dim=7)
     with pytest.raises(ValueError, match="rotary_dim"):
@@ -260,17 +214,7 @@ def test_fused_rejects_bad_rope_arguments(device):
 def test_gpu_llama_shapes_large_batch(dtype):
     t = _setup(256, 32, 8, 128, 2048, 16, dtype, "cuda")
     t["positions"] = torch.randint(0, 131072, (256,), device="cuda")
-    q_rot = fused_rope_kv_append(
-        t["q"],
-        t["k"],
-        t["v"],
-        t["k_cache"],
-        t["v_cache"],
-        t["block_ids"],
-        t["offsets"],
-        t["positions"],
-        base=500000.0,
-    )
+    q_rot = _fused_call(t, base=500000.0)
     _assert_rope_close(q_rot, apply_rope(t["q"], t["positions"], None, 500000.0))
     k_ref = apply_rope(t["k"], t["positions"], None, 500000.0)
     _assert_rope_close(_written(t["k_cache"], t), k_ref)
@@ -289,18 +233,13 @@ def test_trusted_launchers_skip_padding_rows(fused, device):
     real = {key: t[key][~padding] for key in ("k", "v", "block_ids", "offsets", "positions")}
     if fused:
         q_out = torch.full_like(t["q"], float("nan"))
-        launch_fused_rope_kv_append(
-            t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
-            t["positions"], None, 10000.0, q_out,
-        )  # fmt: skip
+        _launch_fused(t, q_out)
         # every row's q is rotated, padding rows included
         _assert_rope_close(q_out, apply_rope(t["q"], t["positions"]))
         k_expected = apply_rope(real["k"], real["positions"])
         _assert_rope_close(_written(t["k_cache"], real), k_expected)
     else:
-        launch_kv_append(
-            t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"]
-        )  # fmt: skip
+        launch_kv_append(*_kv_args(t))
         assert torch.equal(_written(t["k_cache"], real), real["k"])
     assert torch.equal(_written(t["v_cache"], real), real["v"])
     _untouched_equal(k_before, t["k_cache"], real)  # nothing else written
@@ -343,10 +282,7 @@ def test_scaled_inv_freq_matches_reference(dtype, device):
     # the trusted launcher takes the same table (here a strided view of a wider one)
     wide = torch.stack([table, table], 1).reshape(-1)
     q_out = torch.empty_like(t["q"])
-    launch_fused_rope_kv_append(
-        t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
-        t["positions"], None, 10000.0, q_out, wide[::2],
-    )  # fmt: skip
+    _launch_fused(t, q_out, wide[::2])
     assert torch.equal(q_out, q_rot)
 
 
@@ -371,13 +307,6 @@ def test_bad_inv_freq_is_rejected_before_writing(device):
         assert torch.equal(t["k_cache"], k_before), kwargs
 
 
-def _fused_call(t, **kwargs):
-    return fused_rope_kv_append(
-        t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
-        t["positions"], **kwargs,
-    )  # fmt: skip
-
-
 @pytest.mark.gpu
 def test_gpu_repeated_fast_launches_and_graph_capture():
     """The cached launch on new tensors each call, and inside a CUDA graph (padding rows too)."""
@@ -394,10 +323,7 @@ def test_gpu_repeated_fast_launches_and_graph_capture():
     q_out = torch.empty_like(t["q"])
 
     def step():
-        launch_fused_rope_kv_append(
-            t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
-            t["positions"], None, 10000.0, q_out,
-        )  # fmt: skip
+        _launch_fused(t, q_out)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -435,7 +361,7 @@ def test_gpu_public_append_reads_the_device_once_then_never():
 
     assert syncs(lambda: _fused_call(t)) == 1
     assert syncs(lambda: _fused_call(t)) == 0
-    args = (t["k_cache"], t["v_cache"], t["k"], t["v"], t["block_ids"], t["offsets"])
+    args = _kv_args(t)
     assert syncs(lambda: kv_append(*args)) == 1
     assert syncs(lambda: kv_append(*args)) == 0
 
