@@ -165,6 +165,19 @@ def start_call_cost_run(args: argparse.Namespace, script: str) -> CallCostRun | 
     )
 
 
+def call_cost_report_head(
+    title: str, args: argparse.Namespace, env: dict[str, Any], origin: dict[str, str]
+) -> list[str]:
+    """A call-cost report's first lines: the title (with the run's ``--label``), the
+    environment and the flashdec measured."""
+    return [
+        title + (f" — {args.label}" if args.label else ""),
+        "",
+        environment_markdown(env),
+        f"- flashdec measured: `{origin['path']}` (commit {origin['commit']})",
+    ]
+
+
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -36,8 +36,8 @@ from benchmarks._common import (
     add_call_cost_arguments,
     attach_before,
     bar_plot,
+    call_cost_report_head,
     environment,
-    environment_markdown,
     fmt,
     graph_us,
     markdown_table,
@@ -296,12 +296,9 @@ def report(args, shape, env, origin, fi_error, rows, before_env, calls, repeats)
         ]
         for r in append_rows
     ]  # fmt: skip
-    lines = [
-        f"# Eager calls: FlashDec public API vs FlashInfer ({shape})"
-        + (f" — {args.label}" if args.label else ""),
-        "",
-        environment_markdown(env),
-        f"- flashdec measured: `{origin['path']}` (commit {origin['commit']})",
+    title = f"# Eager calls: FlashDec public API vs FlashInfer ({shape})"
+    lines = call_cost_report_head(title, args, env, origin)
+    lines += [
         f"- FlashInfer: {'present' if not fi_error else 'MISSING (' + fi_error + ')'}",
         f"- wall µs per call: {calls} back-to-back calls synchronised once at the end, divided "
         f"by {calls}; median of {repeats} runs. 'fresh metadata' passes a new block_tables / "

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import (
     add_call_cost_arguments,
     attach_before,
+    call_cost_report_head,
     environment,
-    environment_markdown,
     fmt,
     host_us_per_call,
     markdown_table,
@@ -200,13 +200,8 @@ def main(argv=None) -> int:
             ]
             for r in rows
         ]
-    md = [
-        f"# Host cost per call ({args.dtype}, heads {hq}/{hkv}/{d}, page {page})"
-        + (f" — {args.label}" if args.label else ""),
-        "",
-        environment_markdown(env),
-        f"- flashdec measured: `{origin['path']}` (commit {origin['commit']})",
-    ]
+    title = f"# Host cost per call ({args.dtype}, heads {hq}/{hkv}/{d}, page {page})"
+    md = call_cost_report_head(title, args, env, origin)
     if before_env is not None:
         md.append(
             f"- before: {before_env.get('label') or 'earlier run'}, commit "
