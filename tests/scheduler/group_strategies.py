@@ -12,11 +12,11 @@ from flashdec.scheduler import (
     GroupBlocks,
     GroupPool,
     PrefixInfo,
-    RequestSpec,
     SchedulingSnapshot,
     WaitingRequest,
     lifetime_private_blocks_by_group,
 )
+from tests.scheduler.strategies import draw_requests, in_submission_order
 
 
 def group_prefix(prefix_id, num_tokens, shapes, refcount=0):
@@ -81,12 +81,7 @@ def make_group_snapshot(
     shapes = tuple(shapes)
     prefixes = tuple(prefixes)
     act = tuple(group_active_row(a[0], shapes, prefixes, *a[1:]) for a in active)
-    wait = tuple(
-        sorted(
-            (group_waiting_row(w[0], shapes, prefixes, *w[1:]) for w in waiting),
-            key=lambda r: r.spec.submission_order,
-        )
-    )
+    wait = in_submission_order(group_waiting_row(w[0], shapes, prefixes, *w[1:]) for w in waiting)
     used = used_blocks(shapes, prefixes, act)
     if free_blocks is None:
         free_blocks = [t - u for t, u in zip(total_blocks, used, strict=True)]
@@ -138,26 +133,7 @@ def group_snapshots(draw) -> SchedulingSnapshot:
         group_prefix(f"p{i}", k * unit, shapes)
         for i, k in enumerate(draw(st.lists(st.integers(1, 2), max_size=2)))
     )
-    n = draw(st.integers(0, 10))
-    orders = draw(st.permutations(range(n)))
-    active, waiting = [], []
-    for i in range(n):
-        new = draw(st.integers(1, 30))
-        is_active = draw(st.booleans())
-        pid = None
-        if prefixes and draw(st.booleans()):
-            prefix = draw(st.sampled_from(prefixes))
-            pid = prefix.prefix_id
-            ctx = prefix.num_tokens if is_active else draw(st.sampled_from([prefix.num_tokens, 3]))
-        else:
-            ctx = draw(st.integers(0, 30))
-        spec = RequestSpec(f"r{i}", ctx, new, submission_order=orders[i], prefix_id=pid)
-        if is_active:
-            low = ctx if pid is not None else 0
-            committed = draw(st.integers(low, spec.total_tokens))
-            active.append((spec, committed, draw(st.integers(0, 5))))
-        else:
-            waiting.append((spec, draw(st.integers(0, 9)), draw(st.integers(0, 6))))
+    active, waiting = draw_requests(draw, prefixes, max_tokens=30)
     rows = [group_active_row(a[0], shapes, prefixes, *a[1:]) for a in active]
     used = used_blocks(shapes, prefixes, rows)
     frees = [draw(st.integers(0, 20)) for _ in shapes]

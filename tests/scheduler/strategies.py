@@ -43,6 +43,11 @@ def waiting_row(spec, block_size, prefixes, wait_steps=0, skip_count=0):
     )
 
 
+def in_submission_order(waiting_rows):
+    """Waiting rows as a snapshot lists them: in submission order."""
+    return tuple(sorted(waiting_rows, key=lambda r: r.spec.submission_order))
+
+
 def make_snapshot(
     *,
     block_size=4,
@@ -59,12 +64,7 @@ def make_snapshot(
     ``(spec[, wait_steps, skip_count])`` waiting tuples; free blocks default to what is left."""
     prefixes = tuple(prefixes)
     act = tuple(active_row(a[0], block_size, prefixes, *a[1:]) for a in active)
-    wait = tuple(
-        sorted(
-            (waiting_row(w[0], block_size, prefixes, *w[1:]) for w in waiting),
-            key=lambda r: r.spec.submission_order,
-        )
-    )
+    wait = in_submission_order(waiting_row(w[0], block_size, prefixes, *w[1:]) for w in waiting)
     used = sum(p.num_blocks for p in prefixes) + sum(r.committed_private_blocks for r in act)
     return SchedulingSnapshot(
         step=step,
@@ -88,19 +88,17 @@ configs = st.builds(
 )
 
 
-@st.composite
-def snapshots(draw) -> SchedulingSnapshot:
-    """Random consistent snapshots: prefixes, active requests mid-decode, a waiting queue."""
-    bs = draw(st.sampled_from([1, 2, 4, 8]))
-    prefixes = tuple(
-        PrefixInfo(f"p{i}", nb, nb * bs, 0)
-        for i, nb in enumerate(draw(st.lists(st.integers(1, 3), max_size=2)))
-    )
+def draw_requests(draw, prefixes, max_tokens):
+    """Up to 10 requests in a random submission order, each either active mid-decode
+    (``(spec, committed_tokens, service_wait)``) or waiting (``(spec, wait_steps, skip_count)``),
+    with up to ``max_tokens`` context and new tokens; some use one of ``prefixes``. Returns
+    ``(active, waiting)`` as ``make_snapshot`` and ``make_group_snapshot`` take them (``draw``
+    is a composite strategy's)."""
     n = draw(st.integers(0, 10))
     orders = draw(st.permutations(range(n)))
     active, waiting = [], []
     for i in range(n):
-        new = draw(st.integers(1, 24))
+        new = draw(st.integers(1, max_tokens))
         is_active = draw(st.booleans())
         pid = None
         if prefixes and draw(st.booleans()):
@@ -109,7 +107,7 @@ def snapshots(draw) -> SchedulingSnapshot:
             # an active request's prefix covers its context; a waiting one may mismatch
             ctx = prefix.num_tokens if is_active else draw(st.sampled_from([prefix.num_tokens, 3]))
         else:
-            ctx = draw(st.integers(0, 24))
+            ctx = draw(st.integers(0, max_tokens))
         spec = RequestSpec(f"r{i}", ctx, new, submission_order=orders[i], prefix_id=pid)
         if is_active:
             low = ctx if pid is not None else 0
@@ -117,6 +115,18 @@ def snapshots(draw) -> SchedulingSnapshot:
             active.append((spec, committed, draw(st.integers(0, 5))))
         else:
             waiting.append((spec, draw(st.integers(0, 9)), draw(st.integers(0, 6))))
+    return active, waiting
+
+
+@st.composite
+def snapshots(draw) -> SchedulingSnapshot:
+    """Random consistent snapshots: prefixes, active requests mid-decode, a waiting queue."""
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    prefixes = tuple(
+        PrefixInfo(f"p{i}", nb, nb * bs, 0)
+        for i, nb in enumerate(draw(st.lists(st.integers(1, 3), max_size=2)))
+    )
+    active, waiting = draw_requests(draw, prefixes, max_tokens=24)
     probe = make_snapshot(block_size=bs, total_blocks=10_000, prefixes=prefixes, active=active)
     used = 10_000 - probe.free_blocks
     free = draw(st.integers(0, 24))
