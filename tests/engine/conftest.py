@@ -49,6 +49,29 @@ def run_step(engine, rids, gen, dtype=torch.float32):
     return layers
 
 
+def graphed_step(engine, rids, static, inputs, step, captured):
+    """One committed step of ``engine`` for ``rids`` on ``inputs`` (a ``(q, k, v)`` per layer)
+    copied into the ``static`` tensors: eager at ``step`` 0 (every kernel compiles before the
+    capture), captured in a CUDA graph at the next step, replayed from ``captured`` after.
+    Returns the layers' outputs and the captured step."""
+    for dst, src in zip(static, inputs, strict=True):
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+    layers = range(len(static))
+    tx = engine.begin_step(rids)
+    if step == 0:
+        got = [engine.step_layer(tx, i, *static[i]) for i in layers]
+    elif captured is None:
+        captured = engine.capture_step(
+            tx, lambda tx=tx: [engine.step_layer(tx, i, *static[i]) for i in layers]
+        )
+        got = captured.output
+    else:
+        got = engine.replay_step(tx, captured)
+    engine.commit_step(tx)
+    return got, captured
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from tests.engine.conftest import graphed_step
 
 pytestmark = pytest.mark.gpu
 
@@ -70,20 +71,7 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
             torch.testing.assert_close(want[i].float(), ref.float(), atol=2e-2, rtol=2e-2)
         eager.commit_step(tx)
 
-        for dst, src in zip(static, inputs, strict=True):
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s)
-        tx = graphed.begin_step(rids)
-        if step == 0:  # eager: compiles every kernel before the capture
-            got = [graphed.step_layer(tx, i, *static[i]) for i in LAYERS]
-        elif captured is None:
-            captured = graphed.capture_step(
-                tx, lambda tx=tx: [graphed.step_layer(tx, i, *static[i]) for i in LAYERS]
-            )
-            got = captured.output
-        else:
-            got = graphed.replay_step(tx, captured)
-        graphed.commit_step(tx)
+        got, captured = graphed_step(graphed, rids, static, inputs, step, captured)
         for i in LAYERS:
             torch.testing.assert_close(got[i], want[i], atol=0, rtol=0)
     for g in range(2):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
-from tests.engine.conftest import make_engine, run_step
+from tests.engine.conftest import graphed_step, make_engine, run_step
 
 LAYERS, HQ, HKV, D, BS = 3, 8, 2, 64, 16
 
@@ -70,20 +70,7 @@ def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
         ]
         eager.commit_step(tx)
 
-        for dst, src in zip(static, inputs, strict=True):
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s)
-        tx = graphed.begin_step(rids)
-        if step == 0:  # eager: compiles every kernel before the capture
-            got = [graphed.step_layer(tx, i, *static[i]) for i in range(LAYERS)]
-        elif captured is None:
-            captured = graphed.capture_step(
-                tx, lambda tx=tx: [graphed.step_layer(tx, i, *static[i]) for i in range(LAYERS)]
-            )
-            got = captured.output
-        else:
-            got = graphed.replay_step(tx, captured)
-        graphed.commit_step(tx)
+        got, captured = graphed_step(graphed, rids, static, inputs, step, captured)
         for i in range(LAYERS):
             torch.testing.assert_close(got[i], want[i], atol=0, rtol=0)
             torch.testing.assert_close(got[i].float(), refs[i].float(), atol=2e-2, rtol=2e-2)
