@@ -234,6 +234,29 @@ def _scheduled(spec, layer_groups, requests, config):
     return engine, BlockAwareScheduler(config)
 
 
+class RandomExecutor:
+    """A serving loop's executor on random tensors: prefills every layer of each imported request
+    and steps one token per layer (K = V; no sampling, the loop only schedules)."""
+
+    def __init__(self, engine, seed):
+        self.engine, self.gen = engine, torch.Generator().manual_seed(seed)
+
+    def prefill(self, imports):
+        for rid, n in imports:
+            layers = [torch.randn(n, *GEOMETRY[g][:2], generator=self.gen) for g in LAYER_GROUPS]
+            self.engine.prefill_request_layers(rid, layers, layers)
+
+    def decode(self, batch):
+        tx = self.engine.begin_step(list(batch))
+        for layer, g in enumerate(LAYER_GROUPS):
+            hkv, d, _ = GEOMETRY[g]
+            q = torch.randn(len(batch), HQ, d, generator=self.gen)
+            kv = torch.randn(len(batch), hkv, d, generator=self.gen)
+            self.engine.step_layer(tx, layer, q, kv, kv)
+        self.engine.commit_step(tx)
+        return ()
+
+
 def test_the_engine_snapshot_has_every_group_and_admits_more_with_a_window():
     config = SchedulerConfig(max_active_requests=8, max_batch_size=8)
     requests = [(4, 28)] * 6  # 32 tokens: 8 blocks in a full group, 3 in a 6-token window
@@ -264,25 +287,7 @@ def test_a_serving_loop_over_groups_never_stalls():
     config = SchedulerConfig(max_active_requests=6, max_batch_size=4)
     requests = [(i % 5, 6 + (3 * i) % 11) for i in range(9)]
     engine, scheduler = _scheduled(SPEC, LAYER_GROUPS, [], config)
-    gen = torch.Generator().manual_seed(5)
-
-    class Executor:
-        def prefill(self, imports):
-            for rid, n in imports:
-                layers = [torch.randn(n, *GEOMETRY[g][:2], generator=gen) for g in LAYER_GROUPS]
-                engine.prefill_request_layers(rid, layers, layers)
-
-        def decode(self, batch):
-            tx = engine.begin_step(list(batch))
-            for layer, g in enumerate(LAYER_GROUPS):
-                hkv, d, _ = GEOMETRY[g]
-                q = torch.randn(len(batch), HQ, d, generator=gen)
-                kv = torch.randn(len(batch), hkv, d, generator=gen)
-                engine.step_layer(tx, layer, q, kv, kv)
-            engine.commit_step(tx)
-            return ()
-
-    loop = ServingLoop(engine, scheduler, Executor(), check_invariants=True)
+    loop = ServingLoop(engine, scheduler, RandomExecutor(engine, 5), check_invariants=True)
     specs = [RequestSpec(f"r{i}", ctx, new, i) for i, (ctx, new) in enumerate(requests)]
     run = run_loop(loop, [(i // 2, s) for i, s in enumerate(specs)], max_steps=500)
     assert not run.unfinished and not run.deadlock
@@ -300,25 +305,9 @@ def test_the_baselines_on_groups_stall_or_cancel_without_breaking_the_cache(poli
     spec = "(2,6,4,2,16):float32:2;(2,40,4,1,8):float32:1:window=6"
     cache = PagedKVCache(kv_spec=spec, layer_groups=LAYER_GROUPS, device="cpu")
     engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
-    gen = torch.Generator().manual_seed(7)
-
-    class Executor:
-        def prefill(self, imports):
-            for rid, n in imports:
-                layers = [torch.randn(n, *GEOMETRY[g][:2], generator=gen) for g in LAYER_GROUPS]
-                engine.prefill_request_layers(rid, layers, layers)
-
-        def decode(self, batch):
-            tx = engine.begin_step(list(batch))
-            for layer, g in enumerate(LAYER_GROUPS):
-                hkv, d, _ = GEOMETRY[g]
-                kv = torch.randn(len(batch), hkv, d, generator=gen)
-                engine.step_layer(tx, layer, torch.randn(len(batch), HQ, d, generator=gen), kv, kv)
-            engine.commit_step(tx)
-            return ()
-
     config = SchedulerConfig(max_active_requests=4, max_batch_size=4)
-    loop = ServingLoop(engine, make_scheduler(policy, config), Executor(), check_invariants=True)
+    executor = RandomExecutor(engine, 7)
+    loop = ServingLoop(engine, make_scheduler(policy, config), executor, check_invariants=True)
     specs = [RequestSpec(f"r{i}", 4, 12, i) for i in range(4)]  # 4 full blocks each, 6 in all
     run = run_loop(loop, [(0, s) for s in specs], max_steps=80, patience=10)
     if policy == "greedy":
