@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 # (atol, rtol) per dtype for kernel-vs-reference comparisons
@@ -10,6 +12,18 @@ TOLERANCES = {
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
+
+
+def device_syncs(fn) -> int:
+    """How many times ``fn()`` synchronises the host with the GPU (torch's sync debug warnings)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def make_paged_kv(

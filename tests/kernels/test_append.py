@@ -14,7 +14,7 @@ from flashdec.kernels import (
     launch_kv_append,
 )
 from flashdec.reference import apply_rope_inv_freq, rope_inv_freq
-from tests.helpers import TOLERANCES
+from tests.helpers import TOLERANCES, device_syncs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -344,26 +344,14 @@ def test_gpu_repeated_fast_launches_and_graph_capture():
 
 @pytest.mark.gpu
 def test_gpu_public_append_reads_the_device_once_then_never():
-    import warnings
-
     t = _setup(16, 32, 8, 128, 64, 16, torch.bfloat16, "cuda")
     _fused_call({**t, "block_ids": t["block_ids"].clone()})  # compile outside the count
 
-    def syncs(fn):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-    assert syncs(lambda: _fused_call(t)) == 1
-    assert syncs(lambda: _fused_call(t)) == 0
+    assert device_syncs(lambda: _fused_call(t)) == 1
+    assert device_syncs(lambda: _fused_call(t)) == 0
     args = _kv_args(t)
-    assert syncs(lambda: kv_append(*args)) == 1
-    assert syncs(lambda: kv_append(*args)) == 0
+    assert device_syncs(lambda: kv_append(*args)) == 1
+    assert device_syncs(lambda: kv_append(*args)) == 0
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])

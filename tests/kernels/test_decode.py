@@ -10,7 +10,7 @@ import torch
 import flashdec
 from flashdec import dense_decode_attention_ref, paged_decode_attention_ref
 from flashdec.kernels import DecodeWorkspace, _runtime, decode, paged_decode_attention, plan_decode
-from tests.helpers import TOLERANCES, make_paged_kv
+from tests.helpers import TOLERANCES, device_syncs, make_paged_kv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_q_heads, num_kv_heads): MHA, GQA 2, odd GQA 3, MQA 8, MQA 32 (a 32-row tile)
@@ -349,26 +349,14 @@ def test_gpu_repeated_calls_take_the_cached_launch_and_stay_correct():
 
 @pytest.mark.gpu
 def test_gpu_eager_decode_reads_the_device_once_then_never():
-    import warnings
-
     dtype = torch.bfloat16
     k, v, tables, lens, kd, vd = make_paged_kv([700, 33, 0, 4096], 8, 128, 16, dtype, "cuda")
     q = _q(4, 32, 128, dtype, "cuda")
     decode(q, k, v, tables.clone(), lens.clone())  # compile outside the count
     torch.cuda.synchronize()
 
-    def syncs(fn):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-    assert syncs(lambda: decode(q, k, v, tables, lens)) == 1  # the one small read
-    assert syncs(lambda: decode(q, k, v, tables, lens)) == 0  # validated, unmodified
+    assert device_syncs(lambda: decode(q, k, v, tables, lens)) == 1  # the one small read
+    assert device_syncs(lambda: decode(q, k, v, tables, lens)) == 0  # validated, unmodified
     ws = plan_decode(4, 32, 8, 128, 16, 4096, dtype, "cuda").allocate_workspace()
-    assert syncs(lambda: decode(q, k, v, tables, lens, workspace=ws)) == 0
+    assert device_syncs(lambda: decode(q, k, v, tables, lens, workspace=ws)) == 0
     _assert_close(decode(q, k, v, tables, lens), dense_decode_attention_ref(q, kd, vd, lens))
