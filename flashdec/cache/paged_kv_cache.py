@@ -713,10 +713,7 @@ class PagedKVCache:
         """Allocate every group's planned blocks (all or nothing)."""
         try:
             if one_each:
-                if self._groups[0].window is not None:  # else group 0's take fills them in
-                    plan.positions = np.fromiter(
-                        (rec.seq_len for rec in plan.records), np.int64, len(plan.records)
-                    )
+                plan.positions = np.array([rec.seq_len for rec in plan.records], dtype=np.int64)
             else:
                 plan.positions = np.concatenate([
                     np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
@@ -761,48 +758,34 @@ class PagedKVCache:
 
     def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
         """A full-attention group's reservation of one token per request (the decode step's
-        hot path); group 0's also fills in the positions."""
+        hot path)."""
         bs, index = group.block_size, group.index
         records = plan.records
-        num = len(records)
-        block_ids = np.empty(num, dtype=np.int64)
+        block_ids = np.empty(len(records), dtype=np.int64)
         allocate = group.allocator.allocate
         reserved, starts, updates, table_rows = (part.reserved, part.starts, part.updates,
                                                  part.table_rows)  # fmt: skip
         update_batch = part.update_batch
-        if index == 0:  # the record is its own group-0 run
-            positions = np.empty(num, dtype=np.int64)
-            for i, rec in enumerate(records):
-                pos = rec.seq_len
-                logical = pos // bs
-                positions[i] = pos
-                if logical < rec.num_blocks:
-                    block_ids[i] = rec.table[logical]
-                    table_rows.append((rec.table, 0, rec.num_blocks, (), 0))
-                else:
-                    (block,) = allocate(1, request_owner(rec.request_id))
-                    reserved[rec.request_id] = [block]
-                    starts[rec.request_id] = logical
-                    updates.append((rec.row, logical, block))
-                    update_batch.append(i)
-                    block_ids[i] = block
-                    table_rows.append((rec.table, 0, rec.num_blocks, (block,), logical))
-            plan.positions = positions
-        else:
-            for i, rec in enumerate(records):
+        for i, rec in enumerate(records):
+            # the record is its own group-0 run; each branch reads one type, so CPython's
+            # per-site attribute caches stay hit when several groups take in turn
+            if index == 0:
+                table, held = rec.table, rec.num_blocks
+            else:
                 run = rec.others[index - 1]
-                logical = rec.seq_len // bs
-                if logical < run.num_blocks:
-                    block_ids[i] = run.table[logical]
-                    table_rows.append((run.table, 0, run.num_blocks, (), 0))
-                else:
-                    (block,) = allocate(1, request_owner(rec.request_id))
-                    reserved[rec.request_id] = [block]
-                    starts[rec.request_id] = logical
-                    updates.append((rec.row, logical, block))
-                    update_batch.append(i)
-                    block_ids[i] = block
-                    table_rows.append((run.table, 0, run.num_blocks, (block,), logical))
+                table, held = run.table, run.num_blocks
+            logical = rec.seq_len // bs
+            if logical < held:
+                block_ids[i] = table[logical]
+                table_rows.append((table, 0, held, (), 0))
+            else:
+                (block,) = allocate(1, request_owner(rec.request_id))
+                reserved[rec.request_id] = [block]
+                starts[rec.request_id] = logical
+                updates.append((rec.row, logical, block))
+                update_batch.append(i)
+                block_ids[i] = block
+                table_rows.append((table, 0, held, (block,), logical))
         part.block_ids = block_ids
 
     def _take_window_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:

@@ -22,6 +22,7 @@ import enum
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -46,8 +47,9 @@ from flashdec.engine.layer_ops import (
 )
 from flashdec.engine.snapshot import (
     cache_group_shapes,
+    cache_snapshot,
     grouped_active_row,
-    grouped_snapshot,
+    one_group_active_row,
     snapshot_from_cache,
 )
 from flashdec.kernels import triton_runs_on
@@ -61,7 +63,6 @@ from flashdec.scheduler import (
     WaitingQueue,
     WaitingView,
     counters_of,
-    lifetime_private_blocks,
 )
 
 log = logging.getLogger("flashdec")
@@ -465,62 +466,27 @@ class DecodeEngine:
 
     def _own_snapshot(self, step: int) -> SchedulingSnapshot:
         """The snapshot with the engine's counters, in O(active): rows of unchanged active
-        requests are reused (equal snapshots then compare element by identity)."""
-        if self._group_shapes:
-            return self._own_group_snapshot(step)
-        cache = self.cache
-        block_size = self._block_size
+        requests are reused (equal snapshots then compare element by identity). A cache with
+        KV layer groups (or one window group) gets every group's pool and each request's
+        blocks per group."""
+        cache, specs, shapes = self.cache, self._specs, self._group_shapes
         prefixes = self._prefix_infos()
         prefix_map = {p.prefix_id: p for p in prefixes}
+        if shapes:
+            make_row = partial(grouped_active_row, cache, shapes, prefix_map)
+        else:
+            make_row = partial(one_group_active_row, cache, self._block_size, prefix_map)
         rows, cached = [], self._active_rows
         for rid in self._scheduled_active_ids():
             tokens = cache.seq_len(rid)
             wait = self._service_wait.get(rid, 0)
             row = cached.get(rid)
             if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
-                spec = self._specs[rid]
-                blocks = len(cache.request_block_ids(rid))
-                attached = spec.prefix_id
-                shared = prefix_map[attached].num_blocks if attached is not None else 0
-                row = cached[rid] = ActiveRequest(
-                    request_id=rid,
-                    spec=spec,
-                    committed_tokens=tokens,
-                    committed_blocks=blocks,
-                    committed_private_blocks=blocks - shared,
-                    lifetime_private_blocks=lifetime_private_blocks(spec, block_size, prefix_map),
-                    service_wait_steps=wait,
-                )
+                row = cached[rid] = make_row(specs[rid], tokens, wait)
             rows.append(row)
-        return SchedulingSnapshot(
-            step=step,
-            cache_version=cache.version,
-            block_size=block_size,
-            total_blocks=cache.max_blocks,
-            free_blocks=cache.num_free_blocks,
-            max_blocks_per_seq=cache.max_blocks_per_seq,
-            prefixes=prefixes,
-            active=tuple(rows),
-            waiting=self._queue.view(),
+        return cache_snapshot(
+            cache, step, prefixes, tuple(rows), self._queue.view(), grouped=bool(shapes)
         )
-
-    def _own_group_snapshot(self, step: int) -> SchedulingSnapshot:
-        """``_own_snapshot`` of a cache with KV layer groups (or one window group): every
-        group's pool, and each active request's blocks per group."""
-        cache = self.cache
-        prefixes = self._prefix_infos()
-        prefix_map = {p.prefix_id: p for p in prefixes}
-        rows, cached = [], self._active_rows
-        for rid in self._scheduled_active_ids():
-            tokens = cache.seq_len(rid)
-            wait = self._service_wait.get(rid, 0)
-            row = cached.get(rid)
-            if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
-                row = cached[rid] = grouped_active_row(
-                    cache, self._specs[rid], self._group_shapes, prefix_map, wait
-                )
-            rows.append(row)
-        return grouped_snapshot(cache, step, prefixes, tuple(rows), self._queue.view())
 
     def _scheduled_active_ids(self) -> list:
         if self._mode != "scheduled":

@@ -79,14 +79,40 @@ def grouped_pools(cache: PagedKVCache) -> tuple[GroupPool, ...]:
     )
 
 
-def grouped_active_row(
+# The row builders take the per-request arguments last, so a caller building many rows can bind
+# the rest once (functools.partial) and pass the committed length it has already read.
+def one_group_active_row(
     cache: PagedKVCache,
-    spec: RequestSpec,
-    shapes: tuple[tuple[int, int | None], ...],
+    block_size: int,
     prefix_map: Mapping,
+    spec: RequestSpec,
+    committed_tokens: int,
     service_wait_steps: int,
 ) -> ActiveRequest:
-    """An active request's row with its blocks in every group, read from the cache."""
+    """An active request's row of a one-group cache, its blocks read from the cache."""
+    rid = spec.request_id
+    blocks = len(cache.request_block_ids(rid))
+    shared = prefix_map[spec.prefix_id].num_blocks if spec.prefix_id is not None else 0
+    return ActiveRequest(
+        request_id=rid,
+        spec=spec,
+        committed_tokens=committed_tokens,
+        committed_blocks=blocks,
+        committed_private_blocks=blocks - shared,
+        lifetime_private_blocks=lifetime_private_blocks(spec, block_size, prefix_map),
+        service_wait_steps=service_wait_steps,
+    )
+
+
+def grouped_active_row(
+    cache: PagedKVCache,
+    shapes: tuple[tuple[int, int | None], ...],
+    prefix_map: Mapping,
+    spec: RequestSpec,
+    committed_tokens: int,
+    service_wait_steps: int,
+) -> ActiveRequest:
+    """An active request's row with its blocks in every group read from the cache."""
     rid = spec.request_id
     prefix = prefix_map[spec.prefix_id] if spec.prefix_id is not None else None
     lifetimes = lifetime_private_blocks_by_group(spec, shapes, prefix_map)
@@ -99,7 +125,7 @@ def grouped_active_row(
     return ActiveRequest(
         request_id=rid,
         spec=spec,
-        committed_tokens=cache.seq_len(rid),
+        committed_tokens=committed_tokens,
         committed_blocks=first.committed_blocks,
         committed_private_blocks=first.committed_private_blocks,
         lifetime_private_blocks=first.lifetime_private_blocks,
@@ -184,17 +210,9 @@ def snapshot_from_cache(
                 f"active request {rid!r} has prefix {attached!r} attached in the cache but its "
                 f"spec names {spec.prefix_id!r}"
             )
-        blocks = len(cache.request_block_ids(rid))
-        prefix_blocks = prefix_map[attached].num_blocks if attached is not None else 0
         active_rows.append(
-            ActiveRequest(
-                request_id=rid,
-                spec=spec,
-                committed_tokens=cache.seq_len(rid),
-                committed_blocks=blocks,
-                committed_private_blocks=blocks - prefix_blocks,
-                lifetime_private_blocks=lifetime_private_blocks(spec, block_size, prefix_map),
-                service_wait_steps=service.get(rid, 0),
+            one_group_active_row(
+                cache, block_size, prefix_map, spec, cache.seq_len(rid), service.get(rid, 0)
             )
         )
     waiting_rows = [
@@ -208,16 +226,8 @@ def snapshot_from_cache(
         for rid in waiting
     ]
     waiting_rows.sort(key=lambda r: r.spec.submission_order)
-    return SchedulingSnapshot(
-        step=step,
-        cache_version=cache.version,
-        block_size=block_size,
-        total_blocks=cache.max_blocks,
-        free_blocks=cache.num_free_blocks,
-        max_blocks_per_seq=cache.max_blocks_per_seq,
-        prefixes=tuple(prefixes),
-        active=tuple(active_rows),
-        waiting=tuple(waiting_rows),
+    return cache_snapshot(
+        cache, step, tuple(prefixes), tuple(active_rows), tuple(waiting_rows), grouped=False
     )
 
 
@@ -231,7 +241,11 @@ def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, serv
                 f"active request {rid!r} has prefix {cache.request_prefix(rid)!r} attached in the "
                 f"cache but its spec names {specs[rid].prefix_id!r}"
             )
-        rows.append(grouped_active_row(cache, specs[rid], shapes, {}, service.get(rid, 0)))
+        rows.append(
+            grouped_active_row(
+                cache, shapes, {}, specs[rid], cache.seq_len(rid), service.get(rid, 0)
+            )
+        )
     waiting_rows = []
     for rid in waiting:
         needs = lifetime_private_blocks_by_group(specs[rid], shapes, {})
@@ -241,23 +255,26 @@ def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, serv
             )
         )
     waiting_rows.sort(key=lambda r: r.spec.submission_order)
-    return grouped_snapshot(cache, step, (), tuple(rows), tuple(waiting_rows))
+    return cache_snapshot(cache, step, (), tuple(rows), tuple(waiting_rows), grouped=True)
 
 
-def grouped_snapshot(cache, step: int, prefixes, active, waiting) -> SchedulingSnapshot:
-    """A snapshot of a grouped cache: every group's pool, with group 0's in the scalar fields
-    (the one-group form of the same facts)."""
-    pools = grouped_pools(cache)
-    first = pools[0]
+def cache_snapshot(
+    cache: PagedKVCache, step: int, prefixes, active, waiting, *, grouped: bool
+) -> SchedulingSnapshot:
+    """A snapshot of the cache's pools as they are now. ``grouped`` (a cache with KV layer
+    groups, or one window group): every group's pool in ``groups`` and group 0's in the scalar
+    fields (the one-group form of the same facts); else the plain one-group snapshot."""
+    groups = grouped_pools(cache) if grouped else ()
+    pool = groups[0] if grouped else None
     return SchedulingSnapshot(
         step=step,
         cache_version=cache.version,
-        block_size=first.block_size,
-        total_blocks=first.total_blocks,
-        free_blocks=first.free_blocks,
-        max_blocks_per_seq=first.max_blocks_per_seq,
+        block_size=pool.block_size if pool else cache.block_size,
+        total_blocks=pool.total_blocks if pool else cache.max_blocks,
+        free_blocks=pool.free_blocks if pool else cache.num_free_blocks,
+        max_blocks_per_seq=pool.max_blocks_per_seq if pool else cache.max_blocks_per_seq,
         prefixes=prefixes,
         active=active,
         waiting=waiting,
-        groups=pools,
+        groups=groups,
     )

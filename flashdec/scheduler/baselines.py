@@ -61,29 +61,10 @@ class GreedyScheduler(BaseScheduler):
     def _admit(
         self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
     ) -> list[int]:
-        if snapshot.groups:
-            return self._admit_groups(snapshot, waiting, rejected)
-        available = snapshot.free_blocks - self.config.reserve_blocks
-        slots = self.config.max_active_requests - len(snapshot.active)
-        admit: list[int] = []
-        for i in range(len(waiting)):
-            if slots <= 0:
-                break
-            if i in rejected:
-                continue
-            need = blocks_needed_now(waiting[i], snapshot)
-            if need > available:
-                break  # strict FIFO: nobody overtakes the head of the queue
-            admit.append(i)
-            available -= need
-            slots -= 1
-        return admit
-
-    def _admit_groups(
-        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
-    ) -> list[int]:
         reserve = self.config.reserve_blocks
-        available = [pool.free_blocks - reserve for pool in snapshot.groups]
+        # one entry per layer group (one for a snapshot without groups), as the needs come
+        pools = snapshot.groups or (snapshot,)
+        available = [pool.free_blocks - reserve for pool in pools]
         slots = self.config.max_active_requests - len(snapshot.active)
         admit: list[int] = []
         for i in range(len(waiting)):
@@ -93,7 +74,7 @@ class GreedyScheduler(BaseScheduler):
                 continue
             need = blocks_needed_now_by_group(waiting[i], snapshot)
             if any(n > a for n, a in zip(need, available, strict=True)):
-                break
+                break  # strict FIFO: nobody overtakes the head of the queue
             admit.append(i)
             available = [a - n for a, n in zip(available, need, strict=True)]
             slots -= 1

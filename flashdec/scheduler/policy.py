@@ -71,22 +71,27 @@ class BlockAwareScheduler(BaseScheduler):
     def _admit(
         self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
     ) -> list[int]:
-        if snapshot.groups:
-            return self._admit_groups(snapshot, waiting, rejected)
         # Walking the candidates in order, each either fits the headroom left (admitted), or is
         # aged and does not fit (nobody submitted after it may take the blocks it is waiting
         # for: stop), or is passed over. So jump from one fitting candidate to the next, and stop
-        # at an aged candidate that comes before it.
+        # at an aged candidate that comes before it. With layer groups the headroom has one entry
+        # per group and a candidate fits only where it fits in every group.
         config = self.config
         threshold = config.aging_threshold
-        headroom = lifetime_headroom(snapshot, config.reserve_blocks)
+        grouped = bool(snapshot.groups)
+        if grouped:
+            headroom = lifetime_headrooms(snapshot, config.reserve_blocks)
+            first_fitting = waiting.first_fitting_groups
+        else:
+            headroom = lifetime_headroom(snapshot, config.reserve_blocks)
+            first_fitting = waiting.first_fitting
         slots = config.max_active_requests - len(snapshot.active)
         admit: list[int] = []
         start = 0
         none_aged = len(waiting)
         aged = -1  # first aged candidate at or after ``start`` (``none_aged``: none); -1: unknown
         while slots > 0:
-            fit = next_candidate(waiting.first_fitting, start, headroom, rejected)
+            fit = next_candidate(first_fitting, start, headroom, rejected)
             if fit is None:
                 break
             if threshold is not None:
@@ -96,36 +101,11 @@ class BlockAwareScheduler(BaseScheduler):
                 if aged < fit:
                     break
             admit.append(fit)
-            headroom -= waiting[fit].lifetime_private_blocks
-            slots -= 1
-            start = fit + 1
-        return admit
-
-    def _admit_groups(
-        self, snapshot: SchedulingSnapshot, waiting: WaitingView, rejected: Set[int]
-    ) -> list[int]:
-        """``_admit`` with layer groups: the same walk, with one headroom per group."""
-        config = self.config
-        threshold = config.aging_threshold
-        headroom = lifetime_headrooms(snapshot, config.reserve_blocks)
-        slots = config.max_active_requests - len(snapshot.active)
-        admit: list[int] = []
-        start = 0
-        none_aged = len(waiting)
-        aged = -1
-        while slots > 0:
-            fit = next_candidate(waiting.first_fitting_groups, start, headroom, rejected)
-            if fit is None:
-                break
-            if threshold is not None:
-                if aged < start:
-                    found = next_candidate(waiting.first_aged, start, threshold, rejected)
-                    aged = none_aged if found is None else found
-                if aged < fit:
-                    break
-            admit.append(fit)
-            needs = waiting[fit].lifetime_private_blocks_by_group
-            headroom = tuple(h - n for h, n in zip(headroom, needs, strict=True))
+            if grouped:
+                needs = waiting[fit].lifetime_private_blocks_by_group
+                headroom = tuple(h - n for h, n in zip(headroom, needs, strict=True))
+            else:
+                headroom -= waiting[fit].lifetime_private_blocks
             slots -= 1
             start = fit + 1
         return admit
