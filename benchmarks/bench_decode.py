@@ -183,9 +183,18 @@ def skew_pair(long: int, short: int, num_short: int) -> tuple[Shape, Shape]:
 def all_shapes(seed: int = 0) -> list[Shape]:
     """Every shape of the matrix, in report order."""
     uniform = [
-        (1, 1024), (1, 32768), (1, 131072), (4, 65536), (8, 8192), (16, 16384), (32, 4096),
-        (64, 2048), (128, 1024), (256, 512), (512, 256),
-    ]  # fmt: skip
+        (1, 1024),
+        (1, 32768),
+        (1, 131072),
+        (4, 65536),
+        (8, 8192),
+        (16, 16384),
+        (32, 4096),
+        (64, 2048),
+        (128, 1024),
+        (256, 512),
+        (512, 256),
+    ]
     shapes = [uniform_shape(b, n) for b, n in uniform]
     shapes += [uniform_shape(1024, n, "short") for n in (1, 8, 17, 33, 64)]
     shapes += [uniform_shape(256, 17, "short")]
@@ -428,9 +437,20 @@ class Case:
 
         def launch():
             return launch_decode(
-                q, k, v, t, lens, scale, plan, ws.out, ws.partial_out, ws.partial_lse,
-                self.batch, **launch_scales, counters=ws.counters,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                t,
+                lens,
+                scale,
+                plan,
+                ws.out,
+                ws.partial_out,
+                ws.partial_lse,
+                self.batch,
+                **launch_scales,
+                counters=ws.counters,
+            )
 
         return api, launch
 
@@ -462,9 +482,13 @@ class Case:
         return self._nhd[key]
 
     def flashinfer_fn(
-        self, flashinfer, tensor_cores: bool, workspace: torch.Tensor, layout: str = "HND",
+        self,
+        flashinfer,
+        tensor_cores: bool,
+        workspace: torch.Tensor,
+        layout: str = "HND",
         fp8: bool = False,
-    ):  # fmt: skip
+    ):
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, layout, use_tensor_cores=tensor_cores
         )
@@ -876,15 +900,42 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 COLUMNS = [
-    "dtype", "heads", "page", "shape", "KV MiB", "splits", "FlashDec us", "TB/s", "% copy",
-    "FI best us", "FI path", "FI % copy", "FD / FI", "HND-tc", "HND-cc", "NHD-tc", "NHD-cc",
-    "max |diff| vs FI", "SDPA us",
-]  # fmt: skip
+    "dtype",
+    "heads",
+    "page",
+    "shape",
+    "KV MiB",
+    "splits",
+    "FlashDec us",
+    "TB/s",
+    "% copy",
+    "FI best us",
+    "FI path",
+    "FI % copy",
+    "FD / FI",
+    "HND-tc",
+    "HND-cc",
+    "NHD-tc",
+    "NHD-cc",
+    "max |diff| vs FI",
+    "SDPA us",
+]
 FP8_COLUMNS = [
-    "heads", "page", "shape", "bf16 KV MiB", "FD bf16 us", "FD fp8 us", "fp8 % copy",
-    "speedup", "FI fp8 best us", "FI path", "FD fp8 / FI fp8", "max abs err", "rel L2 err",
+    "heads",
+    "page",
+    "shape",
+    "bf16 KV MiB",
+    "FD bf16 us",
+    "FD fp8 us",
+    "fp8 % copy",
+    "speedup",
+    "FI fp8 best us",
+    "FI path",
+    "FD fp8 / FI fp8",
+    "max abs err",
+    "rel L2 err",
     "FI fp8 rel L2",
-]  # fmt: skip
+]
 
 
 def _fi_cell(r: dict[str, Any], path: str) -> str:
@@ -1052,10 +1103,25 @@ def plot_rows(rows: list[dict[str, Any]], ceilings: dict[str, float], path: Path
 
 
 ARG_KEYS = (
-    "quick", "heads", "more_heads", "more_shapes", "pages", "page_heads", "extra_page_shapes",
-    "kinds", "shapes", "dtypes",
-    "max_kv_gib", "calls", "warmup", "rep", "seed", "fp8", "sdpa", "budget_s",
-)  # fmt: skip
+    "quick",
+    "heads",
+    "more_heads",
+    "more_shapes",
+    "pages",
+    "page_heads",
+    "extra_page_shapes",
+    "kinds",
+    "shapes",
+    "dtypes",
+    "max_kv_gib",
+    "calls",
+    "warmup",
+    "rep",
+    "seed",
+    "fp8",
+    "sdpa",
+    "budget_s",
+)
 
 
 PRECOMPILE_MAX_BYTES = 2 * 2**30  # larger cases compile in the timing pass (worker memory)

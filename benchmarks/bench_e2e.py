@@ -78,13 +78,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers runs")
     p.add_argument("--no-eager", action="store_true", help="skip FlashDec without CUDA graphs")
     p.add_argument("--vllm-json", help="vllm_anchor.py's --json output of the same lease")
-    p.add_argument("--serve-requests", type=_at_least_one, default=128,
-                   help="requests of the Poisson serving run (>= 1)")  # fmt: skip
+    p.add_argument(
+        "--serve-requests",
+        type=_at_least_one,
+        default=128,
+        help="requests of the Poisson serving run (>= 1)",
+    )
     p.add_argument("--serve-rate", type=float, default=16.0, help="Poisson arrivals per second")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", help="results file name (default: e2e, or e2e_fp8 with FP8 KV)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="KV cache storage: the model's dtype, or float8_e4m3fn")  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="KV cache storage: the model's dtype, or float8_e4m3fn",
+    )
     p.add_argument("--kv-scale", type=float, default=1.0, help="fixed FP8 K/V scale (per head)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (script check)")
     args = p.parse_args()
@@ -236,8 +244,9 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     def attention_only():
         for layer in range(spec.num_layers):
             k_layer, v_layer = engine.cache.layer_kv(layer)
-            q_rot = write_rope_layer("fused", engine.rope, q, k, k, k_layer, v_layer, slots,
-                                     None, *scales)  # fmt: skip
+            q_rot = write_rope_layer(
+                "fused", engine.rope, q, k, k, k_layer, v_layer, slots, None, *scales
+            )
             state.decode(q_rot, k_layer, v_layer, slots, engine.sm_scale, out)
 
     out = torch.empty_like(q)
@@ -254,8 +263,10 @@ def _profile_classes(llm: LLM, prompts, new: int) -> dict[str, float]:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, new, ignore_eos=True)
-    return {e.key: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            for e in prof.key_averages()}  # fmt: skip
+    return {
+        e.key: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        for e in prof.key_averages()
+    }
 
 
 def kernel_profile(llm: LLM, batch: int, context: int, steps: int = 8) -> list[dict]:
@@ -319,8 +330,9 @@ def main() -> None:
     torch.manual_seed(0)
     fp8 = args.kv_cache_dtype == "fp8"
     # FP8 KV needs fp16/bf16 activations: the CPU smoke shape is float32 otherwise
-    model = build_random_model(args.model, device=device, seed=0,
-                               dtype=torch.bfloat16 if fp8 and not on_gpu else None)  # fmt: skip
+    model = build_random_model(
+        args.model, device=device, seed=0, dtype=torch.bfloat16 if fp8 and not on_gpu else None
+    )
     spec_vocab = model.config.vocab_size
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     max_batch = max(args.batches)
@@ -330,8 +342,14 @@ def main() -> None:
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    llm = LLM(model, max_batch_size=max_batch, num_blocks=blocks, max_model_len=total_len + 64,
-              kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)  # fmt: skip
+    llm = LLM(
+        model,
+        max_batch_size=max_batch,
+        num_blocks=blocks,
+        max_model_len=total_len + 64,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_scale=args.kv_scale,
+    )
     kv_spec = llm.engine.cache.kv_groups[0]
     pool_bytes = kv_spec.block_bytes * blocks
     # K/V bytes per token as stored (FP8: 1 byte per element)
@@ -339,8 +357,11 @@ def main() -> None:
     kv_token_bytes = 2 * llm.adapter.spec.num_layers * kv_spec.num_kv_heads * kv_spec.head_dim
     kv_token_bytes *= kv_itemsize
     rows = []
-    print(f"model {args.model}: {weight_bytes / 2**30:.2f} GiB weights, KV pool "
-          f"{pool_bytes / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    print(
+        f"model {args.model}: {weight_bytes / 2**30:.2f} GiB weights, KV pool "
+        f"{pool_bytes / 2**30:.2f} GiB",
+        flush=True,
+    )
 
     transient = 0  # the most FlashDec allocated beyond what was resident before a run
 
@@ -386,8 +407,9 @@ def main() -> None:
 
     # FlashDec's peak: the weights and the KV pool, plus the most its runs added on top
     peak = weight_bytes + pool_bytes + transient if on_gpu else None
-    agree = agreement(llm, model, prompts_for(1, args.prompt_len, spec_vocab, 99)[0],
-                      args.new_tokens)  # fmt: skip
+    agree = agreement(
+        llm, model, prompts_for(1, args.prompt_len, spec_vocab, 99)[0], args.new_tokens
+    )
     print("agreement:", json.dumps(agree), flush=True)
     profile_rows = kernel_profile(llm, min(64, max_batch), args.prompt_len)
     serve = run_serve_benchmark(
@@ -404,12 +426,14 @@ def main() -> None:
         ),
     )
     vllm = json.loads(Path(args.vllm_json).read_text()) if args.vllm_json else None
-    report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak,
-           copy_tbs)  # fmt: skip
+    report(
+        args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak, copy_tbs
+    )
 
 
-def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak,
-           copy_tbs) -> None:  # fmt: skip
+def report(
+    args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool_bytes, peak, copy_tbs
+) -> None:
     vllm_rows = {r["batch"]: r for r in (vllm or {}).get("rows", [])}
     kv_note = "model-dtype KV"
     if args.kv_cache_dtype == "fp8":
@@ -417,30 +441,46 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
     table_rows = []
     for r in rows:
         b = r["batch"]
-        table_rows.append([
-            b,
-            r["flashdec"]["tok_s"], r["flashdec"]["step_ms"], r.get("graph_replay_ms"),
-            r.get("flashdec_eager", {}).get("tok_s"),
-            r.get("transformers", {}).get("tok_s"),
-            vllm_rows.get(b, {}).get("decode_tok_s"), vllm_rows.get(b, {}).get("step_ms"),
-            r["floor_ms"], None if r.get("floor_fraction") is None else 100 * r["floor_fraction"],
-            None if not r.get("attention") else r["attention"].get("share_pct"),
-        ])  # fmt: skip
+        table_rows.append(
+            [
+                b,
+                r["flashdec"]["tok_s"],
+                r["flashdec"]["step_ms"],
+                r.get("graph_replay_ms"),
+                r.get("flashdec_eager", {}).get("tok_s"),
+                r.get("transformers", {}).get("tok_s"),
+                vllm_rows.get(b, {}).get("decode_tok_s"),
+                vllm_rows.get(b, {}).get("step_ms"),
+                r["floor_ms"],
+                None if r.get("floor_fraction") is None else 100 * r["floor_fraction"],
+                None if not r.get("attention") else r["attention"].get("share_pct"),
+            ]
+        )
     table = markdown_table(
-        ["B", "FlashDec tok/s", "FlashDec ms/step", "graph replay alone ms",
-         "FlashDec no graphs tok/s",
-         "transformers tok/s", "vLLM tok/s", "vLLM ms/step", "floor ms/step", "% of floor",
-         "attention % of step"],
+        [
+            "B",
+            "FlashDec tok/s",
+            "FlashDec ms/step",
+            "graph replay alone ms",
+            "FlashDec no graphs tok/s",
+            "transformers tok/s",
+            "vLLM tok/s",
+            "vLLM ms/step",
+            "floor ms/step",
+            "% of floor",
+            "attention % of step",
+        ],
         table_rows,
-    )  # fmt: skip
+    )
     targets = []
     by_batch = {r["batch"]: r for r in rows}
     for batch, target in ((1, 230.0), (64, 9000.0)):
         if batch in by_batch:
             got = by_batch[batch]["flashdec"]["tok_s"]
             verdict = "met" if got >= target else f"missed by {100 * (1 - got / target):.1f}%"
-            targets.append(f"- B={batch}: {got:,.0f} tok/s against the ≥ {target:,.0f} target: "
-                           f"{verdict}")  # fmt: skip
+            targets.append(
+                f"- B={batch}: {got:,.0f} tok/s against the ≥ {target:,.0f} target: {verdict}"
+            )
     memory = (
         f"peak {peak / 2**30:.2f} GiB against weights + KV pool "
         f"{(weight_bytes + pool_bytes) / 2**30:.2f} GiB "
@@ -448,11 +488,18 @@ def report(args, env, rows, agree, profile_rows, serve, vllm, weight_bytes, pool
         if peak
         else "not measured (CPU)"
     )
-    profile_table = markdown_table(
-        [f"kernel class (eager decode step, B={min(64, max(r['batch'] for r in rows))})",
-         "µs per step", "share %"],
-        [[p["class"], p["us_per_step"], p["share_pct"]] for p in profile_rows],
-    ) if profile_rows else "(no GPU profile)"  # fmt: skip
+    profile_table = (
+        markdown_table(
+            [
+                f"kernel class (eager decode step, B={min(64, max(r['batch'] for r in rows))})",
+                "µs per step",
+                "share %",
+            ],
+            [[p["class"], p["us_per_step"], p["share_pct"]] for p in profile_rows],
+        )
+        if profile_rows
+        else "(no GPU profile)"
+    )
     lat = serve.as_dict()
     markdown = f"""# End to end: FlashDec `LLM` vs transformers and vLLM
 
@@ -493,10 +540,19 @@ Poisson arrivals through the serving loop ({serve.config.num_requests} requests 
 {profile_table}
 """
     out_dir = Path(args.out_dir)
-    payload = {"env": env, "rows": rows, "agreement": agree, "profile": profile_rows,
-               "serve": lat, "vllm": vllm, "peak_bytes": peak, "weight_bytes": weight_bytes,
-               "pool_bytes": pool_bytes, "kv_cache_dtype": args.kv_cache_dtype,
-               "kv_scale": args.kv_scale}  # fmt: skip
+    payload = {
+        "env": env,
+        "rows": rows,
+        "agreement": agree,
+        "profile": profile_rows,
+        "serve": lat,
+        "vllm": vllm,
+        "peak_bytes": peak,
+        "weight_bytes": weight_bytes,
+        "pool_bytes": pool_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_scale": args.kv_scale,
+    }
     md, js = write_results(args.name, markdown, payload, out_dir)
     labels = [f"B={r['batch']}" for r in rows]
     bar_plot(

@@ -166,11 +166,14 @@ def main(argv=None) -> int:
 
         def fused(ids=None, offsets=None, positions=None, t=t, caches=caches):
             return kernels.fused_rope_kv_append(
-                t["q"], t["k"], t["v"], *caches,
+                t["q"],
+                t["k"],
+                t["v"],
+                *caches,
                 t["block_ids"] if ids is None else ids,
                 t["offsets"] if offsets is None else offsets,
                 t["positions"] if positions is None else positions,
-            )  # fmt: skip
+            )
 
         row["fused_us"] = wall(fused)
         pool = FreshPool(
@@ -194,9 +197,16 @@ def main(argv=None) -> int:
 
             def fi_append(k, t=t, caches=caches, batch_idx=batch_idx):
                 flashinfer.append_paged_kv_cache(
-                    k, t["v"], batch_idx, t["positions"], caches, t["indices"], t["indptr"],
-                    t["last_page_len"], kv_layout="HND",
-                )  # fmt: skip
+                    k,
+                    t["v"],
+                    batch_idx,
+                    t["positions"],
+                    caches,
+                    t["indices"],
+                    t["indptr"],
+                    t["last_page_len"],
+                    kv_layout="HND",
+                )
 
             def fi_rope_append(t=t, fi_append=fi_append):
                 q_rot, k_rot = flashinfer.apply_rope_pos_ids(t["q"], t["k"], t["positions"])
@@ -222,13 +232,17 @@ def main(argv=None) -> int:
 
     env = environment()
     before_env = attach_before(
-        [r for r in rows if r["table"] == "decode"], args.before, ("table", "shape"),
+        [r for r in rows if r["table"] == "decode"],
+        args.before,
+        ("table", "shape"),
         DECODE_BEFORE_FIELDS,
-    )  # fmt: skip
+    )
     attach_before(
-        [r for r in rows if r["table"] == "append"], args.before, ("table", "shape"),
+        [r for r in rows if r["table"] == "append"],
+        args.before,
+        ("table", "shape"),
         APPEND_BEFORE_FIELDS,
-    )  # fmt: skip
+    )
     shape = f"{args.dtype}, heads {hq}/{hkv}/{d}, page {page}"
     md = report(args, shape, env, origin, fi_error, rows, before_env, calls, repeats)
     payload = {
@@ -269,33 +283,63 @@ def report(args, shape, env, origin, fi_error, rows, before_env, calls, repeats)
     append_rows = [r for r in rows if r["table"] == "append"]
     has_before = before_env is not None
     decode_cols = [
-        "shape", "decode() no ws", "no ws, fresh metadata", "decode(ws)", "FlashInfer run()",
-        "kernel alone (graph)", "no ws / FI", "fresh / FI", "ws / FI", "splits",
+        "shape",
+        "decode() no ws",
+        "no ws, fresh metadata",
+        "decode(ws)",
+        "FlashInfer run()",
+        "kernel alone (graph)",
+        "no ws / FI",
+        "fresh / FI",
+        "ws / FI",
+        "splits",
         "max abs diff vs FI",
-    ]  # fmt: skip
+    ]
     decode_table = [
         [
-            r["shape"], fmt(r["nows_us"]), fmt(r["fresh_us"]), fmt(r["ws_us"]), fmt(r["fi_us"]),
-            fmt(r["kernel_graph_us"]), fmt(r["nows_vs_fi"], 2), fmt(r["fresh_vs_fi"], 2),
-            fmt(r["ws_vs_fi"], 2), str(r["splits"]), fmt(r.get("max_abs_diff_vs_fi"), 4),
+            r["shape"],
+            fmt(r["nows_us"]),
+            fmt(r["fresh_us"]),
+            fmt(r["ws_us"]),
+            fmt(r["fi_us"]),
+            fmt(r["kernel_graph_us"]),
+            fmt(r["nows_vs_fi"], 2),
+            fmt(r["fresh_vs_fi"], 2),
+            fmt(r["ws_vs_fi"], 2),
+            str(r["splits"]),
+            fmt(r.get("max_abs_diff_vs_fi"), 4),
         ]
         for r in decode_rows
-    ]  # fmt: skip
+    ]
     append_cols = [
-        "B", "fused_rope_kv_append", "fresh metadata", "launch_* (trusted)",
-        "FlashInfer RoPE+append", "fused / FI", "fresh / FI", "kv_append", "FlashInfer append",
+        "B",
+        "fused_rope_kv_append",
+        "fresh metadata",
+        "launch_* (trusted)",
+        "FlashInfer RoPE+append",
+        "fused / FI",
+        "fresh / FI",
+        "kv_append",
+        "FlashInfer append",
         "kv_append / FI",
         "kernel alone (graph)",
-    ]  # fmt: skip
+    ]
     append_table = [
         [
-            r["shape"], fmt(r["fused_us"]), fmt(r["fused_fresh_us"]), fmt(r["trusted_us"]),
-            fmt(r.get("fi_us")), fmt(r["fused_vs_fi"], 2), fmt(r["fused_fresh_vs_fi"], 2),
-            fmt(r["kv_append_us"]), fmt(r.get("fi_append_us")), fmt(r["kv_append_vs_fi"], 2),
+            r["shape"],
+            fmt(r["fused_us"]),
+            fmt(r["fused_fresh_us"]),
+            fmt(r["trusted_us"]),
+            fmt(r.get("fi_us")),
+            fmt(r["fused_vs_fi"], 2),
+            fmt(r["fused_fresh_vs_fi"], 2),
+            fmt(r["kv_append_us"]),
+            fmt(r.get("fi_append_us")),
+            fmt(r["kv_append_vs_fi"], 2),
             fmt(r["kernel_graph_us"]),
         ]
         for r in append_rows
-    ]  # fmt: skip
+    ]
     title = f"# Eager calls: FlashDec public API vs FlashInfer ({shape})"
     lines = call_cost_report_head(title, args, env, origin)
     lines += [
@@ -330,11 +374,16 @@ def report(args, shape, env, origin, fi_error, rows, before_env, calls, repeats)
             ),
         }
         table = [
-            [name, r["shape"], fmt(r.get(f"before_{field}")), fmt(r.get(field)),
-             fmt(_ratio(r.get(field), r.get(f"before_{field}")), 2)]
+            [
+                name,
+                r["shape"],
+                fmt(r.get(f"before_{field}")),
+                fmt(r.get(field)),
+                fmt(_ratio(r.get(field), r.get(f"before_{field}")), 2),
+            ]
             for r in rows
             for name, field in pairs[r["table"]]
-        ]  # fmt: skip
+        ]
         lines += [
             "",
             f"## before ({before_env.get('label') or 'earlier run'}, commit "

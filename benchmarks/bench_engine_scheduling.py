@@ -43,8 +43,16 @@ RUNNING = 64
 
 
 def build(num_waiting: int) -> tuple[DecodeEngine, BlockAwareScheduler]:
-    cache = PagedKVCache(1, 1, 2, BLOCK_SIZE, POOL_BLOCKS, dtype=torch.float32, device="cpu",
-                         max_blocks_per_seq=POOL_BLOCKS)  # fmt: skip
+    cache = PagedKVCache(
+        1,
+        1,
+        2,
+        BLOCK_SIZE,
+        POOL_BLOCKS,
+        dtype=torch.float32,
+        device="cpu",
+        max_blocks_per_seq=POOL_BLOCKS,
+    )
     engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
     scheduler = BlockAwareScheduler(SchedulerConfig(max_active_requests=128, max_batch_size=64))
     # 64 running requests of 16 lifetime blocks each (1,024 blocks committed), admitted first
@@ -84,8 +92,11 @@ def measure(num_waiting: int, rounds: int) -> dict:
     def stats(times: list[float]) -> dict:
         ordered = sorted(times)
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
-        return {"median_ms": statistics.median(times) * 1e3, "p90_ms": pick(0.9),
-                "p99_ms": pick(0.99)}  # fmt: skip
+        return {
+            "median_ms": statistics.median(times) * 1e3,
+            "p90_ms": pick(0.9),
+            "p99_ms": pick(0.99),
+        }
 
     return {"waiting": num_waiting, "public": stats(public), "loop": stats(loop)}
 
@@ -102,16 +113,34 @@ def main() -> None:
     for n in args.waiting:
         row = measure(n, args.rounds)
         rows.append(row)
-        print(f"N={n:>7}: public round {row['public']['median_ms']:.3f} ms "
-              f"(p99 {row['public']['p99_ms']:.3f}), loop round "
-              f"{row['loop']['median_ms']:.3f} ms", flush=True)  # fmt: skip
+        print(
+            f"N={n:>7}: public round {row['public']['median_ms']:.3f} ms "
+            f"(p99 {row['public']['p99_ms']:.3f}), loop round "
+            f"{row['loop']['median_ms']:.3f} ms",
+            flush=True,
+        )
     env = environment()
     table = markdown_table(
-        ["waiting", "snapshot + plan + apply: median ms", "p90 ms", "p99 ms",
-         "loop round (trusted apply + counters): median ms", "p99 ms"],
-        [[r["waiting"], r["public"]["median_ms"], r["public"]["p90_ms"], r["public"]["p99_ms"],
-          r["loop"]["median_ms"], r["loop"]["p99_ms"]] for r in rows],
-    )  # fmt: skip
+        [
+            "waiting",
+            "snapshot + plan + apply: median ms",
+            "p90 ms",
+            "p99 ms",
+            "loop round (trusted apply + counters): median ms",
+            "p99 ms",
+        ],
+        [
+            [
+                r["waiting"],
+                r["public"]["median_ms"],
+                r["public"]["p90_ms"],
+                r["public"]["p99_ms"],
+                r["loop"]["median_ms"],
+                r["loop"]["p99_ms"],
+            ]
+            for r in rows
+        ],
+    )
     at_10k = next((r for r in rows if r["waiting"] == 10_000), None)
     verdict = (
         f"At 10,000 waiting and 64 running: {at_10k['public']['median_ms']:.3f} ms per round "

@@ -161,9 +161,15 @@ def main(argv=None) -> int:
 
     def fused_public(ids=None):
         return kernels.fused_rope_kv_append(
-            t["q"], t["k"], t["v"], *cache_args, t["block_ids"] if ids is None else ids,
-            t["offsets"], t["positions"], q_out=q_out,
-        )  # fmt: skip
+            t["q"],
+            t["k"],
+            t["v"],
+            *cache_args,
+            t["block_ids"] if ids is None else ids,
+            t["offsets"],
+            t["positions"],
+            q_out=q_out,
+        )
 
     measure("fused_rope_kv_append (same metadata)", append_shape, fused_public)
     fresh_ids = _fresh(t["block_ids"].clone, calls + 2 * block)

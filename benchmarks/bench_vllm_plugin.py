@@ -60,29 +60,59 @@ CHILD_TIMEOUT_S = 540
 
 TINY_MODELS = {
     "llama": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=512,
-        intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=128, vocab_size=2048, rope_theta=10000.0,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=2048,
+        rope_theta=10000.0,
     ),
     "qwen2": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=512,
-        intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=2048, rope_theta=10000.0,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        rope_theta=10000.0,
     ),
-}  # fmt: skip
+}
 LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    vocab_size=128256, head_dim=128, rope_theta=500000.0,
-)  # fmt: skip
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    head_dim=128,
+    rope_theta=500000.0,
+)
 COMMON_CONFIG = dict(
-    max_position_embeddings=8192, rms_norm_eps=1e-5, hidden_act="silu", torch_dtype="bfloat16",
-    tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-)  # fmt: skip
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    torch_dtype="bfloat16",
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 TOKEN_PROMPT_LENS = (5, 31, 100, 257, 600)
 # kernels counted as attention in the profile (FlashAttention 3/2, FlashDec, the K/V write)
-ATTENTION_KERNELS = ("flash_fwd", "flashattn", "_decode_kernel", "_merge_splits_kernel",
-                     "reshape_and_cache")  # fmt: skip
+ATTENTION_KERNELS = (
+    "flash_fwd",
+    "flashattn",
+    "_decode_kernel",
+    "_merge_splits_kernel",
+    "reshape_and_cache",
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -131,8 +161,12 @@ def run_child(spec: dict, env: dict[str, str], out_dir: Path) -> dict:
     with open(log_path, "w") as log:
         proc = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(spec)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S, check=False,
-        )  # fmt: skip
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
     wall = time.time() - t0
     if proc.returncode != 0 or not result_path.exists():
         tail = log_path.read_text()[-3000:]
@@ -182,10 +216,15 @@ def child_main(spec: dict) -> None:
     import flashdec.vllm_plugin as plugin
 
     kwargs = dict(
-        model=spec["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-        gpu_memory_utilization=spec["gpu_memory_utilization"], max_model_len=4096,
-        enable_prefix_caching=False, tensor_parallel_size=spec["tp"],
-    )  # fmt: skip
+        model=spec["model_dir"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        gpu_memory_utilization=spec["gpu_memory_utilization"],
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        tensor_parallel_size=spec["tp"],
+    )
     if spec["phase"] == "speed":
         kwargs["load_format"] = "dummy"
     if spec["backend"] == "CUSTOM":
@@ -195,10 +234,13 @@ def child_main(spec: dict) -> None:
     init_s = time.time() - t0
     model_config = llm.llm_engine.model_config
     result = dict(
-        spec, vllm=vllm.__version__, torch=torch.__version__, init_s=init_s,
+        spec,
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        init_s=init_s,
         gpu=torch.cuda.get_device_name(0),
         num_layers=model_config.hf_config.num_hidden_layers,
-    )  # fmt: skip
+    )
 
     def stats(reset: bool = False):
         try:
@@ -214,8 +256,9 @@ def child_main(spec: dict) -> None:
             {"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(n)]}
             for n in TOKEN_PROMPT_LENS
         ]
-        params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True,
-                                logprobs=5)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=spec["new_tokens"], temperature=0, ignore_eos=True, logprobs=5
+        )
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
         stats(reset=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -263,8 +306,13 @@ def speed_rows(llm, spec: dict, vocab: int, rng) -> list[dict]:
     for bs in spec["batches"]:
         t1 = statistics.median(timed(bs, 1) for _ in range(reps))
         tn = statistics.median(timed(bs, new) for _ in range(reps))
-        row = dict(batch=bs, decode_tok_s=bs * (new - 1) / (tn - t1),
-                   step_ms=(tn - t1) / (new - 1) * 1e3, ttft_s=t1, total_s=tn)  # fmt: skip
+        row = dict(
+            batch=bs,
+            decode_tok_s=bs * (new - 1) / (tn - t1),
+            step_ms=(tn - t1) / (new - 1) * 1e3,
+            ttft_s=t1,
+            total_s=tn,
+        )
         if spec.get("profile"):
             row["attention_share"] = attention_share(lambda n, bs=bs: timed(bs, n))
         rows.append(row)
@@ -314,13 +362,17 @@ def compare_tokens(default: dict, custom: dict) -> list[dict]:
             common = la.keys() & lb.keys()
             if common:
                 diffs.append(max(abs(la[t] - lb[t]) for t in common))
-        rows.append(dict(
-            prompt_len=a["prompt_len"], new_tokens=len(ta),
-            agree=sum(x == y for x, y in zip(ta, tb, strict=True)),
-            identical=ta == tb, first_divergence=first,
-            max_logprob_diff=max(diffs) if diffs else None,
-            mean_logprob_diff=statistics.fmean(diffs) if diffs else None,
-        ))  # fmt: skip
+        rows.append(
+            dict(
+                prompt_len=a["prompt_len"],
+                new_tokens=len(ta),
+                agree=sum(x == y for x, y in zip(ta, tb, strict=True)),
+                identical=ta == tb,
+                first_divergence=first,
+                max_logprob_diff=max(diffs) if diffs else None,
+                mean_logprob_diff=statistics.fmean(diffs) if diffs else None,
+            )
+        )
     return rows
 
 
@@ -328,11 +380,18 @@ def phase_tokens(args, env, out_dir: Path) -> dict:
     env = dict(env, FLASHDEC_VLLM_COUNT="1")
     models = {}
     for name in args.models:
-        spec = dict(phase="tokens", model=name, model_dir=save_tiny_model(name), tp=args.tp,
-                    new_tokens=64, gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+        spec = dict(
+            phase="tokens",
+            model=name,
+            model_dir=save_tiny_model(name),
+            tp=args.tp,
+            new_tokens=64,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         runs = {b: run_child(dict(spec, backend=b), env, out_dir) for b in ("default", "CUSTOM")}
-        entry = dict(runs={b: {k: v for k, v in r.items() if k != "outputs"}
-                           for b, r in runs.items()})  # fmt: skip
+        entry = dict(
+            runs={b: {k: v for k, v in r.items() if k != "outputs"} for b, r in runs.items()}
+        )
         if all(r["ok"] for r in runs.values()):
             entry["prompts"] = compare_tokens(runs["default"], runs["CUSTOM"])
             layers = runs["CUSTOM"]["num_layers"]
@@ -343,10 +402,18 @@ def phase_tokens(args, env, out_dir: Path) -> dict:
 
 def phase_speed(args, env, out_dir: Path) -> dict:
     model_dir = config_only_model("llama3-8b", LLAMA3_8B)
-    spec = dict(phase="speed", model="llama3-8b", model_dir=model_dir, tp=args.tp,
-                batches=args.batches, prompt_len=1024, new_tokens=128, reps=3,
-                profile=args.profile,
-                gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    spec = dict(
+        phase="speed",
+        model="llama3-8b",
+        model_dir=model_dir,
+        tp=args.tp,
+        batches=args.batches,
+        prompt_len=1024,
+        new_tokens=128,
+        reps=3,
+        profile=args.profile,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     runs = {b: run_child(dict(spec, backend=b), env, out_dir) for b in args.backends}
     return dict(phase="speed", tp=args.tp, runs=runs)
 
@@ -355,8 +422,16 @@ def phase_speed(args, env, out_dir: Path) -> dict:
 # report
 # ------------------------------------------------------------------------------------------
 TOKEN_COLUMNS = ["prompt", "agree", "first divergence", "max abs Δ logprob", "mean abs Δ logprob"]
-SPEED_COLUMNS = ["batch", "default tok/s", "default ms/step", "CUSTOM tok/s", "CUSTOM ms/step",
-                 "CUSTOM / default", "attn share default", "attn share CUSTOM"]  # fmt: skip
+SPEED_COLUMNS = [
+    "batch",
+    "default tok/s",
+    "default ms/step",
+    "CUSTOM tok/s",
+    "CUSTOM ms/step",
+    "CUSTOM / default",
+    "attn share default",
+    "attn share CUSTOM",
+]
 
 
 def tokens_markdown(ph: dict) -> list[str]:
@@ -391,12 +466,18 @@ def speed_markdown(ph: dict) -> list[str]:
         d = by_backend.get("default", {}).get(bs) or {}
         c = by_backend.get("CUSTOM", {}).get(bs) or {}
         ratio = c["decode_tok_s"] / d["decode_tok_s"] if c and d else None
-        rows.append([
-            bs, d.get("decode_tok_s"), d.get("step_ms"), c.get("decode_tok_s"),
-            c.get("step_ms"), fmt(ratio, 3),
-            fmt((d.get("attention_share") or {}).get("share"), 3),
-            fmt((c.get("attention_share") or {}).get("share"), 3),
-        ])  # fmt: skip
+        rows.append(
+            [
+                bs,
+                d.get("decode_tok_s"),
+                d.get("step_ms"),
+                c.get("decode_tok_s"),
+                c.get("step_ms"),
+                fmt(ratio, 3),
+                fmt((d.get("attention_share") or {}).get("share"), 3),
+                fmt((c.get("attention_share") or {}).get("share"), 3),
+            ]
+        )
     return [*lines, markdown_table(SPEED_COLUMNS, rows), ""]
 
 
@@ -446,14 +527,16 @@ def report(in_dir: Path, results_dir: Path | None = None) -> None:
     # the GPU run's environment (the report itself may run anywhere)
     env = next((ph["environment"] for ph in phases if ph.get("environment")), environment())
     runs = [r for ph in phases for r in (ph.get("runs") or {}).values()]
-    runs += [r for ph in phases for m in (ph.get("models") or {}).values()
-             for r in m["runs"].values()]  # fmt: skip
+    runs += [
+        r for ph in phases for m in (ph.get("models") or {}).values() for r in m["runs"].values()
+    ]
     vllm_version = next((r["vllm"] for r in runs if r.get("vllm")), None)
     lines = ["# FlashDec under vLLM (CUSTOM attention backend)", ""]
     lines += [environment_markdown(env), f"- vLLM: {vllm_version}", ""]
-    lines.append("Commands of the phases: " + "; ".join(
-        f"`{ph['environment']['command']}`" for ph in phases if ph.get("environment")
-    ))  # fmt: skip
+    lines.append(
+        "Commands of the phases: "
+        + "; ".join(f"`{ph['environment']['command']}`" for ph in phases if ph.get("environment"))
+    )
     lines.append("")
     for ph in [p for p in phases if p["phase"] == "tokens"]:
         lines += tokens_markdown(ph)
@@ -465,15 +548,22 @@ def report(in_dir: Path, results_dir: Path | None = None) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--phase", choices=("tokens", "speed"))
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--backends", nargs="+", default=["default", "CUSTOM"],
-                   choices=("default", "CUSTOM"))  # fmt: skip
-    p.add_argument("--models", nargs="+", default=list(TINY_MODELS), choices=list(TINY_MODELS),
-                   help="tokens: which tiny models")  # fmt: skip
+    p.add_argument(
+        "--backends", nargs="+", default=["default", "CUSTOM"], choices=("default", "CUSTOM")
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=list(TINY_MODELS),
+        choices=list(TINY_MODELS),
+        help="tokens: which tiny models",
+    )
     p.add_argument("--profile", action="store_true", help="speed: attention share of a step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--out", default="benchmarks/results/vllm_plugin_raw")

@@ -109,8 +109,17 @@ class WindowCase:
         self.device = device
 
     def flashdec_fn(self):
-        plan = plan_decode(self.batch, self.hq, self.hkv, self.d, self.bs, self.length,
-                           self.dtype, self.device, window=self.window)  # fmt: skip
+        plan = plan_decode(
+            self.batch,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.bs,
+            self.length,
+            self.dtype,
+            self.device,
+            window=self.window,
+        )
         ws = plan.allocate_workspace()
         args = (self.q, self.k, self.v, self.tables, self.lens)
         return plan, lambda: decode(*args, workspace=ws, window=self.window)
@@ -129,9 +138,18 @@ class WindowCase:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "HND", use_tensor_cores=tensor_cores
         )
-        wrapper.plan(indptr, pages, last, self.hq, self.hkv, self.d, self.bs,
-                     window_left=self.window - 1, q_data_type=self.dtype,
-                     kv_data_type=self.dtype)  # fmt: skip
+        wrapper.plan(
+            indptr,
+            pages,
+            last,
+            self.hq,
+            self.hkv,
+            self.d,
+            self.bs,
+            window_left=self.window - 1,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
         return lambda: wrapper.run(self.q, (self.k, self.v))
 
 
@@ -161,9 +179,15 @@ def decode_rows(args, flashinfer, ceiling) -> list[dict]:
                 case = WindowCase(batch, length, window, hq, hkv, d, args.page, dtype, device)
                 plan, fn = case.flashdec_fn()
                 out = fn()
-                row = {"window": window, "batch": batch, "multiple": m, "context": length,
-                       "blocks_per_request": case.count, "window_mib": case.window_bytes / 2**20,
-                       "splits": plan.num_splits}  # fmt: skip
+                row = {
+                    "window": window,
+                    "batch": batch,
+                    "multiple": m,
+                    "context": length,
+                    "blocks_per_request": case.count,
+                    "window_mib": case.window_bytes / 2**20,
+                    "splits": plan.num_splits,
+                }
                 row["finite"] = bool(torch.isfinite(out).all())
                 row["max_abs_diff_vs_ref"] = (out.float() - case.reference().float()).abs().max()
                 row["max_abs_diff_vs_ref"] = float(row["max_abs_diff_vs_ref"])
@@ -199,8 +223,12 @@ def decode_rows(args, flashinfer, ceiling) -> list[dict]:
                 if ON_GPU:
                     torch.cuda.empty_cache()
     for row in rows:  # time relative to the same (W, B) at L = W
-        base = next(r for r in rows if (r["window"], r["batch"], r["multiple"]) ==
-                    (row["window"], row["batch"], min(args.multiples)))  # fmt: skip
+        base = next(
+            r
+            for r in rows
+            if (r["window"], r["batch"], r["multiple"])
+            == (row["window"], row["batch"], min(args.multiples))
+        )
         for key in ("window_us", "full_us"):
             ratio = row[key] / base[key] if row[key] and base[key] else None
             row[key.replace("_us", "_time_vs_first")] = ratio
@@ -218,10 +246,11 @@ def memory_rows(args) -> list[dict]:
     # an import on top of held tokens keeps the old window's blocks until it commits: room for
     # two windows per request (the serving loop imports a prompt once, from empty)
     window_blocks = 2 * batch * (math.ceil(window / bs) + 1) + 1
-    spec = (f"(2,{full_blocks},{bs},{hkv},{d}):{name}:1;"
-            f"(2,{window_blocks},{bs},{hkv},{d}):{name}:1:window={window}")  # fmt: skip
-    cache = PagedKVCache(kv_spec=spec, device=device, max_seq_len=longest,
-                         restore_on_abort=False)  # fmt: skip
+    spec = (
+        f"(2,{full_blocks},{bs},{hkv},{d}):{name}:1;"
+        f"(2,{window_blocks},{bs},{hkv},{d}):{name}:1:window={window}"
+    )
+    cache = PagedKVCache(kv_spec=spec, device=device, max_seq_len=longest, restore_on_abort=False)
     rids = [f"r{i}" for i in range(batch)]
     for rid in rids:
         cache.add_request(rid)
@@ -236,19 +265,26 @@ def memory_rows(args) -> list[dict]:
         cache.commit_token(tx)
         done += grow
         metrics = cache.metrics()["groups"]
-        rows.append({
-            "context": done,
-            "multiple": m,
-            "full_blocks_per_request": max(len(cache.request_block_ids(r, group=0)) for r in rids),
-            "window_blocks_per_request": max(len(cache.request_block_ids(r, group=1))
-                                             for r in rids),
-            "window_bound": metrics[1]["block_bound_per_request"],
-            "full_used_mib": metrics[0]["used_bytes"] / 2**20,
-            "window_used_mib": metrics[1]["used_bytes"] / 2**20,
-        })  # fmt: skip
-        print(f"memory: {done} tokens: full {rows[-1]['full_blocks_per_request']} blocks, window "
-              f"{rows[-1]['window_blocks_per_request']} (bound {rows[-1]['window_bound']})",
-              flush=True)  # fmt: skip
+        rows.append(
+            {
+                "context": done,
+                "multiple": m,
+                "full_blocks_per_request": max(
+                    len(cache.request_block_ids(r, group=0)) for r in rids
+                ),
+                "window_blocks_per_request": max(
+                    len(cache.request_block_ids(r, group=1)) for r in rids
+                ),
+                "window_bound": metrics[1]["block_bound_per_request"],
+                "full_used_mib": metrics[0]["used_bytes"] / 2**20,
+                "window_used_mib": metrics[1]["used_bytes"] / 2**20,
+            }
+        )
+        print(
+            f"memory: {done} tokens: full {rows[-1]['full_blocks_per_request']} blocks, window "
+            f"{rows[-1]['window_blocks_per_request']} (bound {rows[-1]['window_bound']})",
+            flush=True,
+        )
     cache.validate_invariants()
     return rows
 
@@ -261,13 +297,18 @@ def main() -> None:
     parser.add_argument("--heads", default="32/8/128", help="q/kv heads and head_dim")
     parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--full-max-gib", type=float, default=24.0,
-                        help="skip the full-attention contrast above this KV size")  # fmt: skip
+    parser.add_argument(
+        "--full-max-gib",
+        type=float,
+        default=24.0,
+        help="skip the full-attention contrast above this KV size",
+    )
     parser.add_argument("--memory-batch", type=int, default=4)
     parser.add_argument("--warmup", type=float, default=25)
     parser.add_argument("--rep", type=float, default=100)
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes (CPU: Triton's interpreter)")  # fmt: skip
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes (CPU: Triton's interpreter)"
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="window_groups")
     args = parser.parse_args()
@@ -290,8 +331,14 @@ def main() -> None:
             mine = [r for r in rows if (r["window"], r["batch"]) == (window, batch)]
             top = max(mine, key=lambda r: r["multiple"])
             full = [r for r in mine if r.get("full_time_vs_first")]
-            full_note = (f"; full attention {full[-1]['full_time_vs_first']:.1f}x at "
-                         f"{full[-1]['multiple']}x W") if full else ""  # fmt: skip
+            full_note = (
+                (
+                    f"; full attention {full[-1]['full_time_vs_first']:.1f}x at "
+                    f"{full[-1]['multiple']}x W"
+                )
+                if full
+                else ""
+            )
             verdicts.append(
                 f"- W={window}, B={batch}: window decode at {top['multiple']}x W takes "
                 f"{top['window_time_vs_first']:.2f}x its time at L = W{full_note}; every output "
@@ -299,21 +346,65 @@ def main() -> None:
                 f"{max(r['max_abs_diff_vs_ref'] for r in mine):.1e}"
             )
     table = markdown_table(
-        ["W", "B", "L", "blocks/req", "window MiB", "window us", "graph us", "TB/s", "% copy",
-         "time vs L=W", "full us", "full vs L=W", "FlashInfer us", "finite", "max diff"],
-        [[r["window"], r["batch"], f"{r['context']} ({r['multiple']}x)", r["blocks_per_request"],
-          r["window_mib"], r["window_us"], r.get("window_graph_us"), r.get("window_tbs"),
-          r.get("window_pct_copy"), fmt(r["window_time_vs_first"], 2), r["full_us"],
-          fmt(r.get("full_time_vs_first"), 2), r.get("fi_window_us"), str(r["finite"]),
-          f"{r['max_abs_diff_vs_ref']:.1e}"] for r in rows],
-    )  # fmt: skip
+        [
+            "W",
+            "B",
+            "L",
+            "blocks/req",
+            "window MiB",
+            "window us",
+            "graph us",
+            "TB/s",
+            "% copy",
+            "time vs L=W",
+            "full us",
+            "full vs L=W",
+            "FlashInfer us",
+            "finite",
+            "max diff",
+        ],
+        [
+            [
+                r["window"],
+                r["batch"],
+                f"{r['context']} ({r['multiple']}x)",
+                r["blocks_per_request"],
+                r["window_mib"],
+                r["window_us"],
+                r.get("window_graph_us"),
+                r.get("window_tbs"),
+                r.get("window_pct_copy"),
+                fmt(r["window_time_vs_first"], 2),
+                r["full_us"],
+                fmt(r.get("full_time_vs_first"), 2),
+                r.get("fi_window_us"),
+                str(r["finite"]),
+                f"{r['max_abs_diff_vs_ref']:.1e}",
+            ]
+            for r in rows
+        ],
+    )
     mem_table = markdown_table(
-        ["context", "full group blocks/request", "window group blocks/request", "bound",
-         "full group MiB", "window group MiB"],
-        [[f"{r['context']} ({r['multiple']}x W)", r["full_blocks_per_request"],
-          r["window_blocks_per_request"], r["window_bound"], r["full_used_mib"],
-          r["window_used_mib"]] for r in memory],
-    )  # fmt: skip
+        [
+            "context",
+            "full group blocks/request",
+            "window group blocks/request",
+            "bound",
+            "full group MiB",
+            "window group MiB",
+        ],
+        [
+            [
+                f"{r['context']} ({r['multiple']}x W)",
+                r["full_blocks_per_request"],
+                r["window_blocks_per_request"],
+                r["window_bound"],
+                r["full_used_mib"],
+                r["window_used_mib"],
+            ]
+            for r in memory
+        ],
+    )
     fi_line = (
         "FlashInfer: tensor-core decode with window_left = W - 1 over the window's pages."
         if flashinfer is not None
@@ -340,10 +431,17 @@ def main() -> None:
     payload = {"env": env, "rows": rows, "memory": memory, "flashinfer": fi_error or "used"}
     md, js = write_results(args.name, markdown, payload, out_dir)
     labels = [f"W={r['window']} B={r['batch']} {r['multiple']}x" for r in rows]
-    bar_plot(out_dir / f"{args.name}.png", labels,
-             {"window decode": [r["window_us"] for r in rows],
-              "full attention": [r["full_us"] for r in rows]},
-             "us per call (median)", "Window decode vs context", log=True)  # fmt: skip
+    bar_plot(
+        out_dir / f"{args.name}.png",
+        labels,
+        {
+            "window decode": [r["window_us"] for r in rows],
+            "full attention": [r["full_us"] for r in rows],
+        },
+        "us per call (median)",
+        "Window decode vs context",
+        log=True,
+    )
     print(markdown)
     print(f"wrote {md} and {js}")
 

@@ -165,10 +165,15 @@ def build_engine(
     _, hkv, dim = heads
     blocks_per_seq = -(-(context + steps + 1) // page) + 1
     cache = PagedKVCache(
-        num_layers=layers, num_kv_heads=hkv, head_dim=dim, block_size=page,
-        max_blocks=batch * blocks_per_seq, dtype=dtype, device=device,
+        num_layers=layers,
+        num_kv_heads=hkv,
+        head_dim=dim,
+        block_size=page,
+        max_blocks=batch * blocks_per_seq,
+        dtype=dtype,
+        device=device,
         max_blocks_per_seq=blocks_per_seq,
-    )  # fmt: skip
+    )
     engine = DecodeEngine(cache, append_backend=append_backend, decode_backend=decode_backend)
     rids = [f"r{i}" for i in range(batch)]
     for rid in rids:
@@ -317,17 +322,29 @@ def count_step(
     launches = LaunchCounter(skip=device.type != "cuda")
     with launches.installed():
         engine, rids = build_engine(
-            batch, context, layers=layers, heads=heads, page=page,
+            batch,
+            context,
+            layers=layers,
+            heads=heads,
+            page=page,
             steps=warmup + (1 + repeat) * steps,
-            append_backend=append_backend, decode_backend=decode_backend, device=device,
+            append_backend=append_backend,
+            decode_backend=decode_backend,
+            device=device,
             dtype=dtype,
-        )  # fmt: skip
+        )
         gen = torch.Generator(device=device).manual_seed(0)
         inputs = layer_inputs(engine, batch, heads[0], gen)
         counts, reports = measure(
-            engine, rids, inputs, steps=steps, warmup=warmup, launches=launches,
-            profile=profile, repeat=repeat,
-        )  # fmt: skip
+            engine,
+            rids,
+            inputs,
+            steps=steps,
+            warmup=warmup,
+            launches=launches,
+            profile=profile,
+            repeat=repeat,
+        )
     return {phase: c.summary() for phase, c in counts.items()}, reports
 
 
@@ -356,15 +373,27 @@ def main() -> None:
     results = {}
     for batch in args.batches:
         summary, reports = count_step(
-            batch, context=args.context, layers=args.layers, heads=heads, page=args.page,
-            steps=args.steps, warmup=args.warmup_steps, append_backend=args.append_backend,
-            decode_backend=args.decode_backend, profile=args.profile, repeat=args.repeat,
-        )  # fmt: skip
+            batch,
+            context=args.context,
+            layers=args.layers,
+            heads=heads,
+            page=args.page,
+            steps=args.steps,
+            warmup=args.warmup_steps,
+            append_backend=args.append_backend,
+            decode_backend=args.decode_backend,
+            profile=args.profile,
+            repeat=args.repeat,
+        )
         results[batch] = summary
-        print(f"B={batch} ({args.layers} layers, heads {args.heads}, page {args.page}, "
-              f"{args.steps} steps from context {args.context}; step_layer per layer)")  # fmt: skip
-        print(f"  {'phase':12s} {'aten ops med/max':>17s} {'copies med/max':>15s} "
-              f"{'launches':>9s} {'host us':>9s} {'in ops us':>10s}")  # fmt: skip
+        print(
+            f"B={batch} ({args.layers} layers, heads {args.heads}, page {args.page}, "
+            f"{args.steps} steps from context {args.context}; step_layer per layer)"
+        )
+        print(
+            f"  {'phase':12s} {'aten ops med/max':>17s} {'copies med/max':>15s} "
+            f"{'launches':>9s} {'host us':>9s} {'in ops us':>10s}"
+        )
         for phase in PHASES:
             s = summary[phase]
             print(

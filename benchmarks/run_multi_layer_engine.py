@@ -164,9 +164,17 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
     slots = cache.transaction_slots(view)
     max_len = cache.seq_len(rids[0]) + 1
     plan = plan_decode(
-        batch, hq, hkv, dim, cache.block_size, max_len, dtype, device,
-        max_blocks_per_seq=cache.max_blocks_per_seq, total_tokens=batch * max_len,
-    )  # fmt: skip
+        batch,
+        hq,
+        hkv,
+        dim,
+        cache.block_size,
+        max_len,
+        dtype,
+        device,
+        max_blocks_per_seq=cache.max_blocks_per_seq,
+        total_tokens=batch * max_len,
+    )
     workspace = DecodeWorkspace.allocate(plan)
     q_rot = torch.empty_like(inputs[0][0])
     out = torch.empty_like(q_rot)
@@ -232,10 +240,15 @@ def main() -> None:
     for batch in args.batches:
         blocks_per_seq = -(-(max(args.lengths) + extra * len(args.lengths)) // args.page) + 1
         cache = PagedKVCache(
-            num_layers=args.layers, num_kv_heads=hkv, head_dim=dim, block_size=args.page,
-            max_blocks=batch * blocks_per_seq, dtype=dtype, device=device,
+            num_layers=args.layers,
+            num_kv_heads=hkv,
+            head_dim=dim,
+            block_size=args.page,
+            max_blocks=batch * blocks_per_seq,
+            dtype=dtype,
+            device=device,
             max_blocks_per_seq=blocks_per_seq,
-        )  # fmt: skip
+        )
         engine = DecodeEngine(cache, append_backend="fused", decode_backend="triton")
         rids = [f"r{i}" for i in range(batch)]
         for rid in rids:
@@ -266,22 +279,49 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     env = environment()
     columns = [
-        "B", "context", "eager step µs", "p90 µs", "graph step µs", "kernels µs",
-        "eager overhead %", "graph overhead %", "kernels eager µs",
-        "append/layer µs", "decode/layer µs", "host begin µs", "host per layer µs",
-        "host commit µs", "graph host µs", "KV GiB", "splits",
-    ]  # fmt: skip
+        "B",
+        "context",
+        "eager step µs",
+        "p90 µs",
+        "graph step µs",
+        "kernels µs",
+        "eager overhead %",
+        "graph overhead %",
+        "kernels eager µs",
+        "append/layer µs",
+        "decode/layer µs",
+        "host begin µs",
+        "host per layer µs",
+        "host commit µs",
+        "graph host µs",
+        "KV GiB",
+        "splits",
+    ]
     table = markdown_table(
         columns,
         [
-            [r["batch"], r["context"], r["step_us"], r["step_p90_us"], r["graph_step_us"],
-             r["kernels_us"], r["overhead_pct"], r["graph_overhead_pct"], r["kernels_eager_us"],
-             r["append_layer_us"], r["decode_layer_us"],
-             r["host_begin_us"], r["host_per_layer_us"], r["host_commit_us"],
-             r["graph_host_us"], fmt(r["kv_gib"], 2), r["num_splits"]]
+            [
+                r["batch"],
+                r["context"],
+                r["step_us"],
+                r["step_p90_us"],
+                r["graph_step_us"],
+                r["kernels_us"],
+                r["overhead_pct"],
+                r["graph_overhead_pct"],
+                r["kernels_eager_us"],
+                r["append_layer_us"],
+                r["decode_layer_us"],
+                r["host_begin_us"],
+                r["host_per_layer_us"],
+                r["host_commit_us"],
+                r["graph_host_us"],
+                fmt(r["kv_gib"], 2),
+                r["num_splits"],
+            ]
             for r in rows
         ],
-    )  # fmt: skip
+    )
     verdicts = []
     for batch, limit in ((64, 10.0), (8, 30.0)):
         match = [r for r in rows if r["batch"] == batch and r["context"] >= 4096]

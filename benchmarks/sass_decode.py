@@ -181,21 +181,42 @@ def variants(fp8: bool) -> list[tuple[str, dict[str, Any]]]:
 
 
 COLUMNS = [
-    "shape", "variant", "block_n", "warps", "stages", "regs", "spill B", "smem KiB",
-    "loop instr", "warp instr / KiB", "conversions", "byte loads", "ldmatrix", "mma", "moves",
-]  # fmt: skip
+    "shape",
+    "variant",
+    "block_n",
+    "warps",
+    "stages",
+    "regs",
+    "spill B",
+    "smem KiB",
+    "loop instr",
+    "warp instr / KiB",
+    "conversions",
+    "byte loads",
+    "ldmatrix",
+    "mma",
+    "moves",
+]
 
 
 def render(payload: dict[str, Any]) -> str:
     rows = [
         [
-            r["shape"], r["variant"], r.get("block_n"), r.get("num_warps"), r.get("num_stages"),
-            r.get("regs"), r.get("spill_bytes"), fmt(r.get("smem_kib"), 0),
-            r.get("loop_instructions"), fmt(r.get("warp_instructions_per_kib")),
-            *(r.get(f) for f in FAMILIES), r.get("error", ""),
+            r["shape"],
+            r["variant"],
+            r.get("block_n"),
+            r.get("num_warps"),
+            r.get("num_stages"),
+            r.get("regs"),
+            r.get("spill_bytes"),
+            fmt(r.get("smem_kib"), 0),
+            r.get("loop_instructions"),
+            fmt(r.get("warp_instructions_per_kib")),
+            *(r.get(f) for f in FAMILIES),
+            r.get("error", ""),
         ]
         for r in payload["rows"]
-    ]  # fmt: skip
+    ]
     return "\n".join(
         [
             "# Decode kernel on sm_90: what each FP8 variant compiles to (no GPU)",
@@ -237,9 +258,17 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"shape": shape_key(head, shape, args.page), "variant": label}
             try:
                 plan = plan_decode(
-                    shape.batch, hq, hkv, d, args.page, shape.max_len, torch.bfloat16, "cpu",
-                    total_tokens=shape.total_tokens, **overrides,
-                )  # fmt: skip
+                    shape.batch,
+                    hq,
+                    hkv,
+                    d,
+                    args.page,
+                    shape.max_len,
+                    torch.bfloat16,
+                    "cpu",
+                    total_tokens=shape.total_tokens,
+                    **overrides,
+                )
                 if label == "fp8 default":
                     row["variant"] += f" ({plan.fp8_compute}/{plan.fp8_staging})"
                 row.update(analyse(plan, list(shape.lens)))

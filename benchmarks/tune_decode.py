@@ -110,13 +110,20 @@ FP8_OPTIONS = ("fp8_compute", "fp8_staging", "fp8_tile")
 FP8_VARIANTS: list[dict[str, str]] = [
     v
     for v in [
-        *({"fp8_compute": c, "fp8_staging": s, "fp8_tile": "tokens"}
-          for c in FP8_COMPUTE_CHOICES for s in FP8_STAGING_CHOICES),
+        *(
+            {"fp8_compute": c, "fp8_staging": s, "fp8_tile": "tokens"}
+            for c in FP8_COMPUTE_CHOICES
+            for s in FP8_STAGING_CHOICES
+        ),
         *({"fp8_compute": "f16", "fp8_staging": s, "fp8_tile": "bytes"} for s in ("v", "kv")),
     ]
-    if v != {"fp8_compute": DEFAULT_FP8_COMPUTE, "fp8_staging": DEFAULT_FP8_STAGING,
-             "fp8_tile": DEFAULT_FP8_TILE}
-]  # fmt: skip
+    if v
+    != {
+        "fp8_compute": DEFAULT_FP8_COMPUTE,
+        "fp8_staging": DEFAULT_FP8_STAGING,
+        "fp8_tile": DEFAULT_FP8_TILE,
+    }
+]
 BLOCK_N = (16, 32, 64, 128)  # and 256 for one-byte (FP8) K/V
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)  # one stage only where the loop has at most two iterations
@@ -360,8 +367,15 @@ def run(args) -> int:
         jobs = [("case", MatrixCase(args.dtype, h, args.page, s)) for h, s in shapes]
         if flashinfer is not None:
             jobs += [("flashinfer", (h, args.dtype)) for h in dict.fromkeys(h for h, _ in shapes)]
-        run_in_workers(warm_up_worker, jobs, args.workers, args.budget_s / 2, args.seed,
-                       args.fp8, round_robin=True)  # fmt: skip
+        run_in_workers(
+            warm_up_worker,
+            jobs,
+            args.workers,
+            args.budget_s / 2,
+            args.seed,
+            args.fp8,
+            round_robin=True,
+        )
     fi: dict[str, dict[str, Any]] = {}
     bf16_us: dict[str, float | None] = {}  # --fp8: the bf16 cache's default plan, same shape
     fi_ws = flashinfer_workspace() if flashinfer else None
@@ -489,12 +503,15 @@ def fp8_variant_rows(payload: dict[str, Any]) -> list[list[str]]:
             us, d_us = r.get("us"), (default or {}).get("us")
             out.append(
                 [
-                    s["key"], fp8_label(r) + (" (default)" if r["phase"] == "default" else ""),
+                    s["key"],
+                    fp8_label(r) + (" (default)" if r["phase"] == "default" else ""),
                     f"bn {r.get('block_n')} w{r.get('num_warps')} s{r.get('num_stages')}",
-                    fmt(us), fmt(r.get("pct_copy")), fmt(us / d_us, 3) if us and d_us else "—",
+                    fmt(us),
+                    fmt(r.get("pct_copy")),
+                    fmt(us / d_us, 3) if us and d_us else "—",
                     r.get("error", ""),
                 ]
-            )  # fmt: skip
+            )
     return out
 
 
@@ -530,9 +547,20 @@ def summary_rows(payload: dict[str, Any]) -> list[list[str]]:
 
 
 SUMMARY_COLUMNS = [
-    "shape", "KV MiB", "default us", "default config", "best us", "best % copy", "best config",
-    "default / best", "FI best us (path)", "default / FI", "best / FI", "bf16 / best", "timed",
-]  # fmt: skip
+    "shape",
+    "KV MiB",
+    "default us",
+    "default config",
+    "best us",
+    "best % copy",
+    "best config",
+    "default / best",
+    "FI best us (path)",
+    "default / FI",
+    "best / FI",
+    "bf16 / best",
+    "timed",
+]
 
 
 def tile_ranking(results: list[dict[str, Any]], top: int = 8) -> list[list[str]]:
@@ -560,15 +588,23 @@ def render(payload: dict[str, Any]) -> str:
         + ("FP8 e4m3 KV" if a.get("fp8") else "the weak shapes of issue 10"),
         "",
         environment_markdown(payload["environment"]),
-        f"- dtype {a['dtype']}" + (" (q), KV float8_e4m3fn ('bf16 / best': the bf16 cache's "
-        "default plan against the best FP8 configuration)" if a.get("fp8") else "")
+        f"- dtype {a['dtype']}"
+        + (
+            " (q), KV float8_e4m3fn ('bf16 / best': the bf16 cache's "
+            "default plan against the best FP8 configuration)"
+            if a.get("fp8")
+            else ""
+        )
         + f", page {a['page']}; graph-timed: {a['calls']} calls per CUDA graph, "
         f"median replay / calls (do_bench, warmup {a['warmup']} ms, rep {a['rep']} ms); "
         f"'% copy' against {a['copy_tbs']} TB/s; {len(payload['results'])} timings in "
         f"{payload['elapsed_s']:.0f} s (budget {a['budget_s']:.0f} s)",
         "- FlashInfer: "
-        + ("best of HND/NHD x tensor-core/CUDA-core" if not payload.get("flashinfer_error")
-           else f"**MISSING** ({payload['flashinfer_error']})"),
+        + (
+            "best of HND/NHD x tensor-core/CUDA-core"
+            if not payload.get("flashinfer_error")
+            else f"**MISSING** ({payload['flashinfer_error']})"
+        ),
         f"- largest output difference from the default plan: {fmt(max(diffs, default=None), 4)}; "
         f"{len(errors)} configurations failed",
         "- config: `bn` tokens per iteration, `w` warps, `s` pipeline stages, then the split: "
@@ -595,13 +631,16 @@ def render(payload: dict[str, Any]) -> str:
         ),
         "## Tiles that suit every shape (time / the shape's best tile, at its best split)",
         "",
-        markdown_table(["block_n", "warps", "stages", "geomean", "worst"],
-                       tile_ranking(payload["results"])),
-    ]  # fmt: skip
+        markdown_table(
+            ["block_n", "warps", "stages", "geomean", "worst"], tile_ranking(payload["results"])
+        ),
+    ]
     if errors:
         lines += ["", "## Failed configurations", ""]
-        lines += [f"- {r['shape']} {config_text(r) if r.get('block_n') else r['split']}: "
-                  f"{r['error']}" for r in errors[:20]]  # fmt: skip
+        lines += [
+            f"- {r['shape']} {config_text(r) if r.get('block_n') else r['split']}: {r['error']}"
+            for r in errors[:20]
+        ]
     return "\n".join(lines)
 
 
@@ -613,9 +652,17 @@ def plan_facts(head: str, shape: Shape, page: int, kv_dtype=None) -> dict[str, A
     hq, hkv, d = parse_heads(head)
     dtype = DTYPES["bf16"]
     plan = plan_decode(
-        shape.batch, hq, hkv, d, page, shape.max_len, dtype, "cpu",
-        total_tokens=shape.total_tokens, kv_dtype=kv_dtype,
-    )  # fmt: skip
+        shape.batch,
+        hq,
+        hkv,
+        d,
+        page,
+        shape.max_len,
+        dtype,
+        "cpu",
+        total_tokens=shape.total_tokens,
+        kv_dtype=kv_dtype,
+    )
     sms, tps = plan.sm_count, plan.tokens_per_split
     if plan.uses_split:  # as the kernel deals them: ceil(len / tps) splits, the last takes the rest
         counts = [min(max(-(-n // tps), 1), plan.num_splits) for n in shape.lens]
@@ -652,22 +699,43 @@ def plan_facts(head: str, shape: Shape, page: int, kv_dtype=None) -> dict[str, A
 
 
 PLAN_COLUMNS = [
-    "shape", "split", "splits", "tokens/split", "block_n", "warps", "stages", "programs",
-    "items", "items/SM", "waves ceil/mean", "largest item / SM share", "partials / KV bytes",
+    "shape",
+    "split",
+    "splits",
+    "tokens/split",
+    "block_n",
+    "warps",
+    "stages",
+    "programs",
+    "items",
+    "items/SM",
+    "waves ceil/mean",
+    "largest item / SM share",
+    "partials / KV bytes",
     "FP8 compute/staging",
-]  # fmt: skip
+]
 
 
 def plans_markdown(facts: list[dict[str, Any]]) -> str:
     rows = [
         [
-            f["shape"], "yes" if f["split"] else "no", str(f["splits"]), str(f["tokens_per_split"]),
-            str(f["block_n"]), str(f["warps"]), str(f["stages"]), str(f["programs"]),
-            str(f["items"]), fmt(f["items_per_sm"], 2), fmt(f["wave_ratio"], 2),
-            fmt(f["largest_item_vs_sm_share"], 2), fmt(f["partial_traffic"], 3), f["fp8"],
+            f["shape"],
+            "yes" if f["split"] else "no",
+            str(f["splits"]),
+            str(f["tokens_per_split"]),
+            str(f["block_n"]),
+            str(f["warps"]),
+            str(f["stages"]),
+            str(f["programs"]),
+            str(f["items"]),
+            fmt(f["items_per_sm"], 2),
+            fmt(f["wave_ratio"], 2),
+            fmt(f["largest_item_vs_sm_share"], 2),
+            fmt(f["partial_traffic"], 3),
+            f["fp8"],
         ]
         for f in facts
-    ]  # fmt: skip
+    ]
     return markdown_table(PLAN_COLUMNS, rows)
 
 

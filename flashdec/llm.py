@@ -97,8 +97,15 @@ class RequestTiming:
 
 
 class _Request:
-    __slots__ = ("finished_at", "first_token_at", "ignore_eos", "max_new_tokens", "prompt",
-                 "submitted_at", "tokens")  # fmt: skip
+    __slots__ = (
+        "finished_at",
+        "first_token_at",
+        "ignore_eos",
+        "max_new_tokens",
+        "prompt",
+        "submitted_at",
+        "tokens",
+    )
 
     def __init__(self, prompt: torch.Tensor, max_new_tokens: int, ignore_eos: bool, now: float):
         self.prompt = prompt
@@ -212,10 +219,15 @@ class LLM:
             if num_blocks is None:
                 num_blocks = self._default_num_blocks(blocks_per_seq, gpu_memory_fraction)
             cache = PagedKVCache(
-                spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, num_blocks,
-                dtype=spec.dtype, device=spec.device,
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                block_size,
+                num_blocks,
+                dtype=spec.dtype,
+                device=spec.device,
                 max_blocks_per_seq=min(blocks_per_seq, num_blocks),
-            )  # fmt: skip
+            )
         on_cuda = spec.device.type == "cuda"
         self.engine = DecodeEngine(
             cache,
@@ -354,8 +366,7 @@ class LLM:
         rid = self._next_id
         self._next_id += 1
         prompt_tensor = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
-        self._runner.requests[rid] = _Request(prompt_tensor, max_new_tokens, ignore_eos,
-                                              _now())  # fmt: skip
+        self._runner.requests[rid] = _Request(prompt_tensor, max_new_tokens, ignore_eos, _now())
         # the lifetime commitment: the prompt plus every token whose K/V is appended
         self.loop.submit(RequestSpec(rid, len(ids), max(1, max_new_tokens - 1), rid))
         return rid
@@ -377,8 +388,7 @@ class LLM:
 
     def request_timing(self, request_id) -> RequestTiming:
         req = self._request(request_id)
-        return RequestTiming(req.submitted_at, req.first_token_at, req.finished_at,
-                             len(req.tokens))  # fmt: skip
+        return RequestTiming(req.submitted_at, req.first_token_at, req.finished_at, len(req.tokens))
 
     def release(self, request_id) -> list[int]:
         """Forget a finished (or cancelled) request's record; returns its tokens."""
@@ -419,8 +429,10 @@ class LLM:
             raise TypeError("prompts must be a non-empty list of token-id lists or strings")
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if not self.loop.idle:
-            raise RuntimeError("generate needs an idle LLM (requests added with add_request "
-                               "are still running: step them to completion first)")  # fmt: skip
+            raise RuntimeError(
+                "generate needs an idle LLM (requests added with add_request "
+                "are still running: step them to completion first)"
+            )
         checked = [self._prompt_ids(p) for p in prompts]  # all checks before anything is queued
         self._runner.set_sampling(sampling)
         start = _now(self.adapter.spec.device)
@@ -567,8 +579,11 @@ class _ModelRunner:
         if event is not None:
             event.synchronize()
         now = _now()
-        return {rid for rid, token in zip(batch, host.tolist(), strict=True)
-                if self._record(rid, token, now)}  # fmt: skip
+        return {
+            rid
+            for rid, token in zip(batch, host.tolist(), strict=True)
+            if self._record(rid, token, now)
+        }
 
     def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
         """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""

@@ -282,12 +282,25 @@ class TestCaseOnCpu:
 def test_bench_decode_runs_on_the_gpu(tmp_path):
     code = bd.main(
         [
-            "--heads", "32/8/128", "--pages", "16", "--kinds", "uniform", "skewed",
-            "--shapes", "B=32 L=4096", "skewed 1x32768+63x1024", "--warmup", "2", "--rep", "5",
+            "--heads",
+            "32/8/128",
+            "--pages",
+            "16",
+            "--kinds",
+            "uniform",
+            "skewed",
+            "--shapes",
+            "B=32 L=4096",
+            "skewed 1x32768+63x1024",
+            "--warmup",
+            "2",
+            "--rep",
+            "5",
             "--fp8",
-            "--out-dir", str(tmp_path),
+            "--out-dir",
+            str(tmp_path),
         ]
-    )  # fmt: skip
+    )
     assert code == 0
     saved = json.loads((tmp_path / "decode.json").read_text())
     assert len(saved["rows"]) == 3 and all(r.get("fd_us") for r in saved["rows"])

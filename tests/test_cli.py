@@ -306,8 +306,18 @@ def test_workload_without_a_name_as_a_user_sees_it():
 
 def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):
     path = tmp_path / "g.json"
-    argv = ["generate", "--batch", "2", "--prompt-len", "9", "--max-new-tokens", "6", "--compare",
-            "--json", str(path)]  # fmt: skip
+    argv = [
+        "generate",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "9",
+        "--max-new-tokens",
+        "6",
+        "--compare",
+        "--json",
+        str(path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2/2 prompts identical, 12/12 tokens (100.0%)" in out
@@ -318,8 +328,21 @@ def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):
 
 def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
     path = tmp_path / "g.json"
-    argv = ["generate", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--batch", "2",
-            "--prompt-len", "9", "--max-new-tokens", "4", "--json", str(path)]  # fmt: skip
+    argv = [
+        "generate",
+        "--dtype",
+        "bfloat16",
+        "--kv-cache-dtype",
+        "fp8",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "9",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        str(path),
+    ]
     assert main(argv) == 0
     assert "tokens/s" in capsys.readouterr().out
     result = json.loads(path.read_text())
@@ -329,16 +352,34 @@ def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
 
 def test_an_fp8_kv_cache_on_a_float32_model_fails_in_one_line(capsys):
     # the tiny shape is float32 on the CPU: the model's dtype is known only once it is loaded
-    argv = ["generate", "--kv-cache-dtype", "fp8", "--batch", "1", "--prompt-len", "4",
-            "--max-new-tokens", "2"]  # fmt: skip
+    argv = [
+        "generate",
+        "--kv-cache-dtype",
+        "fp8",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "4",
+        "--max-new-tokens",
+        "2",
+    ]
     assert main(argv) == 1
     out, err = capsys.readouterr()
     assert "needs a float16 or bfloat16 model" in _assert_one_error_line(out, err)
 
 
 def test_bench_serve_reports_latency_percentiles(capsys):
-    argv = ["bench-serve", "--num-requests", "4", "--request-rate", "200", "--max-prompt-len",
-            "20", "--max-new-tokens", "4"]  # fmt: skip
+    argv = [
+        "bench-serve",
+        "--num-requests",
+        "4",
+        "--request-rate",
+        "200",
+        "--max-prompt-len",
+        "20",
+        "--max-new-tokens",
+        "4",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "TTFT p50 / p99" in out and "TPOT p50 / p99" in out and "4/4 requests done" in out
@@ -388,11 +429,13 @@ def test_bad_specs_are_one_line_errors(spec, message, capsys):
     [
         (["workload", "synthetic", "--kv-spec", "(2,8,8,2,32):float32"], "group 0"),
         (["workload", "integrated", "--kv-spec", "(2,8,8,2,32):float32:1;"], "group 1"),
-        (["workload", "synthetic", "--kv-spec", "(2,48,8,2,32):float32:1", "--head-dim", "8"],
-         "--head-dim"),
+        (
+            ["workload", "synthetic", "--kv-spec", "(2,48,8,2,32):float32:1", "--head-dim", "8"],
+            "--head-dim",
+        ),
         (["workload", "window", "--kv-spec", "(2,64,8,1,8):float32:2"], "window group"),
     ],
-)  # fmt: skip
+)
 def test_kv_spec_errors_are_one_line(args, message, capsys, runs):
     with pytest.raises(SystemExit) as exc:
         main(args)
@@ -405,8 +448,18 @@ def test_kv_spec_errors_are_one_line(args, message, capsys, runs):
 def test_workloads_run_on_a_kv_spec(tmp_path, capsys):
     spec = "(2,48,8,2,32):float32:2;(2,24,8,1,16):float32:1:window=16"
     path = tmp_path / "r.json"
-    argv = ["workload", "integrated", "--kv-spec", spec, "--prefix-hit-rate", "0",
-            "--num-requests", "6", "--json", str(path)]  # fmt: skip
+    argv = [
+        "workload",
+        "integrated",
+        "--kv-spec",
+        spec,
+        "--prefix-hit-rate",
+        "0",
+        "--num-requests",
+        "6",
+        "--json",
+        str(path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "group 1 (window 16, layers [2])" in out and "<= 3 per request" in out
@@ -415,10 +468,22 @@ def test_workloads_run_on_a_kv_spec(tmp_path, capsys):
 
 def test_window_workload_prints_both_concurrencies(tmp_path, capsys):
     path = tmp_path / "w.json"
-    argv = ["workload", "window", "--kv-spec",
-            "(2,64,8,1,8):float32:1;(2,16,8,1,8):float32:2:window=12", "--generation-tokens",
-            "60", "--num-requests", "6", "--context-tokens", "4", "--max-new-tokens", "60",
-            "--json", str(path)]  # fmt: skip
+    argv = [
+        "workload",
+        "window",
+        "--kv-spec",
+        "(2,64,8,1,8):float32:1;(2,16,8,1,8):float32:2:window=12",
+        "--generation-tokens",
+        "60",
+        "--num-requests",
+        "6",
+        "--context-tokens",
+        "4",
+        "--max-new-tokens",
+        "60",
+        "--json",
+        str(path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "admitted at once, with windows" in out and "admitted at once, windows removed" in out

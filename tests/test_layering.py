@@ -26,18 +26,56 @@ ALLOWED = {
     "cache": {"_checks", "_blocks"},
     "scheduler": {"_checks", "_blocks"},
     "engine": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler"},
-    "models": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
-               "engine"},
-    "llm": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
-            "engine", "models"},
-    "workloads": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
-                  "engine", "models", "llm"},
-    "cli": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler",
-            "engine", "models", "llm", "workloads"},
+    "models": {
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "engine",
+    },
+    "llm": {
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "engine",
+        "models",
+    },
+    "workloads": {
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "engine",
+        "models",
+        "llm",
+    },
+    "cli": {
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "engine",
+        "models",
+        "llm",
+        "workloads",
+    },
     "__main__": {"cli"},
     "vllm_plugin": {"_checks", "kernels"},  # optional: imported by vLLM, never by the package
     "__init__": set(),  # resolves public names lazily, by string
-}  # fmt: skip
+}
 
 # The documented exceptions: the old import path of names that moved up a layer.
 COMPAT_SHIMS = {("cache/__init__.py", "engine")}
@@ -108,8 +146,13 @@ def test_the_parser_sees_every_import_form():
         "def f():\n    from flashdec import runtime\n"
     )
     found = imports_in(source, "flashdec.cache")
-    assert {"flashdec.scheduler.spec", "flashdec.kernels", "flashdec.cache", "flashdec.engine",
-            "flashdec.runtime"} <= found  # fmt: skip
+    assert {
+        "flashdec.scheduler.spec",
+        "flashdec.kernels",
+        "flashdec.cache",
+        "flashdec.engine",
+        "flashdec.runtime",
+    } <= found
     assert {layer_of(m) for m in found} >= {"scheduler", "kernels", "engine", "runtime"}
 
 

@@ -15,8 +15,14 @@ from tests.models.greedy import hf_greedy
 from tests.models.test_loading import _save_tokenizer
 
 # the -swa shapes have 16-token sliding windows (Qwen2: every other layer; Mistral: all layers)
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-qwen2-swa",
-            "tiny-mistral-swa"]  # fmt: skip
+FAMILIES = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-mistral",
+    "tiny-qwen3",
+    "tiny-qwen2-swa",
+    "tiny-mistral-swa",
+]
 PROMPT_LENS = (5, 17, 33)  # 5 + 16 new tokens crosses the first 16-token block boundary
 NEW = 16
 
@@ -110,8 +116,9 @@ def test_sliding_window_through_the_interpreter_gives_the_same_tokens():
     """Windowed decode kernels (interpreted) on prompts longer than the window."""
     model = _model("tiny-mistral-swa")
     prompts = _prompts(model.config.vocab_size)[1:]  # 17 and 33 tokens, window 16
-    llm = flashdec.LLM(model, max_batch_size=2, block_size=8, append_backend="fused",
-                       decode_backend="triton")  # fmt: skip
+    llm = flashdec.LLM(
+        model, max_batch_size=2, block_size=8, append_backend="fused", decode_backend="triton"
+    )
     assert llm.generate(prompts, 4) == [t[:4] for t in _expected("tiny-mistral-swa")[1:]]
 
 
@@ -192,9 +199,14 @@ def test_unsupported_architecture_fails_at_construction():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=2,
+    )
     with pytest.raises(ValueError, match=r"(?i)mixtral|expert"):
         flashdec.LLM(MixtralForCausalLM(config))
 
@@ -251,14 +263,21 @@ def test_fp8_kv_cache_generates_through_the_interpreted_kernels():
     prompt = torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()
     tokens = torch.randint(0, model.config.vocab_size, (6,), generator=gen).tolist()
     torch_fp8 = _teacher_forced_logits(flashdec.LLM(model, kv_cache_dtype="fp8"), prompt, tokens)
-    llm = flashdec.LLM(model, kv_cache_dtype="fp8", append_backend="fused",
-                       decode_backend="triton", block_size=4)  # fmt: skip
+    llm = flashdec.LLM(
+        model, kv_cache_dtype="fp8", append_backend="fused", decode_backend="triton", block_size=4
+    )
     kernel_fp8 = _teacher_forced_logits(llm, prompt, tokens)
     assert ((kernel_fp8 - torch_fp8).norm() / torch_fp8.norm()).item() < 0.05
     prompts = _prompts(model.config.vocab_size)[:2]
     bf16 = flashdec.LLM(model, max_batch_size=2).generate(prompts, 6)
-    fp8_llm = flashdec.LLM(model, max_batch_size=2, kv_cache_dtype="fp8", kv_scale=0.5,
-                           append_backend="fused", decode_backend="triton")  # fmt: skip
+    fp8_llm = flashdec.LLM(
+        model,
+        max_batch_size=2,
+        kv_cache_dtype="fp8",
+        kv_scale=0.5,
+        append_backend="fused",
+        decode_backend="triton",
+    )
     fp8 = fp8_llm.generate(prompts, 6)
     assert [len(t) for t in fp8] == [6, 6]
     # the first token comes from the prompt's (unquantized) attention: always equal
@@ -330,8 +349,10 @@ def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
     model = build_random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=0)
     gen = torch.Generator().manual_seed(3)
     one = [torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()]
-    many = [torch.randint(0, model.config.vocab_size, (5 + i,), generator=gen).tolist()
-            for i in range(12)]  # fmt: skip
+    many = [
+        torch.randint(0, model.config.vocab_size, (5 + i,), generator=gen).tolist()
+        for i in range(12)
+    ]
     graphed = flashdec.LLM(model, max_batch_size=16)
     eager = flashdec.LLM(model, max_batch_size=16, cuda_graphs=False)
     for prompts in (one, many, one):

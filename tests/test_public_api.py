@@ -47,10 +47,22 @@ def _params(fn):
 
 def test_signatures_follow_the_spec():
     assert _params(flashdec.decode) == [
-        "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "block_size",
-        "num_warps", "kv_layout", "num_stages", "out", "workspace", "window", "k_scale",
+        "q",
+        "k_cache",
+        "v_cache",
+        "block_tables",
+        "seq_lens",
+        "sm_scale",
+        "block_size",
+        "num_warps",
+        "kv_layout",
+        "num_stages",
+        "out",
+        "workspace",
+        "window",
+        "k_scale",
         "v_scale",
-    ]  # fmt: skip
+    ]
     for fn, names in (
         (flashdec.decode, ("window", "k_scale", "v_scale")),
         (flashdec.kv_append, ("k_scale", "v_scale")),
@@ -61,38 +73,90 @@ def test_signatures_follow_the_spec():
             assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
             assert params[name].default is None
     assert _params(flashdec.paged_decode_attention_ref) == [
-        "q", "k_cache", "v_cache", "block_tables", "seq_lens", "sm_scale", "kv_layout", "window",
-        "k_scale", "v_scale",
-    ]  # fmt: skip
+        "q",
+        "k_cache",
+        "v_cache",
+        "block_tables",
+        "seq_lens",
+        "sm_scale",
+        "kv_layout",
+        "window",
+        "k_scale",
+        "v_scale",
+    ]
     assert _params(flashdec.dense_decode_attention_ref) == [
-        "q", "k_cache", "v_cache", "seq_lens", "sm_scale", "window",
-    ]  # fmt: skip
+        "q",
+        "k_cache",
+        "v_cache",
+        "seq_lens",
+        "sm_scale",
+        "window",
+    ]
     assert _params(flashdec.apply_rope) == ["x", "positions", "rotary_dim", "base"]
     assert _params(flashdec.kv_append) == [
-        "k_cache", "v_cache", "k", "v", "block_ids", "offsets", "k_scale", "v_scale",
-    ]  # fmt: skip
+        "k_cache",
+        "v_cache",
+        "k",
+        "v",
+        "block_ids",
+        "offsets",
+        "k_scale",
+        "v_scale",
+    ]
     assert _params(flashdec.fused_rope_kv_append)[:9] == [
-        "q", "k", "v", "k_cache", "v_cache", "block_ids", "offsets", "positions", "rotary_dim",
-    ]  # fmt: skip
+        "q",
+        "k",
+        "v",
+        "k_cache",
+        "v_cache",
+        "block_ids",
+        "offsets",
+        "positions",
+        "rotary_dim",
+    ]
     assert _params(flashdec.rope_paged_kv_append)[:8] == [
-        "cache", "layer_idx", "request_ids", "q", "k", "v", "rotary_dim", "append_backend",
-    ]  # fmt: skip
+        "cache",
+        "layer_idx",
+        "request_ids",
+        "q",
+        "k",
+        "v",
+        "rotary_dim",
+        "append_backend",
+    ]
     assert _params(flashdec.PagedKVCache)[:8] == [
-        "num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype", "device",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+        "max_blocks",
+        "dtype",
+        "device",
         "prefix_cache_capacity_blocks",
-    ]  # fmt: skip
+    ]
     assert _params(flashdec.DecodeEngine)[:5] == [
-        "cache", "append_backend", "decode_backend", "rotary_dim", "rope_base",
-    ]  # fmt: skip
+        "cache",
+        "append_backend",
+        "decode_backend",
+        "rotary_dim",
+        "rope_base",
+    ]
     engine_sig = inspect.signature(flashdec.DecodeEngine)
     assert engine_sig.parameters["append_backend"].default == "fused"
     assert engine_sig.parameters["decode_backend"].default == "triton"
     assert _params(flashdec.RequestSpec) == [
-        "request_id", "initial_context_tokens", "max_new_tokens", "submission_order", "prefix_id",
-    ]  # fmt: skip
+        "request_id",
+        "initial_context_tokens",
+        "max_new_tokens",
+        "submission_order",
+        "prefix_id",
+    ]
     assert _params(flashdec.SchedulerConfig) == [
-        "max_active_requests", "max_batch_size", "reserve_blocks", "aging_threshold",
-    ]  # fmt: skip
+        "max_active_requests",
+        "max_batch_size",
+        "reserve_blocks",
+        "aging_threshold",
+    ]
     assert flashdec.SchedulerConfig(1, 1).aging_threshold == 8
 
 
@@ -103,9 +167,15 @@ def test_request_state_values():
 
 def test_llm_signatures_follow_the_spec():
     assert _params(flashdec.LLM)[:8] == [
-        "model", "dtype", "device", "block_size", "num_blocks", "max_batch_size", "cuda_graphs",
+        "model",
+        "dtype",
+        "device",
+        "block_size",
+        "num_blocks",
+        "max_batch_size",
+        "cuda_graphs",
         "tokenizer",
-    ]  # fmt: skip
+    ]
     params = inspect.signature(flashdec.LLM).parameters
     assert params["block_size"].default == 16 and params["max_batch_size"].default == 64
     assert all(params[n].default is None for n in ("dtype", "device", "num_blocks", "cuda_graphs"))
@@ -120,8 +190,14 @@ def test_kv_spec_names_follow_the_spec():
 
     fields = [f.name for f in dataclasses.fields(flashdec.KVGroupSpec)]
     assert fields == [
-        "kv_size", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype",
-        "layer_count", "window",
-    ]  # fmt: skip
+        "kv_size",
+        "num_blocks",
+        "block_size",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "layer_count",
+        "window",
+    ]
     example = "(2,1024,16,8,128):bfloat16:30;(2,1024,16,2,64):bfloat16:2:window=4096"
     assert flashdec.format_kv_spec(flashdec.parse_kv_spec(example)) == example

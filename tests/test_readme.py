@@ -23,8 +23,11 @@ def test_the_readme_has_python_examples():
 def test_readme_example_runs_as_written(index):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", EXAMPLES[index]], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", EXAMPLES[index]],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

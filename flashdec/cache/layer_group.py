@@ -43,8 +43,13 @@ class LayerGroup:
         self.head_dim = spec.head_dim
         self.dtype = spec.dtype
         self.width = width  # block-table width of a request in this group
-        shape = (spec.layer_count, spec.num_blocks, spec.num_kv_heads, spec.block_size,
-                 spec.head_dim)  # fmt: skip
+        shape = (
+            spec.layer_count,
+            spec.num_blocks,
+            spec.num_kv_heads,
+            spec.block_size,
+            spec.head_dim,
+        )
         # one allocation for K and V (zero-filled so never-written slots hold finite numbers):
         # the abort backup of a token's slots is then one gather over both
         self.kv = torch.zeros((2, *shape), dtype=spec.dtype, device=device)

@@ -18,8 +18,9 @@ GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_bl
 
 def legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype) -> KVGroupSpec:
     """The one group of the single-geometry constructor (its checks and messages as ever)."""
-    for name, value in zip(GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim,
-                           block_size, max_blocks), strict=True):  # fmt: skip
+    for name, value in zip(
+        GEOMETRY_ARGS[:5], (num_layers, num_kv_heads, head_dim, block_size, max_blocks), strict=True
+    ):
         if value is None:
             raise TypeError(f"{name} is required (or pass kv_spec=)")
     check_positive_int("num_layers", num_layers)

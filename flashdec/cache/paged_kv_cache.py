@@ -257,17 +257,19 @@ class PagedKVCache:
     ) -> None:
         if kv_spec is None and (
             isinstance(num_layers, str)
-            or (isinstance(num_layers, Sequence) and num_layers and
-                all(isinstance(g, KVGroupSpec) for g in num_layers))
-        ):  # fmt: skip
+            or (
+                isinstance(num_layers, Sequence)
+                and num_layers
+                and all(isinstance(g, KVGroupSpec) for g in num_layers)
+            )
+        ):
             kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
         if kv_spec is None:
             if layer_groups is not None or kv_scales is not None:
                 raise ValueError("layer_groups and kv_scales need kv_spec")
             groups = (
-                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks,
-                                   dtype),
-            )  # fmt: skip
+                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
+            )
         else:
             geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
             given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
@@ -307,10 +309,16 @@ class PagedKVCache:
         self._specs = groups
 
         self._groups = [
-            LayerGroup(g, spec, tuple(i for i, x in enumerate(order) if x == g), widths[g],
-                       device, capacity)
+            LayerGroup(
+                g,
+                spec,
+                tuple(i for i, x in enumerate(order) if x == g),
+                widths[g],
+                device,
+                capacity,
+            )
             for g, spec in enumerate(groups)
-        ]  # fmt: skip
+        ]
         for group, pair in zip(self._groups, scales, strict=True):
             if pair is not None:
                 group.k_scale.copy_(pair[0])
@@ -715,10 +723,12 @@ class PagedKVCache:
             if one_each:
                 plan.positions = np.array([rec.seq_len for rec in plan.records], dtype=np.int64)
             else:
-                plan.positions = np.concatenate([
-                    np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
-                    for rec, n in zip(plan.records, plan.counts, strict=True)
-                ])  # fmt: skip
+                plan.positions = np.concatenate(
+                    [
+                        np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
+                        for rec, n in zip(plan.records, plan.counts, strict=True)
+                    ]
+                )
             for group, part in zip(self._groups, plan.groups, strict=True):
                 if group.window is not None:
                     if one_each:
@@ -763,8 +773,12 @@ class PagedKVCache:
         records = plan.records
         block_ids = np.empty(len(records), dtype=np.int64)
         allocate = group.allocator.allocate
-        reserved, starts, updates, table_rows = (part.reserved, part.starts, part.updates,
-                                                 part.table_rows)  # fmt: skip
+        reserved, starts, updates, table_rows = (
+            part.reserved,
+            part.starts,
+            part.updates,
+            part.table_rows,
+        )
         update_batch = part.update_batch
         for i, rec in enumerate(records):
             # the record is its own group-0 run; each branch reads one type, so CPython's
@@ -886,8 +900,11 @@ class PagedKVCache:
                     part.starts = {o[1]: x for o, x in zip(owners, starts, strict=True)}
                     width = group.width
                     values = np.asarray(blocks, dtype=np.int64)
-                    part.update_arrays = (memo.rows[index] * width + new_logical, values,
-                                          index * width + new_logical)  # fmt: skip
+                    part.update_arrays = (
+                        memo.rows[index] * width + new_logical,
+                        values,
+                        index * width + new_logical,
+                    )
                     part.new = (index, values)
                     reserved = (picked, blocks, starts)
                 else:
@@ -908,8 +925,7 @@ class PagedKVCache:
     def _publish(self, plan_records: list[RequestRecord], counts: list[int], reserved, starts):
         """Make the reservation permanent: blocks join the tables, lengths grow, and window
         groups release the blocks that fell wholly before the window."""
-        for group, group_reserved, group_starts in zip(self._groups, reserved, starts,
-                                                       strict=True):  # fmt: skip
+        for group, group_reserved, group_starts in zip(self._groups, reserved, starts, strict=True):
             index = group.index
             if group.window is None:
                 if not group_reserved:
@@ -980,9 +996,20 @@ class PagedKVCache:
         token_rows = part.token_rows if part.token_rows is not None else np.zeros(0, np.int64)
         t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
         host = np.concatenate(
-            [positions, block_ids, offsets, starts, after, rows, flat, values, token_rows,
-             slot_rows.reshape(-1)], dtype=np.int64,
-        )  # fmt: skip
+            [
+                positions,
+                block_ids,
+                offsets,
+                starts,
+                after,
+                rows,
+                flat,
+                values,
+                token_rows,
+                slot_rows.reshape(-1),
+            ],
+            dtype=np.int64,
+        )
         dev = torch.from_numpy(host).to(self._device)
         cuts = np.cumsum([t, t, t, b, b, b, u, u, token_rows.shape[0]])
         parts = torch.tensor_split(dev, cuts.tolist())
@@ -1054,8 +1081,15 @@ class PagedKVCache:
         reuse = buffers.gathered(rows, num_rows, tables.version) and (
             in_batch.shape[0] == flat.shape[0]
         )
-        buffers.upload(plan.positions, part.block_ids, rows, (flat, values, in_batch),
-                       group.block_size, num_rows, tx_id)  # fmt: skip
+        buffers.upload(
+            plan.positions,
+            part.block_ids,
+            rows,
+            (flat, values, in_batch),
+            group.block_size,
+            num_rows,
+            tx_id,
+        )
         count = flat.shape[0]
         slots = buffers.slots(num, num_rows)
         if count:
@@ -1079,8 +1113,9 @@ class PagedKVCache:
         v = self._check_token_kv("v", v, len(rids), group)
         if group.is_fp8:
             k, v = group.quantize(k, v)
-        self.append_with(rids, lambda k_layer, v_layer, slots: torch_scatter(
-            k_layer, v_layer, k, v, slots))  # fmt: skip
+        self.append_with(
+            rids, lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots)
+        )
 
     def append_with(self, request_ids: Sequence[RequestId], writer: LayerWriter[T]) -> T:
         """The legacy single-layer append with a caller-supplied writer (one token each).
@@ -1153,8 +1188,9 @@ class PagedKVCache:
             num_rows = check_positive_int("pad_to", pad_to)
             if num_rows < len(rids):
                 raise ValueError(f"pad_to ({pad_to}) must be >= the batch size ({len(rids)})")
-        records = memo.records if memo is not None else self._active_records(
-            rids, "begin a token for")  # fmt: skip
+        records = (
+            memo.records if memo is not None else self._active_records(rids, "begin a token for")
+        )
         self._tx.ensure_none_open("begin a token transaction")
         if memo is not None:
             plan = self._memo_plan(memo)
@@ -1229,10 +1265,16 @@ class PagedKVCache:
             "seq_lens_after": after,
         }
         tx = OpenTransaction(
-            self._tx.next_id(), self._version + 1, tuple(rids), plan.counts,
-            [part.reserved for part in plan.groups], [part.starts for part in plan.groups],
-            slots, host, first.table_rows,
-        )  # fmt: skip
+            self._tx.next_id(),
+            self._version + 1,
+            tuple(rids),
+            plan.counts,
+            [part.reserved for part in plan.groups],
+            [part.starts for part in plan.groups],
+            slots,
+            host,
+            first.table_rows,
+        )
         tx.parts = plan.groups
         tx.memo = plan.memo if one_each else None
         tx.one_each = one_each
@@ -1243,8 +1285,7 @@ class PagedKVCache:
                 tx.backup_complete = False
             else:
                 tx.backups = [group.backup(s.slot_rows, fixed=one_each) for group, s in groups]
-        view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width,
-                       self._device)  # fmt: skip
+        view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width, self._device)
         self._tx.start(tx)
         self._version += 1
         return view
@@ -1274,9 +1315,11 @@ class PagedKVCache:
         v = self._check_token_kv("v", v, count, group)
         if group.is_fp8 and k.dtype != group.dtype:
             k, v = group.quantize(k, v)
-        self.write_token_layer_with(open_tx.transaction_id, layer_idx,
-                                    lambda k_layer, v_layer, slots: torch_scatter(
-                                        k_layer, v_layer, k, v, slots))  # fmt: skip
+        self.write_token_layer_with(
+            open_tx.transaction_id,
+            layer_idx,
+            lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots),
+        )
 
     def write_token_layer_with(
         self, tx: TokenTransactionView | int, layer_idx: int, writer: LayerWriter[T]
@@ -1343,8 +1386,9 @@ class PagedKVCache:
                 f"token transaction {open_tx.transaction_id} already has layers written; "
                 "complete_backup must come before the first"
             )
-        for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
-                                        strict=True):  # fmt: skip
+        for group, backup, slots in zip(
+            self._groups, open_tx.backups, open_tx.group_slots, strict=True
+        ):
             backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
         open_tx.backup_complete = True
 
@@ -1359,8 +1403,11 @@ class PagedKVCache:
         if g.index:
             part = open_tx.parts[g.index]
             positions = open_tx.host["positions"]
-            override = (_every_token(part, positions.shape[0]), positions % g.block_size,
-                        part.table_rows)  # fmt: skip
+            override = (
+                _every_token(part, positions.shape[0]),
+                positions % g.block_size,
+                part.table_rows,
+            )
         return open_tx.view(
             TransactionState.OPEN, open_tx.cache_version, g.width, self._device, override
         )
@@ -1404,11 +1451,15 @@ class PagedKVCache:
                 f"{open_tx.next_layer} of {self._num_layers} layers written"
             )
         version = self._version + 1
-        view = open_tx.view(TransactionState.COMMITTED, version, self._groups[0].width,
-                            self._device)  # fmt: skip
+        view = open_tx.view(
+            TransactionState.COMMITTED, version, self._groups[0].width, self._device
+        )
         memo = open_tx.memo
-        records = memo.records if memo is not None else [self._requests[rid] for rid in
-                                                         open_tx.request_ids]  # fmt: skip
+        records = (
+            memo.records
+            if memo is not None
+            else [self._requests[rid] for rid in open_tx.request_ids]
+        )
         self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
         # the next step of the same batch starts from arrays, if nothing else changed since
@@ -1426,13 +1477,13 @@ class PagedKVCache:
         """Drop the tokens: release the blocks begin took; lengths stay as they were."""
         open_tx = self._tx.resolve(tx)
         version = self._version + 1
-        view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width,
-                            self._device)  # fmt: skip
+        view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width, self._device)
         # restore even with no layer counted: a writer that raised may have stored part of one
         if open_tx.backups is not None:
             complete, attempted = open_tx.backup_complete, open_tx.attempted
-            for group, backup, slots in zip(self._groups, open_tx.backups, open_tx.group_slots,
-                                            strict=True):  # fmt: skip
+            for group, backup, slots in zip(
+                self._groups, open_tx.backups, open_tx.group_slots, strict=True
+            ):
                 # writers' backups: only the attempted layers (the group's first ones) hold any
                 layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
                 group.restore(slots.slot_rows, backup, layers)

@@ -290,8 +290,11 @@ class SlotBuffers:
         slot_rows = host[start : start + batch * self.num_kv_heads].reshape(batch, -1)
         # row of (block, head, offset) in a layer viewed as [blocks * Hkv * block_size, D]
         heads = self._heads
-        np.add((block_ids * (heads.shape[0] * block_size) + offsets)[:, None],
-               heads * block_size, out=slot_rows)  # fmt: skip
+        np.add(
+            (block_ids * (heads.shape[0] * block_size) + offsets)[:, None],
+            heads * block_size,
+            out=slot_rows,
+        )
         self.device_buffer.copy_(self._staging, non_blocking=True)
         self.resident = (transaction_id, batch, num_rows)
 

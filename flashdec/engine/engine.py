@@ -461,8 +461,9 @@ class DecodeEngine:
     def _prefix_infos(self) -> tuple[PrefixInfo, ...]:
         cache = self.cache
         states = (cache.prefix_state(pid) for pid in cache.prefix_ids())
-        return tuple(PrefixInfo(p.prefix_id, p.num_blocks, p.num_tokens, p.refcount)
-                     for p in states)  # fmt: skip
+        return tuple(
+            PrefixInfo(p.prefix_id, p.num_blocks, p.num_tokens, p.refcount) for p in states
+        )
 
     def _own_snapshot(self, step: int) -> SchedulingSnapshot:
         """The snapshot with the engine's counters, in O(active): rows of unchanged active
@@ -627,8 +628,14 @@ class DecodeEngine:
         slots = cache.transaction_slots(view)
         # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
         positions = tuple(view.host_positions.tolist())
-        step = _OpenStep("decode", view, slots, positions, tuple(map((1).__add__, positions)),
-                         self._all_group_slots(view))  # fmt: skip
+        step = _OpenStep(
+            "decode",
+            view,
+            slots,
+            positions,
+            tuple(map((1).__add__, positions)),
+            self._all_group_slots(view),
+        )
         if by_writer:
             step.backups = tuple(
                 cache.transaction_backup(view, group=g) for g in range(self._num_groups)
@@ -757,8 +764,9 @@ class DecodeEngine:
         finally:
             self._capturing = False
         graph.replay()
-        return CapturedStep(self, graph, output, step.num_rows, step.generations,
-                            (step.decode, *step.group_decode))  # fmt: skip
+        return CapturedStep(
+            self, graph, output, step.num_rows, step.generations, (step.decode, *step.group_decode)
+        )
 
     def replay_step(self, tx, captured: CapturedStep) -> Any:
         """Write every layer of the open step by replaying ``captured``; returns its output."""
@@ -994,8 +1002,9 @@ class DecodeEngine:
             launch = bound[0]
         else:
             backup = step.backups[0] if step.backups else None
-            launch = state.bound(self.rope, step.slots, self.sm_scale, q, k, v,
-                                 self._layer_views, backup, out)  # fmt: skip
+            launch = state.bound(
+                self.rope, step.slots, self.sm_scale, q, k, v, self._layer_views, backup, out
+            )
             step.bound = (launch, strides)
         self.cache.write_token_layer_with(
             step.transaction_id, layer_idx, lambda *_: launch(layer_idx, q, k, v, out)
@@ -1046,8 +1055,17 @@ class DecodeEngine:
         local = self._layer_local[layer_idx]
         out = outs[local]
         backup = step.backups[g] if step.backups else None
-        launch = state.bound(self._ropes[g], step.group_slots[g], self._sm_scales[g], q, k, v,
-                             self._group_views[g], backup, out)  # fmt: skip
+        launch = state.bound(
+            self._ropes[g],
+            step.group_slots[g],
+            self._sm_scales[g],
+            q,
+            k,
+            v,
+            self._group_views[g],
+            backup,
+            out,
+        )
         self.cache.write_token_layer_with(
             step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
         )
@@ -1084,8 +1102,9 @@ class DecodeEngine:
                 *self._scales[g],
             )
         state = self._group_decode_state(step, g, q_rot.shape[1])
-        return state.decode(q_rot, k_layer, v_layer, slots, self._sm_scales[g],
-                            torch.empty_like(q_rot))  # fmt: skip
+        return state.decode(
+            q_rot, k_layer, v_layer, slots, self._sm_scales[g], torch.empty_like(q_rot)
+        )
 
     def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
         k_layer, v_layer = self.cache.layer_kv(layer_idx)

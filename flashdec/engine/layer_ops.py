@@ -272,8 +272,9 @@ class DecodeState:
         self.num_q_heads = num_q_heads
         self.planned_len = planned  # the bucket this plan serves
         # rotated q of the layer in flight: written by the fused append, read by decode
-        self.q_rot = torch.empty(num_rows, num_q_heads, spec.head_dim, dtype=dtype,
-                                 device=cache.device)  # fmt: skip
+        self.q_rot = torch.empty(
+            num_rows, num_q_heads, spec.head_dim, dtype=dtype, device=cache.device
+        )
         self._bound: dict[tuple, tuple] = {}
 
     def fits(self, cache: PagedKVCache, num_rows: int, num_q_heads: int, max_len: int) -> bool:
@@ -298,8 +299,14 @@ class DecodeState:
         """RoPE + append + decode of this plan for any layer of ``layer_views`` (the group's, in
         order), bound to ``slots`` (fixed-address for a batch shape), to the transaction's
         writer ``backup`` (``[2 * layers, rows, D]`` or None) and to these inputs' strides."""
-        key = (id(slots), q.stride(), k.stride(), v.stride(), out.stride(),
-               None if backup is None else backup.data_ptr())  # fmt: skip
+        key = (
+            id(slots),
+            q.stride(),
+            k.stride(),
+            v.stride(),
+            out.stride(),
+            None if backup is None else backup.data_ptr(),
+        )
         entry = self._bound.get(key)
         if entry is None:
             if len(self._bound) > 16:
@@ -313,11 +320,30 @@ class DecodeState:
                 layers = [(kv[0], kv[1], backup[i]) for i, kv in enumerate(layer_views)]
                 backup_v = count * backup.stride(0)
             launch = BoundLayerAttention(
-                q, k, v, layers, slots.block_ids, slots.offsets, slots.positions,
-                rope.rotary_dim, rope.base, rope.inv_freq, self.q_rot, slots.block_tables,
-                slots.seq_lens_after, sm_scale, ws.plan, out, ws.partial_out, ws.partial_lse,
-                slots.num_rows, self.k_scale, self.v_scale, ws.counters, backup_v,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                layers,
+                slots.block_ids,
+                slots.offsets,
+                slots.positions,
+                rope.rotary_dim,
+                rope.base,
+                rope.inv_freq,
+                self.q_rot,
+                slots.block_tables,
+                slots.seq_lens_after,
+                sm_scale,
+                ws.plan,
+                out,
+                ws.partial_out,
+                ws.partial_lse,
+                slots.num_rows,
+                self.k_scale,
+                self.v_scale,
+                ws.counters,
+                backup_v,
+            )
             # slots and backup kept: their ids and addresses stay unique while bound
             entry = self._bound[key] = (launch, slots, backup)
         return entry[0]
@@ -333,10 +359,21 @@ class DecodeState:
     ) -> torch.Tensor:
         ws = self.workspace
         return launch_decode(
-            q, k_layer, v_layer, slots.block_tables, slots.seq_lens_after, sm_scale, ws.plan,
-            out, ws.partial_out, ws.partial_lse, slots.num_rows, self.k_scale, self.v_scale,
+            q,
+            k_layer,
+            v_layer,
+            slots.block_tables,
+            slots.seq_lens_after,
+            sm_scale,
+            ws.plan,
+            out,
+            ws.partial_out,
+            ws.partial_lse,
+            slots.num_rows,
+            self.k_scale,
+            self.v_scale,
             ws.counters,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True, eq=False)

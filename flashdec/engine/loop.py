@@ -152,8 +152,11 @@ class ServingLoop:
             if rid in done_early or self.generated[rid] >= engine.request_spec(rid).max_new_tokens:
                 finished.append(rid)
         # an executor that reads tokens late may report a request that was not in this batch
-        finished += [rid for rid in done_early if rid in self._live and rid not in finished
-                     and rid not in victims]  # fmt: skip
+        finished += [
+            rid
+            for rid in done_early
+            if rid in self._live and rid not in finished and rid not in victims
+        ]
         for rid in finished:
             engine.finish_request(rid)
         self._live.difference_update(finished)
@@ -293,5 +296,6 @@ def run_loop(
     stopped_early = not deadlock and (not loop.idle or next_arrival < len(pending))
     active, waiting = loop.close()
     unarrived = tuple(spec.request_id for _, spec in pending[next_arrival:])
-    return LoopRun(tuple(steps), loop.step_index, deadlock, stopped_early, active,
-                   waiting + unarrived)  # fmt: skip
+    return LoopRun(
+        tuple(steps), loop.step_index, deadlock, stopped_early, active, waiting + unarrived
+    )

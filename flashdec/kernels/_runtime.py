@@ -193,9 +193,23 @@ class Launcher:
         if compiled.direct and not hooks_active():
             cooperative, pdl = compiled.mode
             compiled.launch(
-                grid, 1, 1, current_stream(device), compiled.function, cooperative, pdl,
-                None, None, compiled.metadata, None, None, None, *ptrs, *scalars, *constexprs,
-            )  # fmt: skip
+                grid,
+                1,
+                1,
+                current_stream(device),
+                compiled.function,
+                cooperative,
+                pdl,
+                None,
+                None,
+                compiled.metadata,
+                None,
+                None,
+                None,
+                *ptrs,
+                *scalars,
+                *constexprs,
+            )
         else:
             compiled.kernel[(grid, 1, 1)](*tensors, *scalars, *constexprs)
 
@@ -257,15 +271,29 @@ class BoundLaunch:
     """
 
     __slots__ = (
-        "_args", "_compiled", "_device", "_grid", "_launcher", "_patch", "_spec", "aligned",
+        "_args",
+        "_compiled",
+        "_device",
+        "_grid",
+        "_launcher",
+        "_patch",
+        "_spec",
+        "aligned",
         "dynamic",
-    )  # fmt: skip
+    )
 
-    def __init__(self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages,
-                 dynamic) -> None:  # fmt: skip
+    def __init__(
+        self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic
+    ) -> None:
         self._launcher = launcher
-        self._spec = (grid, tuple(tensors), tuple(scalars), tuple(constexprs), num_warps,
-                      num_stages)  # fmt: skip
+        self._spec = (
+            grid,
+            tuple(tensors),
+            tuple(scalars),
+            tuple(constexprs),
+            num_warps,
+            num_stages,
+        )
         self.dynamic = tuple(dynamic)
         self._grid = grid
         self._set_aligned(tuple(tensors[i].data_ptr() % 16 == 0 for i in self.dynamic))
@@ -285,9 +313,21 @@ class BoundLaunch:
                 args[index] = ptr
             c = self._compiled
             c.launch(
-                self._grid, 1, 1, current_stream(self._device), c.function, c.mode[0],
-                c.mode[1], None, None, c.metadata, None, None, None, *args,
-            )  # fmt: skip
+                self._grid,
+                1,
+                1,
+                current_stream(self._device),
+                c.function,
+                c.mode[0],
+                c.mode[1],
+                None,
+                None,
+                c.metadata,
+                None,
+                None,
+                None,
+                *args,
+            )
             return None
         return self._slow(tensors)
 
@@ -314,8 +354,9 @@ class BoundLaunch:
         if FAST_LAUNCH and self._args is None:
             device = _current_device()
             ptrs = [t.data_ptr() for t in tensors]
-            key = self._launcher._value_key(device, tensors, ptrs, scalars, constexprs,
-                                            num_warps, num_stages)  # fmt: skip
+            key = self._launcher._value_key(
+                device, tensors, ptrs, scalars, constexprs, num_warps, num_stages
+            )
             compiled = self._launcher._by_value.get(key)
             if compiled is not None and compiled.direct:
                 self._compiled, self._device = compiled, device
@@ -338,7 +379,7 @@ class DirectLaunch:
         "_pdl",
         "args",
         "device",
-    )  # fmt: skip
+    )
 
     def __init__(self, compiled: _Compiled, grid: int, device: int, args: list) -> None:
         self.args = args
@@ -351,6 +392,18 @@ class DirectLaunch:
 
     def issue(self, stream: int) -> None:
         self._launch(
-            self._grid, 1, 1, stream, self._function, self._cooperative, self._pdl, None, None,
-            self._metadata, None, None, None, *self.args,
-        )  # fmt: skip
+            self._grid,
+            1,
+            1,
+            stream,
+            self._function,
+            self._cooperative,
+            self._pdl,
+            None,
+            None,
+            self._metadata,
+            None,
+            None,
+            None,
+            *self.args,
+        )

@@ -327,9 +327,23 @@ def launch_kv_append(
 
 
 def _fused_launch(
-    q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out, inv_freq,
-    k_scale, v_scale, backup=None, backup_v=0,
-) -> tuple:  # fmt: skip
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    block_ids,
+    offsets,
+    positions,
+    rotary_dim,
+    base,
+    q_out,
+    inv_freq,
+    k_scale,
+    v_scale,
+    backup=None,
+    backup_v=0,
+) -> tuple:
     """The arguments of one fused RoPE + append launch (``backup``: see
     :class:`BoundFusedRopeKVAppend`)."""
     batch, num_q_heads, head_dim = q.shape
@@ -362,16 +376,34 @@ def _fused_launch(
     return (
         batch,
         (
-            q, k, v, k_cache, v_cache, block_ids, offsets, positions, inv_freq, q_out, k_scale,
-            v_scale, backup,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_ids,
+            offsets,
+            positions,
+            inv_freq,
+            q_out,
+            k_scale,
+            v_scale,
+            backup,
         ),
         (
-            *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-            *q_out.stride(), inv_freq.stride(0), backup.stride(0) if has_backup else 0, backup_v,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *q_out.stride(),
+            inv_freq.stride(0),
+            backup.stride(0) if has_backup else 0,
+            backup_v,
         ),
         consts,
         4,
-    )  # fmt: skip
+    )
 
 
 def launch_fused_rope_kv_append(
@@ -398,8 +430,24 @@ def launch_fused_rope_kv_append(
         q_out = torch.empty_like(q)
     if q.shape[0] == 0:
         return q_out
-    _FUSED(*_fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
-                          base, q_out, inv_freq, k_scale, v_scale))  # fmt: skip
+    _FUSED(
+        *_fused_launch(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_ids,
+            offsets,
+            positions,
+            rotary_dim,
+            base,
+            q_out,
+            inv_freq,
+            k_scale,
+            v_scale,
+        )
+    )
     return q_out
 
 
@@ -421,12 +469,43 @@ class BoundFusedRopeKVAppend:
 
     __slots__ = ("_has_backup", "launch")
 
-    def __init__(self, q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim,
-                 base, q_out, inv_freq=None, k_scale=None, v_scale=None, backup=None,
-                 backup_v=0) -> None:  # fmt: skip
-        args = _fused_launch(q, k, v, k_cache, v_cache, block_ids, offsets, positions,
-                             rotary_dim, base, q_out, inv_freq, k_scale, v_scale, backup,
-                             backup_v)  # fmt: skip
+    def __init__(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        rotary_dim,
+        base,
+        q_out,
+        inv_freq=None,
+        k_scale=None,
+        v_scale=None,
+        backup=None,
+        backup_v=0,
+    ) -> None:
+        args = _fused_launch(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            block_ids,
+            offsets,
+            positions,
+            rotary_dim,
+            base,
+            q_out,
+            inv_freq,
+            k_scale,
+            v_scale,
+            backup,
+            backup_v,
+        )
         self._has_backup = backup is not None
         dynamic = (*self.DYNAMIC, self.BACKUP) if self._has_backup else self.DYNAMIC
         self.launch = _FUSED.bind(*args, dynamic=dynamic)
@@ -636,6 +715,18 @@ def fused_rope_kv_append(
             )
     _check_append_values(k_cache, block_ids, offsets, positions)
     return launch_fused_rope_kv_append(
-        q, k, v, k_cache, v_cache, block_ids, offsets, positions, rotary_dim, base, q_out,
-        inv_freq, k_scale, v_scale,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        rotary_dim,
+        base,
+        q_out,
+        inv_freq,
+        k_scale,
+        v_scale,
+    )

@@ -383,9 +383,12 @@ def plan_decode(
     # program per (request, KV head)
     load = 0.0 if will_split else batch * num_kv_heads / num_sms
     config = default_kernel_config(
-        head_dim, dtype, programs_per_sm=load, kv_dtype=kv_dtype,
+        head_dim,
+        dtype,
+        programs_per_sm=load,
+        kv_dtype=kv_dtype,
         fp8_tile=fp8_tile or DEFAULT_FP8_TILE,
-    )  # fmt: skip
+    )
     if not will_split and load > NARROW_TILE_MAX_PROGRAMS_PER_SM and read_len < config.block_n:
         # many short requests (several waves of programs): one loop iteration each, so a tile
         # sized to the context and no pipeline stages; the smaller tile lets more programs share

@@ -62,13 +62,39 @@ class BoundLayerAttention:
     ) -> None:
         k0, v0, backup0 = layers[0]
         self._append = BoundFusedRopeKVAppend(
-            q, k, v, k0, v0, block_ids, offsets, positions, rotary_dim, base, q_rot, inv_freq,
-            k_scale, v_scale, backup0, backup_v,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            k0,
+            v0,
+            block_ids,
+            offsets,
+            positions,
+            rotary_dim,
+            base,
+            q_rot,
+            inv_freq,
+            k_scale,
+            v_scale,
+            backup0,
+            backup_v,
+        )
         self._decode = BoundDecode(
-            q_rot, k0, v0, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-            partial_lse, batch, k_scale, v_scale, counters,
-        )  # fmt: skip
+            q_rot,
+            k0,
+            v0,
+            block_tables,
+            seq_lens,
+            sm_scale,
+            plan,
+            out,
+            partial_out,
+            partial_lse,
+            batch,
+            k_scale,
+            v_scale,
+            counters,
+        )
         self.q_rot = q_rot
         self._layers = tuple(layers)
         # (append, decode, merge or None, per-layer (k, v, backup) pointers) once both ran;

@@ -217,9 +217,12 @@ def _attend_tokens(
     if WINDOWED:
         first = lo // BLOCK_N * BLOCK_N
         block_ids = _page_ids(
-            table, first + offs_n0, (first + offs_n0 >= lo) & (first + offs_n0 < hi), stride_btn,
+            table,
+            first + offs_n0,
+            (first + offs_n0 >= lo) & (first + offs_n0 < hi),
+            stride_btn,
             PAGE_SIZE,
-        )  # fmt: skip
+        )
     else:
         first = lo
         block_ids = _page_ids(table, lo + offs_n0, lo + offs_n0 < hi, stride_btn, PAGE_SIZE)
@@ -229,10 +232,22 @@ def _attend_tokens(
         if WINDOWED:
             mask_n = mask_n & (offs_n >= lo)
         k, v = _load_kv_tile(
-            k_base, v_base, block_ids, offs_n, mask_n, offs_d,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            PAGE_SIZE, HEAD_DIM, BLOCK_D,
-        )  # fmt: skip
+            k_base,
+            v_base,
+            block_ids,
+            offs_n,
+            mask_n,
+            offs_d,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+        )
         next_n = offs_n + BLOCK_N  # past lo: only the first tile can start before it
         block_ids = _page_ids(table, next_n, next_n < hi, stride_btn, PAGE_SIZE)
         acc, m_i, l_i = _online_softmax_step(
@@ -278,8 +293,10 @@ def _merge_group(
         mask_gs = mask_g[:, None] & (offs_s[None, :] < n_splits)  # [MERGE_G, MERGE_S]
         lse = tl.load(
             pl_base + offs_g[:, None] * stride_plh + offs_s[None, :] * stride_pls,
-            mask=mask_gs, other=float("-inf"), cache_modifier=".cg",
-        )  # fmt: skip
+            mask=mask_gs,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
         po_ptrs = (
             po_base
             + offs_g[:, None, None] * stride_poh
@@ -287,9 +304,11 @@ def _merge_group(
             + offs_d[None, None, :] * stride_pod
         )
         o = tl.load(
-            po_ptrs, mask=mask_gs[:, :, None] & mask_d[None, None, :], other=0.0,
+            po_ptrs,
+            mask=mask_gs[:, :, None] & mask_d[None, None, :],
+            other=0.0,
             cache_modifier=".cg",
-        )  # fmt: skip  # [MERGE_G, MERGE_S, BLOCK_D]
+        )  # [MERGE_G, MERGE_S, BLOCK_D]
         # finite for real heads (every chunk has a split); padding rows kept at 0, not NaN
         m_new = tl.where(mask_g, tl.maximum(m_run, tl.max(lse, 1)), 0.0)
         rescale = tl.exp2(m_run - m_new)
@@ -709,9 +728,21 @@ def _plan_constants(plan: DecodePlan) -> _PlanConstants:
 
 
 def _decode_launches(
-    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out, partial_lse,
-    batch, k_scale, v_scale, counters,
-) -> tuple[tuple, tuple | None]:  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    sm_scale,
+    plan,
+    out,
+    partial_out,
+    partial_lse,
+    batch,
+    k_scale,
+    v_scale,
+    counters,
+) -> tuple[tuple, tuple | None]:
     """The arguments of the decode launch and, with splits merged by a second kernel (a plan
     without ``fused_merge``, or no counters), of the merge launch."""
     consts = _plan_constants(plan)
@@ -728,41 +759,78 @@ def _decode_launches(
     if splits == 1:  # the partial buffers are not touched: out stands in for their pointers
         grid = batch * plan.num_kv_heads
         tensors = (
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, out, k_scale, v_scale,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            out,
+            out,
+            k_scale,
+            v_scale,
             counters,
-        )  # fmt: skip
+        )
         partial_strides = (0, 0, 0, 0, 0, 0, 0)
     else:
         grid = plan.num_programs
         tensors = (
-            q, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse, k_scale,
-            v_scale, counters,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            out,
+            partial_out,
+            partial_lse,
+            k_scale,
+            v_scale,
+            counters,
+        )
         partial_strides = (*partial_out.stride(), *partial_lse.stride())
     decode_args = (
         grid,
         tensors,
         (
-            sm_scale * LOG2E, batch, plan.tokens_per_split, splits, grid, consts.window,
-            *q.stride(), skb, skh, sk2, sk3, svb, svh, sv2, sv3,
-            *block_tables.stride(), *out.stride(), *partial_strides,
+            sm_scale * LOG2E,
+            batch,
+            plan.tokens_per_split,
+            splits,
+            grid,
+            consts.window,
+            *q.stride(),
+            skb,
+            skh,
+            sk2,
+            sk3,
+            svb,
+            svh,
+            sv2,
+            sv3,
+            *block_tables.stride(),
+            *out.stride(),
+            *partial_strides,
         ),
         consts.decode_fused if fused else consts.decode,
         plan.num_warps,
         plan.num_stages,
-    )  # fmt: skip
+    )
     merge_args = None
     if splits > 1 and not fused:
         merge_args = (
             batch * plan.num_q_heads,
             (partial_out, partial_lse, seq_lens, out),
             (
-                plan.tokens_per_split, splits,
-                *partial_out.stride(), *partial_lse.stride(), *out.stride(), consts.window,
+                plan.tokens_per_split,
+                splits,
+                *partial_out.stride(),
+                *partial_lse.stride(),
+                *out.stride(),
+                consts.window,
             ),
             consts.merge,
             4,
-        )  # fmt: skip
+        )
     return decode_args, merge_args
 
 
@@ -792,9 +860,21 @@ def launch_decode(
     if batch == 0:
         return out
     decode_args, merge_args = _decode_launches(
-        q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-        partial_lse, batch, k_scale, v_scale, counters,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        sm_scale,
+        plan,
+        out,
+        partial_out,
+        partial_lse,
+        batch,
+        k_scale,
+        v_scale,
+        counters,
+    )
     _DECODE(*decode_args)
     if merge_args is not None:
         _MERGE(*merge_args)
@@ -811,13 +891,39 @@ class BoundDecode:
 
     __slots__ = ("decode", "merge", "single")
 
-    def __init__(self, q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out,
-                 partial_out, partial_lse, batch, k_scale=None, v_scale=None,
-                 counters=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        sm_scale,
+        plan,
+        out,
+        partial_out,
+        partial_lse,
+        batch,
+        k_scale=None,
+        v_scale=None,
+        counters=None,
+    ) -> None:
         decode_args, merge_args = _decode_launches(
-            q, k_cache, v_cache, block_tables, seq_lens, sm_scale, plan, out, partial_out,
-            partial_lse, batch, k_scale, v_scale, counters,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            sm_scale,
+            plan,
+            out,
+            partial_out,
+            partial_lse,
+            batch,
+            k_scale,
+            v_scale,
+            counters,
+        )
         self.single = not plan.uses_split  # out also stands in for the two partial buffers
         if self.single:
             self.decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
@@ -996,9 +1102,15 @@ def _validated_plan(
     stats = decode_metadata_stats(block_tables, seq_lens, dims, window)
     check_paged_decode_stats(stats, dims)
     plan = _cached_plan(
-        dims, _bucket(stats.max_len), _bucket(stats.total_len), q.dtype, q.device, kv_layout,
-        window, kv_dtype,
-    )  # fmt: skip
+        dims,
+        _bucket(stats.max_len),
+        _bucket(stats.total_len),
+        q.dtype,
+        q.device,
+        kv_layout,
+        window,
+        kv_dtype,
+    )
     if key is not None:
         remember(key, plan, block_tables, seq_lens)
     return plan

@@ -40,8 +40,9 @@ def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.T
     is freed as soon as its rows are copied)."""
     weights = [lin.weight for lin in linears]
     out_rows = sum(w.shape[0] for w in weights)
-    fused = torch.empty(out_rows, weights[0].shape[1], dtype=weights[0].dtype,
-                        device=weights[0].device)  # fmt: skip
+    fused = torch.empty(
+        out_rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device
+    )
     has_bias = [lin.bias is not None for lin in linears]
     fused_bias = None
     if any(has_bias):

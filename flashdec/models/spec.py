@@ -124,8 +124,9 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         problems.append(f"layer_types {other_layers} (supported: {', '.join(_LAYER_TYPES)})")
     elif model_type in FAMILIES:
         window = getattr(config, "sliding_window", None)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):  # fmt: skip
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
             problems.append(f"sliding_window={window!r} (must be a positive int or None)")
 
     rope = getattr(config, "rope_parameters", None) or {}

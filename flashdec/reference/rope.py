@@ -70,8 +70,7 @@ def apply_rope_inv_freq(
     x, positions = _check_rope_inputs(x, positions)
     if not isinstance(inv_freq, torch.Tensor):
         raise TypeError(f"inv_freq must be a torch.Tensor, got {type(inv_freq).__name__}")
-    rotary_dim = check_rotary_dim(2 * inv_freq.shape[0] if inv_freq.dim() == 1 else -1,
-                                  x.shape[-1])  # fmt: skip
+    rotary_dim = check_rotary_dim(2 * inv_freq.shape[0] if inv_freq.dim() == 1 else -1, x.shape[-1])
     return _rotate(x, positions, check_inv_freq(inv_freq, rotary_dim, x.device, DEFAULT_ROPE_BASE))
 
 

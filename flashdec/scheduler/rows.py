@@ -51,8 +51,13 @@ class PrefixInfo:
         check_positive_int("num_tokens", self.num_tokens, minimum=0)
         check_positive_int("refcount", self.refcount, minimum=0)
         if self.num_blocks_by_group:
-            _check_by_group(f"prefix {self.prefix_id!r}", "num_blocks_by_group",
-                            self.num_blocks_by_group, "num_blocks", self.num_blocks)  # fmt: skip
+            _check_by_group(
+                f"prefix {self.prefix_id!r}",
+                "num_blocks_by_group",
+                self.num_blocks_by_group,
+                "num_blocks",
+                self.num_blocks,
+            )
 
     @property
     def blocks_in_groups(self) -> tuple[int, ...]:
@@ -150,13 +155,20 @@ class ActiveRequest:
     def _check_groups(self) -> None:
         groups = self.blocks_by_group
         if not isinstance(groups, tuple) or not all(isinstance(g, GroupBlocks) for g in groups):
-            raise TypeError(f"request {self.request_id!r}: blocks_by_group must be a tuple of "
-                            "GroupBlocks")  # fmt: skip
+            raise TypeError(
+                f"request {self.request_id!r}: blocks_by_group must be a tuple of GroupBlocks"
+            )
         first = groups[0]
-        scalars = (self.committed_blocks, self.committed_private_blocks,
-                   self.lifetime_private_blocks)  # fmt: skip
-        if scalars != (first.committed_blocks, first.committed_private_blocks,
-                       first.lifetime_private_blocks):  # fmt: skip
+        scalars = (
+            self.committed_blocks,
+            self.committed_private_blocks,
+            self.lifetime_private_blocks,
+        )
+        if scalars != (
+            first.committed_blocks,
+            first.committed_private_blocks,
+            first.lifetime_private_blocks,
+        ):
             raise ValueError(
                 f"request {self.request_id!r}: committed_blocks, committed_private_blocks and "
                 f"lifetime_private_blocks {scalars} must be group 0's ({first})"
@@ -172,8 +184,11 @@ class ActiveRequest:
         """``blocks_by_group``, or the scalar fields as one group for a row without groups."""
         if self.blocks_by_group:
             return self.blocks_by_group
-        return (GroupBlocks(self.committed_blocks, self.committed_private_blocks,
-                            self.lifetime_private_blocks),)  # fmt: skip
+        return (
+            GroupBlocks(
+                self.committed_blocks, self.committed_private_blocks, self.lifetime_private_blocks
+            ),
+        )
 
     @property
     def runnable(self) -> bool:

@@ -129,8 +129,12 @@ class SchedulingSnapshot:
             )
         top = (self.block_size, self.total_blocks, self.free_blocks, self.max_blocks_per_seq)
         first = groups[0]
-        if top != (first.block_size, first.total_blocks, first.free_blocks,
-                   first.max_blocks_per_seq):  # fmt: skip
+        if top != (
+            first.block_size,
+            first.total_blocks,
+            first.free_blocks,
+            first.max_blocks_per_seq,
+        ):
             raise ValueError(
                 "block_size, total_blocks, free_blocks and max_blocks_per_seq must be group 0's "
                 f"({first}), got {top}"
@@ -291,8 +295,11 @@ class SchedulingSnapshot:
         """Every group's pool: ``groups``, or the top-level fields as one full-attention group."""
         if self.groups:
             return self.groups
-        return (GroupPool(self.block_size, self.total_blocks, self.free_blocks,
-                          self.max_blocks_per_seq),)  # fmt: skip
+        return (
+            GroupPool(
+                self.block_size, self.total_blocks, self.free_blocks, self.max_blocks_per_seq
+            ),
+        )
 
     @property
     def resident_prefix_blocks_by_group(self) -> tuple[int, ...]:

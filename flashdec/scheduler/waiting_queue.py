@@ -55,9 +55,13 @@ def _entry(spec: RequestSpec, geometry: Geometry, prefix_map: dict, entered: int
         )
     needs = lifetime_private_blocks_by_group(spec, sizes, prefix_map)
     return _order_tree.Entry(
-        spec, private=needs[0], table=spec.total_tokens, bad_prefix=bad_prefix, entered=entered,
+        spec,
+        private=needs[0],
+        table=spec.total_tokens,
+        bad_prefix=bad_prefix,
+        entered=entered,
         needs=needs,
-    )  # fmt: skip
+    )
 
 
 def check_group_shapes(block_size: int, group_shapes: object) -> tuple[GroupShape, ...]:

@@ -278,9 +278,16 @@ class SyntheticWorkloadConfig:
         if self.kv_spec:
             return parse_kv_spec(self.kv_spec)
         return (
-            KVGroupSpec(2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                        self.placement().dtype, self.layers),
-        )  # fmt: skip
+            KVGroupSpec(
+                2,
+                self.num_blocks,
+                self.block_size,
+                self.num_kv_heads,
+                self.head_dim,
+                self.placement().dtype,
+                self.layers,
+            ),
+        )
 
     def kv_description(self) -> str:
         """What the KV cache is made of, for messages."""
@@ -351,10 +358,13 @@ class SyntheticWorkloadConfig:
         admitted = min(self.max_active_requests, self.num_requests)
         kv_cache = sum(g.nbytes for g in groups)
         step = sum(
-            g.layer_count * batch * (self.num_q_heads + 2 * g.num_kv_heads) * g.head_dim
+            g.layer_count
+            * batch
+            * (self.num_q_heads + 2 * g.num_kv_heads)
+            * g.head_dim
             * g.dtype.itemsize
             for g in groups
-        )  # fmt: skip
+        )
         token = max(g.num_kv_heads * g.head_dim for g in groups)
         prompts = 2 * admitted * self.max_context * token * (4 + 4)  # fp32 draw, then cast
         device_bytes = kv_cache + step + prompts
@@ -527,24 +537,31 @@ class ModelRunConfig:
     """Knobs shared by the commands that run a real model (``generate``, ``bench-serve``)."""
 
     model: str = _knob(
-        "tiny", "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...) or a "
-        "local model directory"
-    )  # fmt: skip
-    dtype: str = _knob("auto", "the model's dtype (auto: the shape's or the checkpoint's)",
-                       choices=("auto", *DTYPES))  # fmt: skip
-    device: str = _knob("auto", "where the model runs (auto: the GPU when there is one)",
-                        choices=DEVICES)  # fmt: skip
-    cuda_graphs: str = _knob("auto", "capture decode steps in CUDA graphs (auto: on a GPU)",
-                             choices=CUDA_GRAPHS)  # fmt: skip
-    max_batch_size: int = _knob(64, "requests decoded per step at most", minimum=1,
-                                maximum=1024)  # fmt: skip
-    seed: int = _knob(0, "random seed (weights of a built-in shape, prompts)", minimum=0,
-                      maximum=SEED_MAX)  # fmt: skip
+        "tiny",
+        "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...) or a "
+        "local model directory",
+    )
+    dtype: str = _knob(
+        "auto",
+        "the model's dtype (auto: the shape's or the checkpoint's)",
+        choices=("auto", *DTYPES),
+    )
+    device: str = _knob(
+        "auto", "where the model runs (auto: the GPU when there is one)", choices=DEVICES
+    )
+    cuda_graphs: str = _knob(
+        "auto", "capture decode steps in CUDA graphs (auto: on a GPU)", choices=CUDA_GRAPHS
+    )
+    max_batch_size: int = _knob(64, "requests decoded per step at most", minimum=1, maximum=1024)
+    seed: int = _knob(
+        0, "random seed (weights of a built-in shape, prompts)", minimum=0, maximum=SEED_MAX
+    )
     kv_cache_dtype: str = _knob(
-        "auto", "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a fixed, "
+        "auto",
+        "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a fixed, "
         "not calibrated, per-head scale of 1.0; needs a float16/bfloat16 model)",
         choices=KV_CACHE_DTYPES,
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -605,8 +622,7 @@ class GenerateConfig(ModelRunConfig):
     prompt_len: int = _knob(32, "tokens of each random prompt", minimum=1, maximum=131072)
     batch: int = _knob(4, "random prompts generated together", minimum=1, maximum=1024)
     max_new_tokens: int = _knob(32, "tokens to generate per prompt", minimum=1, maximum=131072)
-    temperature: float = _knob(0.0, "sampling temperature (0: greedy)", minimum=0.0,
-                               maximum=100.0)  # fmt: skip
+    temperature: float = _knob(0.0, "sampling temperature (0: greedy)", minimum=0.0, maximum=100.0)
     top_k: int = _knob(0, "sample among the k most likely tokens (0: all)", minimum=0)
     top_p: float = _knob(1.0, "sample within this probability nucleus", minimum=0.0, maximum=1.0)
     ignore_eos: bool = _knob(False, "generate max-new-tokens even after EOS")
@@ -645,10 +661,25 @@ class GenerateConfig(ModelRunConfig):
         """What ``flashdec demo`` generates: the tiny model on the CPU, the Llama-3-8B shape on a
         GPU, each checked token for token against transformers."""
         if torch.cuda.is_available():
-            return cls(model="llama3-8b-shape", batch=8, prompt_len=512, max_new_tokens=64,
-                       compare=True, ignore_eos=True, seed=seed, warmup_run=True)  # fmt: skip
-        return cls(model="tiny", batch=4, prompt_len=32, max_new_tokens=32, compare=True,
-                   ignore_eos=True, seed=seed)  # fmt: skip
+            return cls(
+                model="llama3-8b-shape",
+                batch=8,
+                prompt_len=512,
+                max_new_tokens=64,
+                compare=True,
+                ignore_eos=True,
+                seed=seed,
+                warmup_run=True,
+            )
+        return cls(
+            model="tiny",
+            batch=4,
+            prompt_len=32,
+            max_new_tokens=32,
+            compare=True,
+            ignore_eos=True,
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -656,12 +687,12 @@ class ServeConfig(ModelRunConfig):
     """Knobs of ``flashdec bench-serve``: Poisson arrivals through the serving loop."""
 
     num_requests: int = _knob(64, "requests in the run", minimum=1, maximum=1_000_000)
-    request_rate: float = _knob(8.0, "mean arrivals per second (Poisson)", minimum=0.001,
-                                maximum=1e6)  # fmt: skip
+    request_rate: float = _knob(
+        8.0, "mean arrivals per second (Poisson)", minimum=0.001, maximum=1e6
+    )
     min_prompt_len: int = _knob(16, "shortest prompt (tokens)", minimum=1, maximum=131072)
     max_prompt_len: int = _knob(128, "longest prompt (tokens)", minimum=1, maximum=131072)
-    max_new_tokens: int = _knob(32, "tokens per request (EOS ignored)", minimum=1,
-                                maximum=131072)  # fmt: skip
+    max_new_tokens: int = _knob(32, "tokens per request (EOS ignored)", minimum=1, maximum=131072)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -256,8 +256,7 @@ class _EngineRun:
             )
         )
         self.prefix_ids = [f"prefix{i}" for i in range(num_prefixes)]
-        shape = (num_layers, prefix_blocks, config.num_kv_heads, config.block_size,
-                 config.head_dim)  # fmt: skip
+        shape = (num_layers, prefix_blocks, config.num_kv_heads, config.block_size, config.head_dim)
         for pid in self.prefix_ids:
             self.engine.register_prefix(
                 pid, self.executor.randn(*shape), self.executor.randn(*shape)

@@ -79,26 +79,32 @@ class GenerateResult:
             rows.append(("timings", "after an untimed warm-up run of the same generation"))
         if self.matches_transformers is not None:
             total = self.generated_tokens
-            rows.append((
-                "agreement with transformers",
-                f"{self.matches_transformers}/{self.num_prompts} prompts identical, "
-                f"{self.tokens_equal}/{total} tokens ({100 * self.tokens_equal / total:.1f}%)",
-            ))  # fmt: skip
+            rows.append(
+                (
+                    "agreement with transformers",
+                    f"{self.matches_transformers}/{self.num_prompts} prompts identical, "
+                    f"{self.tokens_equal}/{total} tokens ({100 * self.tokens_equal / total:.1f}%)",
+                )
+            )
             parted = sorted(d for d in self.first_divergence or () if d is not None)
             if parted:
-                rows.append((
-                    "first divergence (step)",
-                    f"median {parted[len(parted) // 2]}, earliest {parted[0]}",
-                ))  # fmt: skip
+                rows.append(
+                    (
+                        "first divergence (step)",
+                        f"median {parted[len(parted) // 2]}, earliest {parted[0]}",
+                    )
+                )
             if parted and self.dtype != "float32":
                 # two correct low-precision runs round differently; the first near-tie of the
                 # top two logits then parts the greedy sequences for good
-                rows.append((
-                    "note",
-                    f"{self.dtype} rounding differs between any two implementations: greedy "
-                    "sequences part at the first near-tie of the top logits (random weights "
-                    "have many); float32 (the CPU demo) is token-exact",
-                ))  # fmt: skip
+                rows.append(
+                    (
+                        "note",
+                        f"{self.dtype} rounding differs between any two implementations: greedy "
+                        "sequences part at the first near-tie of the top logits (random weights "
+                        "have many); float32 (the CPU demo) is token-exact",
+                    )
+                )
         if self.text is not None:
             rows.append(("first output", repr(self.text)[:200]))
         else:
@@ -184,8 +190,12 @@ def _transformers_greedy(model, prompts: list[list[int]], new: int, ignore_eos: 
         ids = torch.tensor([prompt], device=model.device)
         extra = {"min_new_tokens": new} if ignore_eos else {}
         tokens = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-            pad_token_id=0, **extra,
-        )[0, len(prompt):].tolist()  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **extra,
+        )[0, len(prompt) :].tolist()
         out.append(tokens)
     return out

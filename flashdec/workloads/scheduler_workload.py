@@ -355,8 +355,10 @@ def _run_policy(
             for rid in rids:
                 result_of[rid] = outcome_name
                 left_at[rid] = record.step
-    counts = {o: sum(1 for v in result_of.values() if v == o)
-              for o in ("finished", "cancelled", "rejected")}  # fmt: skip
+    counts = {
+        o: sum(1 for v in result_of.values() if v == o)
+        for o in ("finished", "cancelled", "rejected")
+    }
     waits, rates = [], []
     decoded = loop.generated
     for request in trace.requests:

@@ -100,8 +100,12 @@ def _long_generation(config: WindowWorkloadConfig, spec: str):
             tokens.append(cache.seq_len("long"))
             trajectory.append(tuple(len(cache.request_block_ids("long", group=g)) for g in groups))
 
-    run = run_loop(_loop(config, engine, executor), [(0, request)],
-                   max_steps=config.generation_tokens + 8, on_step=on_step)  # fmt: skip
+    run = run_loop(
+        _loop(config, engine, executor),
+        [(0, request)],
+        max_steps=config.generation_tokens + 8,
+        on_step=on_step,
+    )
     if run.unfinished:
         raise RuntimeError("the long generation did not finish: the spec's pools are too small")
     return engine, tuple(tokens), tuple(trajectory)
@@ -123,8 +127,9 @@ def _concurrency(config: WindowWorkloadConfig, spec: str, progress, offset: int)
         if progress is not None:
             progress(offset + done, 2 * config.num_requests)
 
-    run = run_loop(_loop(config, engine, executor), requests, max_steps=config.max_steps,
-                   on_step=on_step)  # fmt: skip
+    run = run_loop(
+        _loop(config, engine, executor), requests, max_steps=config.max_steps, on_step=on_step
+    )
     return ConcurrencyRun(
         kv_spec=spec,
         admitted_at_once=len(records[0].admitted) if records else 0,

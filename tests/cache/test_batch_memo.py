@@ -35,9 +35,16 @@ def _observed(cache: PagedKVCache, tx, rids) -> list[torch.Tensor]:
         rows = slots.request_slots[: slots.batch]
         device_tables = cache._groups[g].tables.tensor
         assert torch.equal(slots.block_tables[: slots.batch], device_tables[rows])
-        out += [slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after,
-                slots.slot_rows, slots.block_tables[: slots.batch], slots.request_slots,
-                torch.tensor([batch])]  # fmt: skip
+        out += [
+            slots.positions,
+            slots.block_ids,
+            slots.offsets,
+            slots.seq_lens_after,
+            slots.slot_rows,
+            slots.block_tables[: slots.batch],
+            slots.request_slots,
+            torch.tensor([batch]),
+        ]
         for rid in rids:
             table = cache.request_block_ids(rid, group=g)
             assert cache.seq_len(rid) <= len(table) * cache.kv_groups[g].block_size
@@ -121,8 +128,7 @@ def test_steps_inside_held_blocks_advance_the_device_metadata_in_place(device, m
         return done
 
     monkeypatch.setattr(SlotBuffers, "advance_resident", spy)
-    fast, twin = _pair(block_size=8, max_blocks=24, prefix_cache_capacity_blocks=0,
-                       device=device)  # fmt: skip
+    fast, twin = _pair(block_size=8, max_blocks=24, prefix_cache_capacity_blocks=0, device=device)
     rids = ["a", "b"]
     for cache in (fast, twin):
         for rid in rids:
@@ -202,8 +208,9 @@ def test_any_other_change_leaves_the_memo():
     assert _step_both(fast, twin, rids, 8)
     for c in (fast, twin):
         c.finish_request("p")
-        c.register_prefix("x", tokens(c, 2, 1).new_zeros(2, 1, 2, 2, 4), tokens(c, 2, 1).new_ones(
-            2, 1, 2, 2, 4))  # fmt: skip
+        c.register_prefix(
+            "x", tokens(c, 2, 1).new_zeros(2, 1, 2, 2, 4), tokens(c, 2, 1).new_ones(2, 1, 2, 2, 4)
+        )
         c.add_request("q")
         c.attach_prefix("q", "x")
     assert not _step_both(fast, twin, [*rids, "q"], 9)

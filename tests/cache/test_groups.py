@@ -201,8 +201,14 @@ def test_decode_over_the_window_group_matches_the_dense_reference():
             tables, lens = cache.transaction_decode_inputs(tx, group=g)
             q = torch.randn(3, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
             k_layer, v_layer = cache.layer_kv(layer)
-            out = paged_decode_attention_ref(q, k_layer, v_layer, tables.to(torch.int32),
-                                             lens.to(torch.int32), window=spec.window)  # fmt: skip
+            out = paged_decode_attention_ref(
+                q,
+                k_layer,
+                v_layer,
+                tables.to(torch.int32),
+                lens.to(torch.int32),
+                window=spec.window,
+            )
             width = int(lens.max())
             dense_k = torch.zeros(3, width, spec.num_kv_heads, spec.head_dim)
             dense_v = torch.zeros_like(dense_k)
@@ -210,8 +216,9 @@ def test_decode_over_the_window_group_matches_the_dense_reference():
                 n = int(lens[b])
                 dense_k[b, :n] = torch.stack(history.k[(rid, layer)])
                 dense_v[b, :n] = torch.stack(history.v[(rid, layer)])
-            ref = dense_decode_attention_ref(q, dense_k, dense_v, lens.to(torch.int32),
-                                             window=spec.window)  # fmt: skip
+            ref = dense_decode_attention_ref(
+                q, dense_k, dense_v, lens.to(torch.int32), window=spec.window
+            )
             torch.testing.assert_close(out, ref)
         cache.commit_token(tx)
         cache.validate_invariants()
@@ -325,22 +332,32 @@ def test_rejected_calls_on_a_grouped_cache_change_nothing():
     cache.add_request("a")
     history.prefill(["a"], [7])
     rows = history.rows
-    assert_rejected(cache, ValueError, "group must be in", lambda: cache.block_tables(["a"],
-                    group=2))  # fmt: skip
-    assert_rejected(cache, TypeError, "group must be an int",
-                    lambda: cache.request_block_ids("a", group="1"))  # fmt: skip
-    assert_rejected(cache, RuntimeError, "is full",
-                    lambda: cache.begin_tokens(["a"], [200]))  # fmt: skip
+    assert_rejected(
+        cache, ValueError, "group must be in", lambda: cache.block_tables(["a"], group=2)
+    )
+    assert_rejected(
+        cache, TypeError, "group must be an int", lambda: cache.request_block_ids("a", group="1")
+    )
+    assert_rejected(cache, RuntimeError, "is full", lambda: cache.begin_tokens(["a"], [200]))
     tx = cache.begin_token(["a"])
     # layer 1 is the window group's: the full group's shapes are wrong there
     cache.write_token_layer(tx, 0, rows(0, 1), rows(0, 1))
-    assert_rejected(cache, ValueError, "shape", lambda: cache.write_token_layer(tx, 1, rows(0, 1),
-                    rows(0, 1)))  # fmt: skip
-    assert_rejected(cache, RuntimeError, "out of order",
-                    lambda: cache.write_token_layer(tx, 2, rows(2, 1), rows(2, 1)))  # fmt: skip
+    assert_rejected(
+        cache, ValueError, "shape", lambda: cache.write_token_layer(tx, 1, rows(0, 1), rows(0, 1))
+    )
+    assert_rejected(
+        cache,
+        RuntimeError,
+        "out of order",
+        lambda: cache.write_token_layer(tx, 2, rows(2, 1), rows(2, 1)),
+    )
     assert_rejected(cache, RuntimeError, "1 of 3 layers", lambda: cache.commit_token(tx))
-    assert_rejected(cache, RuntimeError, "need full-attention KV groups",
-                    lambda: cache.register_prefix("p", rows(0, 1), rows(0, 1)))  # fmt: skip
+    assert_rejected(
+        cache,
+        RuntimeError,
+        "need full-attention KV groups",
+        lambda: cache.register_prefix("p", rows(0, 1), rows(0, 1)),
+    )
     cache.abort_token(tx)
 
 
@@ -351,8 +368,12 @@ def test_out_of_blocks_in_one_group_takes_nothing_in_any():
     cache.add_request("a")
     cache.add_request("b")
     history.prefill(["a"], [6])  # holds 2 window blocks: positions [2, 6)
-    assert_rejected(cache, RuntimeError, "out of KV blocks in KV group 1",
-                    lambda: cache.begin_tokens(["b"], [6]))  # fmt: skip
+    assert_rejected(
+        cache,
+        RuntimeError,
+        "out of KV blocks in KV group 1",
+        lambda: cache.begin_tokens(["b"], [6]),
+    )
     history.prefill(["b"], [1])  # one block is still free
 
 
@@ -375,8 +396,10 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
     expected = (k / k_scale.view(1, -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(stored_k, expected[0])
     assert stored_k[0, 2] == 448  # 1000 / 0.5 saturates
-    assert torch.equal(v_fp8[0, block, :, 0].float(), (k[0] / 0.25).clamp(-448, 448)
-                       .to(torch.float8_e4m3fn).float())  # fmt: skip
+    assert torch.equal(
+        v_fp8[0, block, :, 0].float(),
+        (k[0] / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float(),
+    )
     with pytest.raises(RuntimeError, match="set scales before the first transaction"):
         cache.set_kv_scales(0, 1.0, 1.0)
     fresh = PagedKVCache(kv_spec=spec, device="cpu")
@@ -478,8 +501,9 @@ def test_shared_prefixes_span_every_full_group():
     with pytest.raises(ValueError, match="unknown prefix"):
         cache.prefix_state("q", group=1)
     assert cache.group_free_blocks(0) == 5 and cache.group_free_blocks(1) == 1
-    assert_rejected(cache, RuntimeError, "capacity", lambda: cache.register_prefix(
-        "s", blocks(5), blocks(5)))  # fmt: skip
+    assert_rejected(
+        cache, RuntimeError, "capacity", lambda: cache.register_prefix("s", blocks(5), blocks(5))
+    )
     cache.finish_request("b")
     cache.evict_prefix("r")
     cache.validate_invariants()

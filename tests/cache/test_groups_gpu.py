@@ -38,11 +38,13 @@ def test_long_generation_keeps_window_blocks_bounded_and_decodes_like_dense():
                 q = q.to(device="cuda", dtype=spec.dtype)
                 k_layer, v_layer = cache.layer_kv(layer)
                 tables, lens = tables.to(torch.int32), lens.to(torch.int32)
-                out = paged_decode_attention_ref(q, k_layer, v_layer, tables, lens,
-                                                 window=spec.window)  # fmt: skip
+                out = paged_decode_attention_ref(
+                    q, k_layer, v_layer, tables, lens, window=spec.window
+                )
                 width = int(lens.max())
-                dense_k = torch.zeros(4, width, spec.num_kv_heads, spec.head_dim,
-                                      dtype=spec.dtype, device="cuda")  # fmt: skip
+                dense_k = torch.zeros(
+                    4, width, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device="cuda"
+                )
                 dense_v = torch.zeros_like(dense_k)
                 for b, rid in enumerate(rids):
                     n = int(lens[b])

@@ -54,20 +54,29 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         self.state: dict[object, str] = {}
         self.next_rid = 0
 
-    @initialize(groups=st.lists(group_specs, min_size=1, max_size=3), data=st.data(),
-                prefixes=st.sampled_from([False, False, True]))  # fmt: skip
+    @initialize(
+        groups=st.lists(group_specs, min_size=1, max_size=3),
+        data=st.data(),
+        prefixes=st.sampled_from([False, False, True]),
+    )
     def setup(self, groups, data, prefixes):
         if prefixes:  # shared prefixes: full-attention groups of one block size
-            groups = [dataclasses.replace(g, window=None, block_size=groups[0].block_size)
-                      for g in groups]  # fmt: skip
+            groups = [
+                dataclasses.replace(g, window=None, block_size=groups[0].block_size) for g in groups
+            ]
         order = [g for g, spec in enumerate(groups) for _ in range(spec.layer_count)]
         order = data.draw(st.permutations(order))
         full = [s.num_blocks * s.block_size for s in groups if s.window is None]
         top = min([24, *full])
         longest = data.draw(st.integers(min(8, top), top))
         capacity = data.draw(st.integers(1, min(g.num_blocks for g in groups))) if prefixes else 0
-        self.cache = PagedKVCache(groups, layer_groups=order, device="cpu", max_seq_len=longest,
-                                  prefix_cache_capacity_blocks=capacity)  # fmt: skip
+        self.cache = PagedKVCache(
+            groups,
+            layer_groups=order,
+            device="cpu",
+            max_seq_len=longest,
+            prefix_cache_capacity_blocks=capacity,
+        )
         self.gen = torch.Generator().manual_seed(data.draw(SEEDS))
         self.prefix_tokens: dict[object, list] = {}  # registered prefixes' tokens, per layer
 
@@ -147,11 +156,15 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         cache = self.cache
         if not self.active():
             self.add_request()
-        rids = data.draw(st.lists(st.sampled_from(self.active()), min_size=1, max_size=3,
-                                  unique=True))  # fmt: skip
+        rids = data.draw(
+            st.lists(st.sampled_from(self.active()), min_size=1, max_size=3, unique=True)
+        )
         counts = [data.draw(st.integers(1, 9)) if prompt else 1 for _ in rids]
-        begin = (lambda: cache.begin_tokens(rids, counts)) if prompt else (
-            lambda: cache.begin_token(rids))  # fmt: skip
+        begin = (
+            (lambda: cache.begin_tokens(rids, counts))
+            if prompt
+            else (lambda: cache.begin_token(rids))
+        )
         error = self.expected_error(rids, counts)
         before = snapshot(cache)
         if error is not None:

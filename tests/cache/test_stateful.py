@@ -85,13 +85,20 @@ class CacheMachine(RuleBasedStateMachine):
         capacity=st.integers(0, 6),
         width=st.integers(2, 6),
     )
-    def setup(self, num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype, capacity,
-              width):  # fmt: skip
+    def setup(
+        self, num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype, capacity, width
+    ):
         self.cache = PagedKVCache(
-            num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype=dtype,
-            device="cpu", prefix_cache_capacity_blocks=min(capacity, max_blocks),
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            max_blocks,
+            dtype=dtype,
+            device="cpu",
+            prefix_cache_capacity_blocks=min(capacity, max_blocks),
             max_blocks_per_seq=min(width, max_blocks),
-        )  # fmt: skip
+        )
 
     def rand(self, shape, seed) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
@@ -218,8 +225,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), seed=SEEDS, abort_at=st.integers(0, 4))
     def token_step(self, data, seed, abort_at):
         """A whole engine step: begin, every layer in order, then commit (or abort part-way)."""
-        rids = data.draw(st.lists(st.sampled_from(self.active()), min_size=1, max_size=4,
-                                  unique=True))  # fmt: skip
+        rids = data.draw(
+            st.lists(st.sampled_from(self.active()), min_size=1, max_size=4, unique=True)
+        )
         error = self.slot_error(rids)
         if error is not None:
             self.expect(error, lambda: self.cache.begin_token(rids))
@@ -235,8 +243,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.commit()
 
     @precondition(lambda self: self.tx is not None)
-    @rule(seed=SEEDS, mistake=st.sampled_from([None] * 6 + ["ahead", "behind", "dtype"]),
-          by_id=st.booleans())  # fmt: skip
+    @rule(
+        seed=SEEDS,
+        mistake=st.sampled_from([None] * 6 + ["ahead", "behind", "dtype"]),
+        by_id=st.booleans(),
+    )
     def write_layer(self, seed, mistake, by_id):
         tx = self.tx
         layer = len(tx.layers) + {"ahead": 1, "behind": -1}.get(mistake, 0)
@@ -303,8 +314,7 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             pid = f"p{self.next_pid}" if self.next_pid % 2 else self.next_pid
             self.next_pid += 1
-        shape = (cache.num_layers, num_blocks, cache.num_kv_heads, cache.block_size,
-                 cache.head_dim)  # fmt: skip
+        shape = (cache.num_layers, num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
         kb, vb = self.rand(shape, seed), self.rand(shape, seed + 1)
         error, victims = self.plan_register(pid, num_blocks)
         self.expect(error, lambda: cache.register_prefix(pid, kb, vb))

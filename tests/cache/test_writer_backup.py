@@ -117,8 +117,12 @@ def test_no_writer_backup_without_the_option_or_without_restore():
 def test_bad_backup_option_is_rejected_and_changes_nothing():
     cache = make_cache()
     cache.add_request("a")
-    assert_rejected(cache, TypeError, "backup_by_writer must be a bool",
-                    lambda: cache.begin_token(["a"], backup_by_writer=1))  # fmt: skip
+    assert_rejected(
+        cache,
+        TypeError,
+        "backup_by_writer must be a bool",
+        lambda: cache.begin_token(["a"], backup_by_writer=1),
+    )
 
 
 def test_multi_group_abort_restores_the_attempted_layers_of_each_group():

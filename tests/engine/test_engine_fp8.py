@@ -55,10 +55,14 @@ def admit(engine, rids):
 
 def prefill(engine, rid, length, gen):
     cache = engine.cache
-    layers = [torch.randn(2, length, *geometry(cache, i), generator=gen).to(BF16)
-              for i in range(cache.num_layers)]  # fmt: skip
-    assert engine.prefill_request_layers(rid, [kv[0] for kv in layers],
-                                         [kv[1] for kv in layers]) == length  # fmt: skip
+    layers = [
+        torch.randn(2, length, *geometry(cache, i), generator=gen).to(BF16)
+        for i in range(cache.num_layers)
+    ]
+    assert (
+        engine.prefill_request_layers(rid, [kv[0] for kv in layers], [kv[1] for kv in layers])
+        == length
+    )
     return layers
 
 
@@ -95,9 +99,15 @@ def checked_step(engine, rids, gen):
         k_layer, v_layer = cache.layer_kv(layer)
         scales = cache.group_kv_scales(g) or (None, None)
         ref = paged_decode_attention_ref(
-            apply_rope(q, positions), k_layer, v_layer, slots.block_tables, slots.seq_lens_after,
-            window=spec.window, k_scale=scales[0], v_scale=scales[1],
-        )  # fmt: skip
+            apply_rope(q, positions),
+            k_layer,
+            v_layer,
+            slots.block_tables,
+            slots.seq_lens_after,
+            window=spec.window,
+            k_scale=scales[0],
+            v_scale=scales[1],
+        )
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     engine.commit_step(tx)
     cache.validate_invariants()
@@ -141,8 +151,10 @@ def test_prefill_quantizes_with_the_group_scales(append_backend):
 def _state(cache):
     lens = {rid: cache.seq_len(rid) for rid in cache.request_ids()}
     free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
-    storage = [torch.cat([t.flatten() for t in cache.group_kv(g)]).view(torch.uint8).clone()
-               for g in range(cache.num_groups)]  # fmt: skip
+    storage = [
+        torch.cat([t.flatten() for t in cache.group_kv(g)]).view(torch.uint8).clone()
+        for g in range(cache.num_groups)
+    ]
     return lens, free, storage
 
 

@@ -26,15 +26,18 @@ def _engine(seed: int):
         (torch.linspace(0.5, 2.0, 8), torch.linspace(2.0, 0.25, 8)),  # per-head
         (torch.tensor([0.75, 1.25]), torch.tensor([1.5, 0.5])),
     ]
-    cache = PagedKVCache(kv_spec=SPEC, layer_groups=LAYER_GROUPS, device="cuda",
-                         max_seq_len=512, kv_scales=scales)  # fmt: skip
+    cache = PagedKVCache(
+        kv_spec=SPEC, layer_groups=LAYER_GROUPS, device="cuda", max_seq_len=512, kv_scales=scales
+    )
     engine = DecodeEngine(cache, activation_dtype=torch.bfloat16)  # fused append, Triton decode
     rids = ["a", "b", "c"]
     for rid, n in zip(rids, PROMPTS, strict=True):
         engine.add_request(rid)
         engine.admit(rid)
-        kv = [torch.randn(2, n, *GEOMETRY[g], generator=gen, device="cuda").bfloat16()
-              for g in LAYER_GROUPS]  # fmt: skip
+        kv = [
+            torch.randn(2, n, *GEOMETRY[g], generator=gen, device="cuda").bfloat16()
+            for g in LAYER_GROUPS
+        ]
         engine.prefill_request_layers(rid, [x[0] for x in kv], [x[1] for x in kv])
     return engine, rids
 
@@ -52,10 +55,12 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
     cache = eager.cache
     for step in range(24):  # 'b' passes the window; every request crosses block boundaries
         inputs = [
-            tuple(torch.randn(3, h, d, generator=gen, device="cuda").bfloat16()
-                  for h in (hq, hkv, hkv))
+            tuple(
+                torch.randn(3, h, d, generator=gen, device="cuda").bfloat16()
+                for h in (hq, hkv, hkv)
+            )
             for hq, hkv, d in shapes
-        ]  # fmt: skip
+        ]
         positions = cache.seq_lens_tensor(rids)
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in LAYERS]
@@ -64,10 +69,15 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
             k_scale, v_scale = cache.group_kv_scales(g)
             k_layer, v_layer = cache.layer_kv(i)
             ref = paged_decode_attention_ref(
-                apply_rope(inputs[i][0], positions), k_layer, v_layer, slots.block_tables,
-                slots.seq_lens_after, window=cache.kv_groups[g].window, k_scale=k_scale,
+                apply_rope(inputs[i][0], positions),
+                k_layer,
+                v_layer,
+                slots.block_tables,
+                slots.seq_lens_after,
+                window=cache.kv_groups[g].window,
+                k_scale=k_scale,
                 v_scale=v_scale,
-            )  # fmt: skip
+            )
             torch.testing.assert_close(want[i].float(), ref.float(), atol=2e-2, rtol=2e-2)
         eager.commit_step(tx)
 

@@ -14,9 +14,14 @@ pytestmark = pytest.mark.gpu
 def test_engine_step_matches_reference_on_gpu(dtype, hq, hkv, dim):
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache = PagedKVCache(
-        num_layers=3, num_kv_heads=hkv, head_dim=dim, block_size=16, max_blocks=400,
-        dtype=dtype, device="cuda",
-    )  # fmt: skip
+        num_layers=3,
+        num_kv_heads=hkv,
+        head_dim=dim,
+        block_size=16,
+        max_blocks=400,
+        dtype=dtype,
+        device="cuda",
+    )
     engine = DecodeEngine(cache)  # fused + triton
     rids = ["a", "b", "c"]
     for rid in rids:

@@ -26,8 +26,9 @@ def test_capture_and_replay_refuse_what_they_cannot_do(gen):
 
 def _filled_engine(seed: int) -> tuple[DecodeEngine, list[str]]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    cache = PagedKVCache(LAYERS, HKV, D, BS, 64, dtype=torch.bfloat16, device="cuda",
-                         max_blocks_per_seq=16)  # fmt: skip
+    cache = PagedKVCache(
+        LAYERS, HKV, D, BS, 64, dtype=torch.bfloat16, device="cuda", max_blocks_per_seq=16
+    )
     engine = DecodeEngine(cache)  # fused append, Triton decode
     rids = ["a", "b", "c"]
     for rid in rids:
@@ -54,10 +55,12 @@ def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
     captured = None
     for step in range(6):
         inputs = [
-            tuple(torch.randn(3, h, D, generator=gen, device="cuda").bfloat16()
-                  for h in (HQ, HKV, HKV))
+            tuple(
+                torch.randn(3, h, D, generator=gen, device="cuda").bfloat16()
+                for h in (HQ, HKV, HKV)
+            )
             for _ in range(LAYERS)
-        ]  # fmt: skip
+        ]
         positions = eager.cache.seq_lens_tensor(rids)
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in range(LAYERS)]
@@ -99,8 +102,9 @@ def test_padded_rows_are_neither_stored_nor_attended():
     tx = engine.begin_step(rids[:2], pad_to=4)  # 2 real rows, 2 padding rows
     outs = []
     for layer in range(LAYERS):
-        q, k, v = (torch.randn(4, h, D, generator=gen, device="cuda").bfloat16()
-                   for h in (HQ, HKV, HKV))  # fmt: skip
+        q, k, v = (
+            torch.randn(4, h, D, generator=gen, device="cuda").bfloat16() for h in (HQ, HKV, HKV)
+        )
         outs.append(engine.step_layer(tx, layer, q, k, v))
     engine.commit_step(tx)
     for out in outs:
@@ -133,10 +137,9 @@ def test_abort_after_a_replay_or_a_failed_capture_leaves_storage_bit_identical()
     engine, rids = _filled_engine(3)
     gen = torch.Generator(device="cuda").manual_seed(4)
     static = [
-        tuple(torch.randn(3, h, D, generator=gen, device="cuda").bfloat16()
-              for h in (HQ, HKV, HKV))
+        tuple(torch.randn(3, h, D, generator=gen, device="cuda").bfloat16() for h in (HQ, HKV, HKV))
         for _ in range(LAYERS)
-    ]  # fmt: skip
+    ]
     captured = _warm_and_capture(engine, rids, static)
     cache = engine.cache
     for _ in range(BS):  # every offset of a block, one crossing

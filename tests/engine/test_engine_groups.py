@@ -147,8 +147,9 @@ def _state(cache: PagedKVCache):
         for rid in cache.request_ids()
     }
     free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
-    storage = [torch.cat([t.flatten() for t in cache.group_kv(g)]).clone()
-               for g in range(cache.num_groups)]  # fmt: skip
+    storage = [
+        torch.cat([t.flatten() for t in cache.group_kv(g)]).clone() for g in range(cache.num_groups)
+    ]
     return requests, free, storage
 
 
@@ -219,8 +220,9 @@ def test_grouped_prefill_checks_each_layer_against_its_group():
 
 
 def test_grouped_engine_refuses_fp8_groups_for_now():
-    cache = PagedKVCache(kv_spec="(2,8,4,2,16):float8_e4m3fn:1;(2,8,4,2,16):float32:1",
-                         device="cpu")  # fmt: skip
+    cache = PagedKVCache(
+        kv_spec="(2,8,4,2,16):float8_e4m3fn:1;(2,8,4,2,16):float32:1", device="cpu"
+    )
     with pytest.raises(ValueError, match="float8"):
         DecodeEngine(cache, append_backend="torch", decode_backend="torch")
 
@@ -276,8 +278,9 @@ def test_the_engine_snapshot_has_every_group_and_admits_more_with_a_window():
         active_ids=["r0", "r1", "r2", "r3"],
     )
     # the same layers all full-attention on the same 40 + 12 blocks: 12 / 8 = 1 fits
-    full, _ = _scheduled("(2,40,4,2,16):float32:2;(2,12,4,1,8):float32:1", LAYER_GROUPS,
-                         requests, config)  # fmt: skip
+    full, _ = _scheduled(
+        "(2,40,4,2,16):float32:2;(2,12,4,1,8):float32:1", LAYER_GROUPS, requests, config
+    )
     assert len(scheduler.plan(full.scheduling_snapshot(0)).admit) == 1
 
 

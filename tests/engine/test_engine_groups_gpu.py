@@ -22,8 +22,7 @@ PROMPTS = [70, 15, 33]  # one longer than the window, one crossing a block on it
 
 def _engine(seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    cache = PagedKVCache(kv_spec=SPEC, layer_groups=LAYER_GROUPS, device="cuda",
-                         max_seq_len=512)  # fmt: skip
+    cache = PagedKVCache(kv_spec=SPEC, layer_groups=LAYER_GROUPS, device="cuda", max_seq_len=512)
     engine = DecodeEngine(cache)  # fused append, Triton decode
     rids = ["a", "b", "c"]
     history = {}
@@ -65,10 +64,12 @@ def test_grouped_steps_eager_and_replayed_equal_the_reference():
     captured = None
     for step in range(24):  # 'b' passes the window; every request crosses block boundaries
         inputs = [
-            tuple(torch.randn(3, h, d, generator=gen, device="cuda").bfloat16()
-                  for h in (hq, hkv, hkv))
+            tuple(
+                torch.randn(3, h, d, generator=gen, device="cuda").bfloat16()
+                for h in (hq, hkv, hkv)
+            )
             for hq, hkv, d in shapes
-        ]  # fmt: skip
+        ]
         positions = eager.cache.seq_lens_tensor(rids)
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in range(len(LAYER_GROUPS))]

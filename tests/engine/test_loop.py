@@ -97,9 +97,11 @@ def test_plan_hook_sees_every_snapshot_and_decision():
     engine = make_engine(max_blocks=32)
     seen = []
     loop = ServingLoop(
-        engine, BlockAwareScheduler(CONFIG), Recorder(engine),
+        engine,
+        BlockAwareScheduler(CONFIG),
+        Recorder(engine),
         on_plan=lambda snap, decision: seen.append((snap.step, decision.admit)),
-    )  # fmt: skip
+    )
     run_loop(loop, [(0, s) for s in specs((1, 2))], max_steps=10)
     assert seen == [(0, ("r0",)), (1, ())]
 

@@ -377,9 +377,21 @@ def test_bound_append_saves_the_old_slot_bytes_first(kv_dtype, device):
         scales = {"k_scale": ones, "v_scale": ones}
     q_out = torch.empty_like(q)
     append = BoundFusedRopeKVAppend(
-        q, k, v, k_cache, v_cache, block_ids, offsets, positions, d, 10000.0, q_out,
-        backup=backup[0], backup_v=backup.stride(0), **scales,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        d,
+        10000.0,
+        q_out,
+        backup=backup[0],
+        backup_v=backup.stride(0),
+        **scales,
+    )
     append(q, k, v, k_cache, v_cache, q_out, backup[0])
     bits = torch.uint8 if kv_dtype == torch.float8_e4m3fn else torch.int32
     for b in range(batch):

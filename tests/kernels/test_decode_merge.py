@@ -114,10 +114,23 @@ def test_bound_and_trusted_launches_with_counters(device):
     q = _q(3, 4, 16, dtype, device)
     plan = _split_plan(3, 4, 2, 16, 8, 120, dtype, device)
     ws = plan.allocate_workspace()
-    bound = BoundDecode(q, k, v, tables, lens, 16**-0.5, plan, ws.out, ws.partial_out,
-                        ws.partial_lse, 3, counters=ws.counters)  # fmt: skip
-    separate = BoundDecode(q, k, v, tables, lens, 16**-0.5, plan, ws.out, ws.partial_out,
-                           ws.partial_lse, 3)  # fmt: skip
+    bound = BoundDecode(
+        q,
+        k,
+        v,
+        tables,
+        lens,
+        16**-0.5,
+        plan,
+        ws.out,
+        ws.partial_out,
+        ws.partial_lse,
+        3,
+        counters=ws.counters,
+    )
+    separate = BoundDecode(
+        q, k, v, tables, lens, 16**-0.5, plan, ws.out, ws.partial_out, ws.partial_lse, 3
+    )
     for new_lens in ([120, 5, 70], [0, 119, 64], [120, 5, 70]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         ref = dense_decode_attention_ref(q, kd, vd, lens)
@@ -127,8 +140,20 @@ def test_bound_and_trusted_launches_with_counters(device):
             _assert_close(out, ref)
             assert not ws.counters.any()
         out = torch.full_like(q, float("nan"))
-        launch_decode(q, k, v, tables, lens, 16**-0.5, plan, out, ws.partial_out,
-                      ws.partial_lse, 3, counters=ws.counters)  # fmt: skip
+        launch_decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            16**-0.5,
+            plan,
+            out,
+            ws.partial_out,
+            ws.partial_lse,
+            3,
+            counters=ws.counters,
+        )
         _assert_close(out, ref)
         assert not ws.counters.any()
 
@@ -151,8 +176,9 @@ def test_workspace_without_counters_launches_the_merge_kernel(device, monkeypatc
         launcher = getattr(paged_decode, name)
         monkeypatch.setattr(paged_decode, name, _Counting(launcher, name, launches))
     ws.out.fill_(float("nan"))
-    _assert_close(decode(q, k, v, tables, lens, workspace=ws),
-                  dense_decode_attention_ref(q, kd, vd, lens))  # fmt: skip
+    _assert_close(
+        decode(q, k, v, tables, lens, workspace=ws), dense_decode_attention_ref(q, kd, vd, lens)
+    )
     assert launches == ["_DECODE", "_MERGE"]
 
 
@@ -168,8 +194,10 @@ def test_work_list_loop_and_chunked_merge(device):
     plan = dataclasses.replace(plan, num_programs=3)
     ws = plan.allocate_workspace()
     ws.out.fill_(float("nan"))
-    _assert_close(decode(q, k, v, tables, lens, workspace=ws),
-                  paged_decode_attention_ref(q, k, v, tables, lens))  # fmt: skip
+    _assert_close(
+        decode(q, k, v, tables, lens, workspace=ws),
+        paged_decode_attention_ref(q, k, v, tables, lens),
+    )
     assert not ws.counters.any()
 
 
@@ -182,8 +210,10 @@ def test_window(device):
     assert plan.fused_merge and plan.num_splits == 4
     ws = plan.allocate_workspace()
     ws.out.fill_(float("nan"))
-    _assert_close(decode(q, k, v, tables, lens, window=window, workspace=ws),
-                  dense_decode_attention_ref(q, kd, vd, lens, window=window))  # fmt: skip
+    _assert_close(
+        decode(q, k, v, tables, lens, window=window, workspace=ws),
+        dense_decode_attention_ref(q, kd, vd, lens, window=window),
+    )
     assert not ws.counters.any()
 
 
@@ -198,8 +228,9 @@ def test_fp8(device):
     assert plan.fused_merge
     ws = plan.allocate_workspace()
     ws.out.fill_(float("nan"))
-    _assert_close(decode(q, k, v, tables, lens, workspace=ws, k_scale=k_scale, v_scale=v_scale),
-                  ref)  # fmt: skip
+    _assert_close(
+        decode(q, k, v, tables, lens, workspace=ws, k_scale=k_scale, v_scale=v_scale), ref
+    )
     assert not ws.counters.any()
 
 
@@ -309,16 +340,18 @@ def test_gpu_fused_merge_fp8_and_window():
     k, v, tables, lens = fp8_paged_kv(seq_lens, 4, 128, 16, "cuda", k_scale, v_scale)
     q = _q(3, 16, 128, dtype, "cuda")
     for window in (None, 1000, 20000):
-        ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale,
-                                         v_scale=v_scale, window=window)  # fmt: skip
+        ref = paged_decode_attention_ref(
+            q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale, window=window
+        )
         plan = plan_decode(3, 16, 4, 128, 16, 30000, dtype, "cuda", kv_dtype=FP8, window=window)
         assert plan.fused_merge
         ws = plan.allocate_workspace()
         outs = [
-            decode(q, k, v, tables, lens, workspace=ws, window=window, k_scale=k_scale,
-                   v_scale=v_scale).clone()
+            decode(
+                q, k, v, tables, lens, workspace=ws, window=window, k_scale=k_scale, v_scale=v_scale
+            ).clone()
             for _ in range(5)
-        ]  # fmt: skip
+        ]
         _assert_close(outs[0], ref)
         assert all(torch.equal(o, outs[0]) for o in outs)
         assert not ws.counters.any()

@@ -86,9 +86,17 @@ def test_window_matches_both_references(window, mode, device):
     else:
         split = {"num_splits": 1} if mode == "single" else {"tokens_per_split": 16, "block_n": 16}
         plan = plan_decode(
-            batch, num_q_heads, num_kv_heads, head_dim, block_size, max(LENS), dtype, device,
-            window=window, **split,
-        )  # fmt: skip
+            batch,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            max(LENS),
+            dtype,
+            device,
+            window=window,
+            **split,
+        )
         assert plan.uses_split == (mode == "split" and window > 16)
         got = decode(
             q, k, v, tables, lens, window=window, out=out, workspace=plan.allocate_workspace()
@@ -108,8 +116,20 @@ def test_window_layouts_and_many_splits(dtype, kv_layout, device):
     )
     q = _q(3, 4, 16, dtype, device)
     ref = dense_decode_attention_ref(q, kd, vd, lens, window=window)
-    plan = plan_decode(3, 4, 2, 16, 4, 300, dtype, device, kv_layout, window=window,
-                       tokens_per_split=16, block_n=16)  # fmt: skip
+    plan = plan_decode(
+        3,
+        4,
+        2,
+        16,
+        4,
+        300,
+        dtype,
+        device,
+        kv_layout,
+        window=window,
+        tokens_per_split=16,
+        block_n=16,
+    )
     assert plan.num_splits == 3  # ceil(45 / 16): the planned range is the window, not 300
     ws = plan.allocate_workspace()
     ws.partial_out.fill_(float("nan"))
@@ -140,11 +160,11 @@ def test_bound_and_trusted_launches_take_the_plans_window(device):
         plan = plan_decode(3, 4, 2, 16, 8, 90, dtype, device, window=window, **split)
         ws = plan.allocate_workspace()
         out = torch.full_like(q, float("nan"))
-        launch_decode(q, k, v, tables, lens, 16**-0.5, plan, out, ws.partial_out,
-                      ws.partial_lse, 3)  # fmt: skip
+        launch_decode(q, k, v, tables, lens, 16**-0.5, plan, out, ws.partial_out, ws.partial_lse, 3)
         _assert_close(out, ref)
-        bound = BoundDecode(q, k, v, tables, lens, 16**-0.5, plan, ws.out, ws.partial_out,
-                            ws.partial_lse, 3)  # fmt: skip
+        bound = BoundDecode(
+            q, k, v, tables, lens, 16**-0.5, plan, ws.out, ws.partial_out, ws.partial_lse, 3
+        )
         out.fill_(float("nan"))
         assert bound(q, k, v, out) is out
         _assert_close(out, ref)
@@ -247,8 +267,9 @@ def test_gpu_window_large_shapes(hq, hkv, d, page, dtype, window):
     ref = dense_decode_attention_ref(q, kd, vd, lens, window=window)
     _assert_close(decode(q, k, v, tables, lens, window=window), ref)  # heuristic plan
     for kwargs in ({"num_splits": 1}, {"num_splits": 40}, {}):
-        plan = plan_decode(len(seq_lens), hq, hkv, d, page, 33000, dtype, "cuda", window=window,
-                           **kwargs)  # fmt: skip
+        plan = plan_decode(
+            len(seq_lens), hq, hkv, d, page, 33000, dtype, "cuda", window=window, **kwargs
+        )
         out = torch.full_like(q, float("nan"))
         decode(q, k, v, tables, lens, out=out, window=window, workspace=plan.allocate_workspace())
         _assert_close(out, ref)
@@ -258,11 +279,13 @@ def test_gpu_window_large_shapes(hq, hkv, d, page, dtype, window):
 def test_gpu_window_graph_capture_and_replay():
     dtype, window = torch.bfloat16, 1000
     seq_lens, later = [5000, 100, 2048], [4999, 7, 2047]
-    k, v, tables, lens, kd, vd = windowed_kv(seq_lens, 8, 128, 16, dtype, "cuda", window,
-                                             poison_lens=later)  # fmt: skip
+    k, v, tables, lens, kd, vd = windowed_kv(
+        seq_lens, 8, 128, 16, dtype, "cuda", window, poison_lens=later
+    )
     q = _q(3, 32, 128, dtype, "cuda")
-    plan = plan_decode(3, 32, 8, 128, 16, 6000, dtype, "cuda", window=window,
-                       max_blocks_per_seq=tables.shape[1])  # fmt: skip
+    plan = plan_decode(
+        3, 32, 8, 128, 16, 6000, dtype, "cuda", window=window, max_blocks_per_seq=tables.shape[1]
+    )
     ws = plan.allocate_workspace()
     decode(q, k, v, tables, lens, window=window, workspace=ws)  # compile outside the capture
     torch.cuda.synchronize()

@@ -95,9 +95,17 @@ def test_fp8_decode_matches_reference(dtype, scales, mode, device):
     else:
         split = {"num_splits": 1} if mode == "single" else {"tokens_per_split": 16, "block_n": 16}
         plan = plan_decode(
-            4, num_q_heads, num_kv_heads, head_dim, block_size, 130, dtype, device,
-            kv_dtype=FP8, **split,
-        )  # fmt: skip
+            4,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            130,
+            dtype,
+            device,
+            kv_dtype=FP8,
+            **split,
+        )
         assert plan.uses_split == (mode == "split")
         ws = plan.allocate_workspace()
         decode(q, k, v, tables, lens, out=out, workspace=ws, k_scale=k_scale, v_scale=v_scale)
@@ -138,11 +146,37 @@ def test_fp8_trusted_and_bound_launches(device):
         ws = plan.allocate_workspace()
         assert ws.out.dtype == dtype
         out = torch.full_like(q, float("nan"))
-        launch_decode(q, k, v, tables, lens, 32**-0.5, plan, out, ws.partial_out,
-                      ws.partial_lse, 3, k_scale, v_scale)  # fmt: skip
+        launch_decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            32**-0.5,
+            plan,
+            out,
+            ws.partial_out,
+            ws.partial_lse,
+            3,
+            k_scale,
+            v_scale,
+        )
         _assert_close(out, ref)
-        bound = BoundDecode(q, k, v, tables, lens, 32**-0.5, plan, ws.out, ws.partial_out,
-                            ws.partial_lse, 3, k_scale, v_scale)  # fmt: skip
+        bound = BoundDecode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            32**-0.5,
+            plan,
+            ws.out,
+            ws.partial_out,
+            ws.partial_lse,
+            3,
+            k_scale,
+            v_scale,
+        )
         out.fill_(float("nan"))
         _assert_close(bound(q, k, v, out), ref)
         k_scale.mul_(2.0)  # new values in place: the bound launch reads them
@@ -164,8 +198,12 @@ VARIANTS = [
     {"fp8_compute": "q", "fp8_staging": "none"},
     {"fp8_compute": "f16", "fp8_staging": "kv", "fp8_tile": "bytes"},
 ]
-VARIANT_CASES = [(dtype, scales, v) for dtype in DTYPES for scales in ("tensor", "float")
-                 for v in range(len(VARIANTS))]  # fmt: skip
+VARIANT_CASES = [
+    (dtype, scales, v)
+    for dtype in DTYPES
+    for scales in ("tensor", "float")
+    for v in range(len(VARIANTS))
+]
 
 
 @pytest.mark.parametrize(("dtype", "scales", "variant"), VARIANT_CASES, ids=str)
@@ -181,14 +219,22 @@ def test_fp8_variants_match_reference(dtype, scales, variant, device):
     q = torch.randn(4, hq, d, generator=gen).to(device=device, dtype=dtype)
     ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
     for split in ({"num_splits": 1}, {"num_splits": 3}):
-        plan = plan_decode(4, hq, hkv, d, bs, 130, dtype, device, kv_dtype=FP8, **split,
-                           **options)  # fmt: skip
+        plan = plan_decode(4, hq, hkv, d, bs, 130, dtype, device, kv_dtype=FP8, **split, **options)
         assert plan.fp8_compute == options["fp8_compute"]
         assert plan.fp8_staging == options.get("fp8_staging", DEFAULT_FP8_STAGING)
         assert plan.uses_split == (split["num_splits"] > 1)
         out = torch.full_like(q, float("nan"))
-        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
-               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            out=out,
+            workspace=plan.allocate_workspace(),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         _assert_close(out, ref)
 
 
@@ -211,8 +257,19 @@ def test_fp8_plan_options_and_their_defaults(device):
     assert wide.block_n == 2 * narrow.block_n
     for compute in FP8_COMPUTE_CHOICES:
         for staging in FP8_STAGING_CHOICES:
-            p = plan_decode(2, 8, 2, 64, 16, 100, torch.float16, device, kv_dtype=FP8,
-                            fp8_compute=compute, fp8_staging=staging)  # fmt: skip
+            p = plan_decode(
+                2,
+                8,
+                2,
+                64,
+                16,
+                100,
+                torch.float16,
+                device,
+                kv_dtype=FP8,
+                fp8_compute=compute,
+                fp8_staging=staging,
+            )
             bits = pd._PlanConstants(p).decode[-4]  # before FUSED_MERGE, MERGE_G, MERGE_S
             assert bits & pd.FP8_ON and bool(bits & pd.FP8_F16) == (compute == "f16")
             if not pd.INTERPRET:
@@ -244,10 +301,17 @@ def test_fp8_f16_folds_the_scale_before_rounding_q(device):
     assert q.abs().max() > 65504
     ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
     for compute in FP8_COMPUTE_CHOICES:
-        plan = plan_decode(2, hq, hkv, d, bs, 90, dtype, device, kv_dtype=FP8,
-                           fp8_compute=compute)  # fmt: skip
-        out = decode(q, k, v, tables, lens, workspace=plan.allocate_workspace(),
-                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        plan = plan_decode(2, hq, hkv, d, bs, 90, dtype, device, kv_dtype=FP8, fp8_compute=compute)
+        out = decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            workspace=plan.allocate_workspace(),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         assert torch.isfinite(out).all()
         _assert_close(out, ref)
 
@@ -315,13 +379,25 @@ def test_fused_rope_append_quantises_rotated_k(dtype, scales, device):
     block_ids, offsets = _slots(batch, blocks, bs, device, seed=3)
     k_cache = torch.zeros(blocks, hkv, bs, d, device=device).to(FP8)
     v_cache = torch.zeros(blocks, hkv, bs, d, device=device).to(FP8)
-    q_rot = fused_rope_kv_append(q, k, v, k_cache, v_cache, block_ids, offsets, positions, 24,
-                                 k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    q_rot = fused_rope_kv_append(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        24,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     assert q_rot.dtype == dtype
     # q: the same rotation as a float cache's fused call
     float_cache = torch.zeros(blocks, hkv, bs, d, device=device, dtype=dtype)
-    q_float = fused_rope_kv_append(q, k, v, float_cache, float_cache.clone(), block_ids, offsets,
-                                   positions, 24)  # fmt: skip
+    q_float = fused_rope_kv_append(
+        q, k, v, float_cache, float_cache.clone(), block_ids, offsets, positions, 24
+    )
     assert torch.equal(q_rot, q_float)
     # v: bitwise the reference quantisation; k: of the float32 rotation (sin/cos may differ in
     # the last bit, so compare dequantised within one e4m3 step)
@@ -347,8 +423,22 @@ def test_bound_fused_append_with_fp8_scales(device):
     k_cache = torch.zeros(3, 2, 4, 16, device=device).to(FP8)
     v_cache = torch.zeros(3, 2, 4, 16, device=device).to(FP8)
     q_out = torch.empty_like(q)
-    bound = BoundFusedRopeKVAppend(q, k, v, k_cache, v_cache, block_ids, offsets, positions, 16,
-                                   10000.0, q_out, None, k_scale, v_scale)  # fmt: skip
+    bound = BoundFusedRopeKVAppend(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        16,
+        10000.0,
+        q_out,
+        None,
+        k_scale,
+        v_scale,
+    )
     assert bound(q, k, v, k_cache, v_cache, q_out) is q_out
     assert torch.equal(v_cache[2, :, 1].float(), quantize_fp8(v[0], v_scale).float())
     assert torch.equal(v_cache[0, :, 3].float(), quantize_fp8(v[1], v_scale).float())
@@ -373,8 +463,9 @@ def test_fp8_append_then_decode_end_to_end(device):
         v = torch.randn(len(rows), hkv, d, generator=gen).to(device, dtype)
         q = torch.randn(len(rows), hq, d, generator=gen).to(device, dtype)
         positions = torch.full((len(rows),), pos, device=device)
-        fused_rope_kv_append(q, k, v, k_cache, v_cache, ids, offs, positions,
-                             k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        fused_rope_kv_append(
+            q, k, v, k_cache, v_cache, ids, offs, positions, k_scale=k_scale, v_scale=v_scale
+        )
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(2, hq, d, generator=gen).to(device, dtype)
     got = decode(q, k_cache, v_cache, tables, seq_lens, k_scale=k_scale, v_scale=v_scale)
@@ -455,8 +546,9 @@ class TestErrors:
         with pytest.raises(TypeError, match="k must have dtype"):
             kv_append(k_cache, v_cache, k.float(), k.float(), ids, offs, k_scale=1.0, v_scale=1.0)
         with pytest.raises(TypeError, match="q must have dtype"):
-            fused_rope_kv_append(q.bfloat16(), k, k, k_cache, v_cache, ids, offs, pos,
-                                 k_scale=1.0, v_scale=1.0)  # fmt: skip
+            fused_rope_kv_append(
+                q.bfloat16(), k, k, k_cache, v_cache, ids, offs, pos, k_scale=1.0, v_scale=1.0
+            )
         bad_ids = torch.tensor([0, 3], dtype=torch.int32, device=device)
         with pytest.raises(ValueError, match="block_ids"):
             kv_append(k_cache, v_cache, k, k, bad_ids, offs, k_scale=1.0, v_scale=1.0)
@@ -465,8 +557,9 @@ class TestErrors:
         with pytest.raises(ValueError, match="apply only to float8_e4m3fn caches"):
             kv_append(float_cache, float_cache.clone(), k, k, ids, offs, k_scale=1.0)
         with pytest.raises(ValueError, match="apply only to float8_e4m3fn caches"):
-            fused_rope_kv_append(q, k, k, float_cache, float_cache.clone(), ids, offs, pos,
-                                 v_scale=v_scale)  # fmt: skip
+            fused_rope_kv_append(
+                q, k, k, float_cache, float_cache.clone(), ids, offs, pos, v_scale=v_scale
+            )
         assert not float_cache.any()
 
 
@@ -494,12 +587,23 @@ def test_gpu_fp8_large_shapes(hq, hkv, d, page, dtype):
     for kwargs in ({"num_splits": 1}, {"num_splits": 40}, {}):
         plan = plan_decode(4, hq, hkv, d, page, 33000, dtype, "cuda", kv_dtype=FP8, **kwargs)
         out = torch.full_like(q, float("nan"))
-        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
-               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            out=out,
+            workspace=plan.allocate_workspace(),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         _assert_close(out, ref)
     windowed = decode(q, k, v, tables, lens, window=1000, k_scale=0.02, v_scale=0.015)
-    _assert_close(windowed, paged_decode_attention_ref(q, k, v, tables, lens, window=1000,
-                                                       k_scale=0.02, v_scale=0.015))  # fmt: skip
+    _assert_close(
+        windowed,
+        paged_decode_attention_ref(q, k, v, tables, lens, window=1000, k_scale=0.02, v_scale=0.015),
+    )
 
 
 GPU_VARIANTS = [
@@ -520,11 +624,21 @@ def test_gpu_fp8_variants(hq, hkv, d, page, dtype, variant):
     q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(variant)).to("cuda", dtype)
     ref = paged_decode_attention_ref(q, k, v, tables, lens, k_scale=k_scale, v_scale=v_scale)
     for split in ({"num_splits": 1}, {}):
-        plan = plan_decode(4, hq, hkv, d, page, 17001, dtype, "cuda", kv_dtype=FP8, **split,
-                           **options)  # fmt: skip
+        plan = plan_decode(
+            4, hq, hkv, d, page, 17001, dtype, "cuda", kv_dtype=FP8, **split, **options
+        )
         out = torch.full_like(q, float("nan"))
-        decode(q, k, v, tables, lens, out=out, workspace=plan.allocate_workspace(),
-               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            out=out,
+            workspace=plan.allocate_workspace(),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         _assert_close(out, ref)
 
 
@@ -534,8 +648,9 @@ def test_gpu_fp8_graph_capture_with_scale_tensors():
     k_scale, v_scale = _scales("tensor", 8, "cuda")
     k, v, tables, lens = fp8_paged_kv([5000, 100, 2048], 8, 128, 16, "cuda", k_scale, v_scale)
     q = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
-    plan = plan_decode(3, 32, 8, 128, 16, 6000, dtype, "cuda", kv_dtype=FP8,
-                       max_blocks_per_seq=tables.shape[1])  # fmt: skip
+    plan = plan_decode(
+        3, 32, 8, 128, 16, 6000, dtype, "cuda", kv_dtype=FP8, max_blocks_per_seq=tables.shape[1]
+    )
     ws = plan.allocate_workspace()
     decode(q, k, v, tables, lens, workspace=ws, k_scale=k_scale, v_scale=v_scale)
     torch.cuda.synchronize()
@@ -567,8 +682,9 @@ def test_gpu_fp8_writers_are_bitwise(dtype):
     got = _written(k_cache, block_ids, offsets).view(torch.uint8)
     assert torch.equal(got, quantize_fp8(k, k_scale).view(torch.uint8))
     positions = torch.randint(0, 30000, (batch,), generator=gen).to("cuda")
-    fused_rope_kv_append(q, k, v, k_cache, v_cache, block_ids, offsets, positions,
-                         k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    fused_rope_kv_append(
+        q, k, v, k_cache, v_cache, block_ids, offsets, positions, k_scale=k_scale, v_scale=v_scale
+    )
     got_v = _written(v_cache, block_ids, offsets).view(torch.uint8)
     assert torch.equal(got_v, quantize_fp8(v, v_scale).view(torch.uint8))
     want_k = quantize_fp8(apply_rope(k.float(), positions), k_scale).view(torch.uint8)

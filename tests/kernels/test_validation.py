@@ -240,9 +240,16 @@ def _append_case(device, batch=4):
 
 def _fused(t, **kwargs):
     return fused_rope_kv_append(
-        t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["block_ids"], t["offsets"],
-        t["positions"], **kwargs,
-    )  # fmt: skip
+        t["q"],
+        t["k"],
+        t["v"],
+        t["k_cache"],
+        t["v_cache"],
+        t["block_ids"],
+        t["offsets"],
+        t["positions"],
+        **kwargs,
+    )
 
 
 def test_append_calls_read_once_and_see_in_place_edits(reads, device):

@@ -139,8 +139,9 @@ def test_fused_weights_keep_the_tokens_and_the_memory(name):
     storage = layer.qkv_weight.untyped_storage().data_ptr()
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert proj.weight.untyped_storage().data_ptr() == storage
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in model.parameters()}  # fmt: skip
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
+    }
     assert sum(storages.values()) == before * 4  # every parameter stored exactly once
     prompts = _prompts(model.config.vocab_size)
     assert flashdec_greedy(adapter, prompts, MAX_NEW_TOKENS) == _hf_tokens(name)

@@ -77,8 +77,10 @@ def test_8b_shape_logits_within_bf16_tolerance(llama8b, fused):
     ours_err = [_rel_err(o, r) for o, r in zip(ours, reference, strict=True)]
     hf_err = [_rel_err(h, r) for h, r in zip(hf_bf16, reference, strict=True)]
     agree = [int(o.argmax()) == int(h.argmax()) for o, h in zip(ours, hf_bf16, strict=True)]
-    print(f"fused={fused} relative logit errors vs float32: FlashDec {ours_err}, "
-          f"transformers bf16 {hf_err}; top-1 agreement with transformers {agree}")  # fmt: skip
+    print(
+        f"fused={fused} relative logit errors vs float32: FlashDec {ours_err}, "
+        f"transformers bf16 {hf_err}; top-1 agreement with transformers {agree}"
+    )
     assert max(ours_err) <= BF16_SLACK * max(hf_err)
 
 

@@ -220,8 +220,7 @@ class TestUnsupported:
         for model_type in ("llama", "qwen2", "mistral", "qwen3"):
             extra = {"sliding_window": None} if model_type == "mistral" else {}
             assert config_problems(_config(model_type, **extra)) == []
-        windowed = _config("qwen2", use_sliding_window=True, sliding_window=16,
-                           max_window_layers=1)  # fmt: skip
+        windowed = _config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
         assert config_problems(windowed) == []
         assert config_problems(_config("mistral", sliding_window=4096)) == []
 

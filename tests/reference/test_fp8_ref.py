@@ -63,8 +63,9 @@ def test_paged_reference_dequantises_per_head(dtype, kv_layout):
     want = paged_decode_attention_ref(q.float(), k_deq, v_deq, tables, lens, kv_layout=kv_layout)
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
-    windowed = paged_decode_attention_ref(q, k8, v8, tables, lens, kv_layout=kv_layout, window=5,
-                                          k_scale=0.5, v_scale=v_scale)  # fmt: skip
+    windowed = paged_decode_attention_ref(
+        q, k8, v8, tables, lens, kv_layout=kv_layout, window=5, k_scale=0.5, v_scale=v_scale
+    )
     assert windowed.shape == q.shape
 
 
@@ -88,7 +89,7 @@ class TestScaleErrors:
             ({"k_scale": torch.ones(2, 1), "v_scale": 1.0}, ValueError, "k_scale must be 1-D"),
             ({"k_scale": 1.0, "v_scale": torch.ones(2).half()}, TypeError, "v_scale must have"),
         ],
-    )  # fmt: skip
+    )
     def test_fp8_cache_scale_rules(self, scales, error, match):
         q, k, v, tables, lens = self._inputs()
         with pytest.raises(error, match=match):

@@ -67,9 +67,15 @@ def simulate(
 ) -> SimResult:
     prefix_blocks = sum(p.num_blocks for p in prefixes)
     cache = PagedKVCache(
-        1, 1, HEAD_DIM, block_size, num_blocks, dtype=torch.float32, device="cpu",
+        1,
+        1,
+        HEAD_DIM,
+        block_size,
+        num_blocks,
+        dtype=torch.float32,
+        device="cpu",
         prefix_cache_capacity_blocks=prefix_blocks,
-    )  # fmt: skip
+    )
     engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
     for p in prefixes:
         blocks = torch.zeros(1, p.num_blocks, 1, block_size, HEAD_DIM)

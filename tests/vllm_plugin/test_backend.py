@@ -57,9 +57,20 @@ class FakeFlashAttentionMetadataBuilder:
 class FakeFlashAttentionImpl:
     """The attributes FlashAttentionImpl.__init__ sets, as vLLM 0.24.0 sets them."""
 
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                 kv_sharing_target_layer_name=None, sinks=None):  # fmt: skip
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes)
@@ -71,8 +82,18 @@ class FakeFlashAttentionImpl:
         self.total_cp_world_size = 1  # set by AttentionImpl.__new__ in vLLM
         self.parent_calls = 0
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):  # fmt: skip
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
         self.parent_calls += 1
         return output.fill_(-1.0)
 
@@ -130,8 +151,13 @@ def decode_batch(lens, hq=4, hkv=2, d=32, bs=16, dtype=torch.float32, device="cp
     k, v, tables, seq_lens, *_ = make_paged_kv(lens, hkv, d, bs, dtype, device)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(len(lens) + pad, hq, d, generator=gen).to(device=device, dtype=dtype)
-    meta = types.SimpleNamespace(max_query_len=1, seq_lens=seq_lens, block_table=tables,
-                                 causal=True, mm_prefix_range_tensor=None)  # fmt: skip
+    meta = types.SimpleNamespace(
+        max_query_len=1,
+        seq_lens=seq_lens,
+        block_table=tables,
+        causal=True,
+        mm_prefix_range_tensor=None,
+    )
     return dict(query=query, kv_cache=vllm_flash_cache(k, v), meta=meta, k=k, v=v)
 
 
@@ -253,8 +279,9 @@ def test_the_device_counter_counts_every_launch(fake_vllm, monkeypatch):
 def test_cuda_graph_support_is_capped_at_uniform_batches(fake_vllm, monkeypatch):
     builder = fake_vllm.module.FlashDecMetadataBuilder
     assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH
-    monkeypatch.setattr(FakeFlashAttentionMetadataBuilder, "_cudagraph_support",
-                        AttentionCGSupport.NEVER)  # fmt: skip
+    monkeypatch.setattr(
+        FakeFlashAttentionMetadataBuilder, "_cudagraph_support", AttentionCGSupport.NEVER
+    )
     assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER
 
 

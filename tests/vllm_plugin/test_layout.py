@@ -20,8 +20,9 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_views_are_the_caches_memory_in_token_major_order(layout):
-    k, v, *_ = make_paged_kv([5, 19], num_kv_heads=3, head_dim=8, block_size=16,
-                             dtype=torch.float32)  # fmt: skip
+    k, v, *_ = make_paged_kv(
+        [5, 19], num_kv_heads=3, head_dim=8, block_size=16, dtype=torch.float32
+    )
     cache = vllm_flash_cache(k, v, layout, num_layers=3)
     k_view, v_view = token_major_kv_views(cache)
     assert k_view.shape == v_view.shape == k.shape  # [num_blocks, Hkv, block_size, D]
@@ -72,14 +73,23 @@ def test_decode_on_vllm_tensors_matches_the_reference(
     args = decode_arguments(query, cache, tables, seq_lens, output)
     workspace = None
     if use_workspace:
-        pool = DecodeWorkspacePool(max_batch=4, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                   block_size=bs, dtype=dtype, device=device, max_seq_len=96,
-                                   nominal_seq_len=32)  # fmt: skip
+        pool = DecodeWorkspacePool(
+            max_batch=4,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            block_size=bs,
+            dtype=dtype,
+            device=device,
+            max_seq_len=96,
+            nominal_seq_len=32,
+        )
         workspace = pool.workspace(len(lens))
     flashdec.decode(*args[:5], sm_scale=0.3, out=args.out, workspace=workspace)
 
-    expected = flashdec.paged_decode_attention_ref(query[: len(lens)], k, v, tables, seq_lens,
-                                                   sm_scale=0.3)  # fmt: skip
+    expected = flashdec.paged_decode_attention_ref(
+        query[: len(lens)], k, v, tables, seq_lens, sm_scale=0.3
+    )
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(output[: len(lens)], expected, atol=atol, rtol=rtol)
     assert (output[len(lens) :] == 7.0).all()  # padding rows untouched
@@ -119,9 +129,17 @@ def test_split_plans_of_the_pool_match_the_reference_on_long_requests(device):
     cache = vllm_flash_cache(k, v, "HND")
     query = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(3)).to(device)
     output = torch.empty_like(query)
-    pool = DecodeWorkspacePool(max_batch=3, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                               block_size=bs, dtype=dtype, device=device, max_seq_len=300,
-                               nominal_seq_len=256)  # fmt: skip
+    pool = DecodeWorkspacePool(
+        max_batch=3,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=dtype,
+        device=device,
+        max_seq_len=300,
+        nominal_seq_len=256,
+    )
     workspace = pool.workspace(3)
     assert (
         workspace.plan.uses_split

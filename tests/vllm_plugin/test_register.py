@@ -53,8 +53,9 @@ def test_importing_flashdec_or_the_plugin_never_imports_vllm():
         "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -63,8 +64,9 @@ def test_the_plugin_package_imports_neither_triton_nor_torch_kernels():
         "import sys, flashdec.vllm_plugin\n"
         "assert 'triton' not in sys.modules and 'flashdec.kernels' not in sys.modules\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -142,8 +144,9 @@ def test_register_survives_a_failing_registration(monkeypatch, caplog):
     def broken(backend, path=None):
         raise RuntimeError("registry is closed")
 
-    monkeypatch.setattr(sys.modules["vllm.v1.attention.backends.registry"], "register_backend",
-                        broken)  # fmt: skip
+    monkeypatch.setattr(
+        sys.modules["vllm.v1.attention.backends.registry"], "register_backend", broken
+    )
     with caplog.at_level(logging.INFO, logger=plugin.LOGGER_NAME):
         assert plugin.register() is False
     (record,) = plugin_records(caplog)

@@ -10,8 +10,9 @@ import torch
 from flashdec.kernels.decode_plan import MAX_SPLITS
 from flashdec.vllm_plugin.workspace import DecodeWorkspacePool, plan_for_batch
 
-GEOMETRY = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                dtype=torch.bfloat16, device="cpu")  # fmt: skip
+GEOMETRY = dict(
+    num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cpu"
+)
 
 
 def make_pool(**overrides):

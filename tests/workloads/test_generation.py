@@ -29,9 +29,12 @@ def test_warmup_run_is_reported_and_changes_no_token():
 def test_a_low_precision_divergence_is_explained():
     config = GenerateConfig(batch=2, prompt_len=7, max_new_tokens=5, compare=True, ignore_eos=True)
     result = dataclasses.replace(
-        run_generate(config), dtype="bfloat16", matches_transformers=1, tokens_equal=7,
+        run_generate(config),
+        dtype="bfloat16",
+        matches_transformers=1,
+        tokens_equal=7,
         first_divergence=(None, 2),
-    )  # fmt: skip
+    )
     labels = dict(result.rows())
     assert labels["first divergence (step)"] == "median 2, earliest 2"
     assert "near-tie" in labels["note"]
