@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -78,6 +79,69 @@ def check_positive_int(name: str, value: object, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_fraction(name: str, value: object) -> float:
+    """A share in (0, 1] (a memory fraction, ``top_p``): a real number, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type_name(value)}")
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def type_name(value: object) -> str:
+    """``int``, ``list`` for builtins; ``numpy.float64``, ``torch.Tensor`` for the rest."""
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+
+
+def check_device(device: object) -> torch.device:
+    """A usable torch device, else TypeError (wrong type) / ValueError (not available)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type_name(device)}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"invalid device {device!r}: {err}") from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r} is not available: this PyTorch has no usable CUDA "
+                "device (use device='cpu')"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(device)!r} is not available: {torch.cuda.device_count()} CUDA "
+                "device(s) present"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    return device
+
+
+def check_token_ids(name: str, value: object) -> list[int]:
+    """Token ids as a list of ints: a list or tuple of integers (numpy integers too) or a 1-D
+    integer numpy array or tensor. TypeError names the offending element's or array's type."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        if isinstance(value, np.ndarray):
+            integer = np.issubdtype(value.dtype, np.integer)
+        else:
+            dtype = value.dtype
+            integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if not integer:
+            raise TypeError(f"{name} must hold integer token ids, got an array of {value.dtype}")
+        if value.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        return [int(t) for t in value.tolist()]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of token ids, got {type_name(value)}")
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"{name} must hold int token ids, got {type_name(token)} at index {i}")
+    return [int(t) for t in value]
 
 
 def check_window(window: object) -> int | None:

@@ -30,6 +30,7 @@ import torch
 from flashdec._blocks import held_range
 from flashdec._checks import (
     FLOAT_DTYPES,
+    check_device,
     check_positive_int,
     check_request_id,
     check_shape,
@@ -77,30 +78,6 @@ _NO_NEW = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
     return ("request", request_id)
-
-
-def _device_of(device: object) -> torch.device:
-    """A usable torch device, else TypeError (wrong type) / ValueError (not available)."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"invalid device {device!r}: {err}") from err
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {str(device)!r} is not available: this PyTorch has no usable CUDA "
-                "device (use device='cpu')"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {str(device)!r} is not available: {torch.cuda.device_count()} CUDA "
-                "device(s) present"
-            )
-    elif device.type != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
-    return device
 
 
 def torch_scatter(
@@ -303,7 +280,7 @@ class PagedKVCache:
         order = layer_order(groups, layer_groups)
         if not isinstance(restore_on_abort, bool):
             raise TypeError("restore_on_abort must be a bool")
-        device = _device_of(device)
+        device = check_device(device)
         scales = check_scales(groups, kv_scales)
         self._restore_on_abort = restore_on_abort
         self._specs = groups
@@ -605,11 +582,29 @@ class PagedKVCache:
         """Like ``finish_request`` but the state becomes cancelled."""
         self._terminate(request_id, RequestState.CANCELLED)
 
+    def discard_request(self, request_id: RequestId) -> None:
+        """Undo ``add_request``: release what an active request holds and forget its id, which
+        may be added again. For an admission taken back (a serving step that failed before the
+        request decoded anything), not for ending a request: that is finish or cancel."""
+        record = self._record(request_id)
+        self._tx.ensure_none_open("discard a request")
+        self._require_active(record, "discard")
+        self._release_record(record)
+        del self._requests[record.request_id]
+        self._version += 1
+
     def _terminate(self, request_id: RequestId, state: RequestState) -> None:
         record = self._record(request_id)
         verb = "finish" if state is RequestState.FINISHED else "cancel"
         self._tx.ensure_none_open(f"{verb} a request")
         self._require_active(record, verb)
+        self._release_record(record)
+        record.state = state
+        record.row = -1
+        self._version += 1
+
+    def _release_record(self, record: RequestRecord) -> None:
+        """Give back an active request's private blocks, table row and prefix reference."""
         owner = request_owner(record.request_id)
         for group in self._groups:
             group.allocator.release(record.run(group.index).private_block_ids, owner)
@@ -618,9 +613,6 @@ class PagedKVCache:
             for group in self._groups:
                 group.prefixes.detach(record.prefix_id)
         record.clear()
-        record.state = state
-        record.row = -1
-        self._version += 1
 
     def request_state(self, request_id: RequestId) -> RequestState:
         return self._record(request_id).state

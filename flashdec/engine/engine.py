@@ -283,6 +283,8 @@ class DecodeEngine:
         self._queue = WaitingQueue()
         self._service_wait: dict[Any, int] = {}
         self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
+        # the decision applied last and the queue before it, while revert_decision may undo it
+        self._applied: tuple[SchedulerDecision, Any] | None = None
 
     @property
     def group_shapes(self) -> tuple[tuple[int, int | None], ...]:
@@ -549,6 +551,7 @@ class DecodeEngine:
         a snapshot of this engine taken since its last change (the serving loop's path, also for
         the greedy and cancel baselines)."""
         self._require_no_open_step("apply_trusted_decision")
+        checkpoint = self._queue.checkpoint()
         for rid in decision.admit:
             spec = self._specs[rid]
             self.cache.add_request(rid)
@@ -557,6 +560,39 @@ class DecodeEngine:
             self._leave_queue(rid, None)
         for rid in decision.reject:
             self._leave_queue(rid, EngineRequestState.REJECTED)
+        self._applied = (decision, checkpoint)
+
+    def revert_decision(self, decision: SchedulerDecision) -> None:
+        """Take back the decision applied last, for a serving step that failed before it
+        decoded anything: its admitted requests leave the cache (with any prompt imported for
+        them) and its rejected ones wait again, all with the fairness counters they had.
+
+        RuntimeError (nothing changed) unless ``decision`` is the one applied last, the waiting
+        queue has not changed since (no submission, cancellation or ``advance_fairness``) and
+        no request it admitted has finished, been cancelled or decoded a token.
+        """
+        self._require_no_open_step("revert_decision")
+        applied = self._applied
+        if applied is None or applied[0] is not decision:
+            raise RuntimeError(
+                "only the decision applied last can be reverted, before the step ends"
+            )
+        cache, specs = self.cache, self._specs
+        for rid in decision.admit:
+            context = specs[rid].initial_context_tokens
+            if cache.request_state(rid) is not RequestState.ACTIVE or cache.seq_len(rid) > context:
+                raise RuntimeError(f"request {rid!r} has moved on since it was admitted")
+        removed = (*decision.admit, *decision.reject)
+        self._queue.restore(applied[1], removed)  # RuntimeError when anything else changed
+        self._applied = None
+        for rid in decision.admit:
+            cache.discard_request(rid)
+            self._service_wait.pop(rid, None)
+            self._active_rows.pop(rid, None)
+        for rid in decision.reject:
+            del self._closed[rid]
+        for rid in removed:
+            self._waiting[rid] = specs[rid]
 
     def advance_fairness(
         self, decision: SchedulerDecision, served: Collection, departed: Collection
@@ -565,6 +601,7 @@ class DecodeEngine:
         request still waiting waits one step more and counts a skip if a later submission was
         admitted; a served active request's service wait resets, any other's grows. O(log n +
         active). The serving loop calls this; manual scheduling leaves the counters at zero."""
+        self._applied = None  # the step is over: its decision can no longer be reverted
         admitted = decision.admit
         newest = max((self._specs[rid].submission_order for rid in admitted), default=None)
         self._queue.advance(newest)

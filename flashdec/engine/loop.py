@@ -26,7 +26,11 @@ from flashdec.scheduler import (
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
+    WaitingRequest,
+    lifetime_private_blocks,
+    lifetime_private_blocks_by_group,
     needs_new_block,
+    rejection_reason,
 )
 
 
@@ -36,11 +40,17 @@ class StepExecutor(Protocol):
     def prefill(self, requests: Sequence[tuple[object, int]]) -> Collection | None:
         """Import ``(request_id, num_tokens)`` prompt tokens for newly admitted requests (all
         or nothing per transaction); return the ids already done (e.g. a model whose first
-        token, from the prompt, is EOS): they finish without decoding."""
+        token, from the prompt, is EOS): they finish without decoding. When it raises, the loop
+        takes the step's admissions back (imports included): it must record nothing then."""
 
     def decode(self, batch: Sequence) -> Collection:
         """Decode one token for every request of ``batch`` (one engine step); return the ids
-        that finished early (e.g. produced EOS)."""
+        that finished early (e.g. produced EOS). When it raises, the engine step must not have
+        been committed (abort it): the loop then takes the step's admissions back.
+
+        An executor that keeps per-request state may also define ``revert_admission(ids)``:
+        the loop calls it after taking those admissions back, to forget what ``prefill``
+        recorded for them."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class LoopStep:
     schedule_s: float  # snapshot + plan + apply
     prefill_s: float
     decode_s: float  # the executor's decode (0 when nothing was decoded)
+    rejection_reasons: tuple[str, ...] = ()  # why each of ``rejected`` can never run
 
     @property
     def changed(self) -> bool:
@@ -109,13 +120,41 @@ class ServingLoop:
     def num_live(self) -> int:
         return len(self._live)
 
+    def is_live(self, request_id: object) -> bool:
+        """Whether ``request_id`` was submitted and is not terminal yet (O(1))."""
+        try:
+            return request_id in self._live
+        except TypeError:  # unhashable: never submitted
+            return False
+
     @property
     def live_ids(self) -> frozenset:
         """Submitted requests that are not terminal yet."""
         return frozenset(self._live)
 
+    def rejection_reason(self, spec: RequestSpec) -> str | None:
+        """Why the scheduler would reject ``spec`` on this pool (it could never run: the
+        scheduler's own rule, naming the blocks it needs and the blocks there are), or None.
+        Changes nothing; costs one scheduling snapshot (O(active))."""
+        if not isinstance(spec, RequestSpec):
+            raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
+        snapshot = self.engine.scheduling_snapshot(self.step_index)
+        prefixes = snapshot.prefix_map
+        if snapshot.groups:
+            needs = lifetime_private_blocks_by_group(spec, snapshot.group_shapes, prefixes)
+            row = WaitingRequest(spec.request_id, spec, needs[0], 0, 0, needs)
+        else:
+            blocks = lifetime_private_blocks(spec, snapshot.block_size, prefixes)
+            row = WaitingRequest(spec.request_id, spec, blocks)
+        return rejection_reason(row, snapshot, self.scheduler.config)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> LoopStep:
+        """One step. A step that raises before its decode is committed — in the policy, a
+        prompt import or the decode itself (a KeyboardInterrupt, a model error) — leaves every
+        request as it found it: its admissions and rejections are taken back (an imported
+        prompt with them), the counters are unchanged, and stepping on gives what an
+        uninterrupted run gives. Only the victims a baseline policy cancelled stay cancelled."""
         engine, cache = self.engine, self.engine.cache
         index = self.step_index
         start = time.perf_counter()
@@ -124,28 +163,33 @@ class ServingLoop:
         if self.on_plan is not None:
             self.on_plan(snapshot, decision)
         engine.apply_trusted_decision(decision)
-        self._live.difference_update(decision.reject)
         scheduled = time.perf_counter()
+        victims: list = []
+        try:
+            imports = []
+            for rid in decision.admit:
+                spec = engine.request_spec(rid)
+                missing = spec.initial_context_tokens - cache.seq_len(rid)  # a prefix covers all
+                if missing > 0:
+                    imports.append((rid, missing))
+            done_at_prefill = set(self.executor.prefill(imports) or ()) if imports else set()
+            prefilled = time.perf_counter()
 
-        imports = []
-        for rid in decision.admit:
-            spec = engine.request_spec(rid)
-            missing = spec.initial_context_tokens - cache.seq_len(rid)  # a prefix covers it all
-            if missing > 0:
-                imports.append((rid, missing))
-        done_at_prefill = set(self.executor.prefill(imports) or ()) if imports else set()
-        prefilled = time.perf_counter()
+            batch = [rid for rid in decision.batch if rid not in done_at_prefill]
+            stuck, victims = self._unblock(batch, index)
+            served = [rid for rid in batch if rid not in stuck and rid not in victims]
+            done_early: Collection = ()
+            decode_s = 0.0
+            if served:
+                t0 = time.perf_counter()
+                done_early = self.executor.decode(served)
+                decode_s = time.perf_counter() - t0
+        except BaseException:
+            self._take_back(decision, victims)
+            raise
 
-        batch = [rid for rid in decision.batch if rid not in done_at_prefill]
-        stuck, victims = self._unblock(batch, index)
-        served = [rid for rid in batch if rid not in stuck and rid not in victims]
-        done_early: Collection = ()
-        decode_s = 0.0
-        if served:
-            t0 = time.perf_counter()
-            done_early = self.executor.decode(served)
-            decode_s = time.perf_counter() - t0
-
+        # the decode is committed: from here on the step only records what happened
+        self._live.difference_update(decision.reject)
         finished = [rid for rid in decision.admit if rid in done_at_prefill]
         for rid in served:
             self.generated[rid] += 1
@@ -166,6 +210,8 @@ class ServingLoop:
             cache.validate_invariants()
         self.step_index += 1
         active = len(snapshot.active) + len(decision.admit) - len(finished) - len(victims)
+        config = self.scheduler.config
+        waiting = snapshot.waiting_view
         return LoopStep(
             step=index,
             admitted=decision.admit,
@@ -182,7 +228,21 @@ class ServingLoop:
             schedule_s=scheduled - start,
             prefill_s=prefilled - scheduled,
             decode_s=decode_s,
+            rejection_reasons=tuple(
+                rejection_reason(waiting.get(rid), snapshot, config) or "it can never run"
+                for rid in decision.reject
+            ),
         )
+
+    def _take_back(self, decision: SchedulerDecision, victims: list) -> None:
+        """Undo a step that failed before its decode committed (the executor aborted its
+        transaction): its decision is reverted and the executor forgets what it recorded for
+        the requests admitted (``revert_admission``, when it has one)."""
+        self.engine.revert_decision(decision)
+        forget = getattr(self.executor, "revert_admission", None)
+        if forget is not None and decision.admit:
+            forget(decision.admit)
+        self._live.difference_update(victims)  # cancelled for good
 
     def _unblock(self, batch: list, step: int) -> tuple[list, list]:
         """Requests of ``batch`` that cannot get their next block, after the policy's victims.

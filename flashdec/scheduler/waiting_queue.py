@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NoReturn, overload
+from typing import Any, NamedTuple, NoReturn, overload
 
 from flashdec._checks import check_positive_int
 from flashdec.scheduler import _id_trie, _order_tree
@@ -331,6 +331,16 @@ class WaitingView(Sequence[WaitingRequest]):
         return tuple(_order_tree.unrunnable_groups(self._root, capacity, max_tokens, []))
 
 
+class QueueCheckpoint(NamedTuple):
+    """A :class:`WaitingQueue`'s state at one moment (its persistent trees and counters)."""
+
+    root: Any
+    ids: Any
+    steps: int
+    geometry: Any
+    version: int
+
+
 class WaitingQueue:
     """Submitted requests not yet admitted, in submission order, with their fairness counters.
 
@@ -444,6 +454,42 @@ class WaitingQueue:
             self._geometry = None
         self._changed()
         return entry.spec
+
+    def checkpoint(self) -> QueueCheckpoint:
+        """The current state, for :meth:`restore` (O(1): the trees are persistent)."""
+        return QueueCheckpoint(
+            self._root, self._ids, self._steps, self._geometry, self._live.version
+        )
+
+    def restore(self, checkpoint: QueueCheckpoint, removed: Sequence[RequestId]) -> None:
+        """Undo the removals since ``checkpoint``: the requests ``removed`` wait again with the
+        counters they had. Nothing else may have changed the queue meanwhile (RuntimeError,
+        nothing changed). O(removed · log n)."""
+        if not isinstance(checkpoint, QueueCheckpoint):
+            raise TypeError(
+                f"checkpoint must be a QueueCheckpoint, got {type(checkpoint).__name__}"
+            )
+        live = self._live
+        removed = tuple(removed)
+        # exactly len(removed) changes since, each one the removal of a checkpointed request
+        orders = [_id_trie.lookup(checkpoint.ids, rid) for rid in removed]
+        if (
+            live.version != checkpoint.version + len(removed)
+            or len(set(removed)) != len(removed)
+            or any(o is None for o in orders)
+            or any(_is_request_id(rid) and rid in live.by_id for rid in removed)
+        ):
+            raise RuntimeError(
+                "the queue changed since the checkpoint by more than removing "
+                f"{list(removed)!r}; it cannot be restored"
+            )
+        for rid, order in zip(removed, orders, strict=True):
+            entry = _order_tree.find(checkpoint.root, order)[1].entry
+            live.by_id[rid] = entry
+            live.by_order[order] = entry
+        self._root, self._ids = checkpoint.root, checkpoint.ids
+        self._steps, self._geometry = checkpoint.steps, checkpoint.geometry
+        self._changed()
 
     def advance(self, newest_admitted_order: int | None) -> None:
         """One fairness step for the requests still waiting (remove the admitted and rejected

@@ -343,3 +343,27 @@ def test_validate_invariants_detects_corruption(cache, corrupt, match):
     corrupt(cache)
     with pytest.raises(RuntimeError, match=match):
         cache.validate_invariants()
+
+
+def test_discard_request_undoes_add_request(cache):
+    cache.add_request("kept")
+    cache.register_prefix("sys", prefix_blocks(cache, 1, 0), prefix_blocks(cache, 1, 1))
+    free = cache.num_free_blocks
+    for rid in ("a", "b"):
+        cache.add_request(rid)
+    cache.attach_prefix("a", "sys")
+    commit_token(cache, ["a", "b", "kept"], seed=2)  # each holds a private block now
+    version = cache.version
+    cache.discard_request("a")
+    cache.discard_request("b")
+    assert cache.version == version + 2
+    assert cache.request_ids() == ["kept"] and cache.prefix_state("sys").refcount == 0
+    assert cache.num_free_blocks == free - 1  # "kept"'s block only
+    with pytest.raises(ValueError, match="unknown request"):
+        cache.request_state("a")
+    cache.add_request("a")  # the id is free again, the request empty
+    assert cache.seq_len("a") == 0 and cache.request_block_ids("a") == []
+    cache.validate_invariants()
+    cache.finish_request("a")
+    assert_rejected(cache, RuntimeError, "it is finished", lambda: cache.discard_request("a"))
+    assert_rejected(cache, ValueError, "unknown", lambda: cache.discard_request("b"))

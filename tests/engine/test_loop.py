@@ -112,3 +112,108 @@ def test_constructor_checks_its_arguments():
         ServingLoop(object(), BlockAwareScheduler(CONFIG), Recorder(engine))
     with pytest.raises(TypeError, match="scheduler"):
         ServingLoop(engine, object(), Recorder(engine))
+
+
+class Failing(Recorder):
+    """A Recorder whose prefill fails on the ``n``-th prompt of a call (after importing the
+    ones before it, each in its own transaction), or whose decode fails before its commit."""
+
+    def __init__(self, engine, prefill_fails_at=None, decode_fails=False):
+        super().__init__(engine)
+        self.prefill_fails_at = prefill_fails_at
+        self.decode_fails = decode_fails
+        self.forgotten = []
+
+    def prefill(self, requests):
+        for i, request in enumerate(requests):
+            if i == self.prefill_fails_at:
+                raise KeyboardInterrupt
+            super().prefill([request])
+
+    def decode(self, batch):
+        if self.decode_fails:
+            tx = self.engine.begin_step(list(batch))
+            self.engine.abort_step(tx)
+            raise RuntimeError("the model failed")
+        return super().decode(batch)
+
+    def revert_admission(self, request_ids):
+        self.forgotten.append(tuple(request_ids))
+
+
+def _observed(engine, loop):
+    """Everything a step may change: states, lengths, counters, the pool, the loop's books."""
+    snap = engine.scheduling_snapshot(loop.step_index)
+    states = {rid: str(engine.request_state(rid)) for rid in loop.generated}
+    return states, snap.active, tuple(snap.waiting), engine.cache.num_free_blocks, loop.live_ids
+
+
+def _scenario(executor, fail):
+    """r0 runs; then one step admits r1 and r2 (two imports), rejects r3 (it can never fit)
+    and decodes all three. ``fail`` (if given) arms the executor for that step's first try."""
+    engine = executor.engine
+    loop = ServingLoop(engine, BlockAwareScheduler(CONFIG), executor, check_invariants=True)
+    r0, r1, r2, r3 = specs((4, 3), (5, 2), (3, 2), (40, 2))
+    loop.submit(r0)
+    records = [loop.step()]
+    for spec in (r1, r2, r3):
+        loop.submit(spec)
+    before = _observed(engine, loop)
+    if fail is not None:
+        fail(executor)
+        with pytest.raises((KeyboardInterrupt, RuntimeError)):
+            loop.step()
+        assert _observed(engine, loop) == before
+        assert loop.generated == {"r0": 1, "r1": 0, "r2": 0, "r3": 0} and loop.step_index == 1
+        assert executor.forgotten == [("r1", "r2")]
+        executor.prefill_fails_at, executor.decode_fails = None, False
+    while not loop.idle:
+        records.append(loop.step())
+    assert engine.cache.num_free_blocks == engine.cache.max_blocks
+    return [(r.admitted, r.rejected, r.batch, r.served, r.finished) for r in records], loop
+
+
+@pytest.mark.parametrize(
+    "fail",
+    [
+        lambda e: setattr(e, "prefill_fails_at", 0),
+        lambda e: setattr(e, "prefill_fails_at", 1),  # after r1's import was committed
+        lambda e: setattr(e, "decode_fails", True),  # after both imports
+    ],
+    ids=["first-import", "second-import", "decode"],
+)
+def test_a_failed_step_is_taken_back_whole(fail):
+    expected, _ = _scenario(Failing(make_engine(max_blocks=8)), None)
+    assert expected[1] == (("r1", "r2"), ("r3",), ("r0", "r1", "r2"), ("r0", "r1", "r2"), ())
+    records, loop = _scenario(Failing(make_engine(max_blocks=8)), fail)
+    assert records == expected
+    assert loop.generated == {"r0": 3, "r1": 2, "r2": 2, "r3": 0}
+
+
+def test_revert_decision_takes_back_only_the_last_step_before_it_ends():
+    engine = make_engine(max_blocks=8)
+    loop = ServingLoop(engine, BlockAwareScheduler(CONFIG), Recorder(engine))
+    loop.submit(specs((4, 2))[0])
+    snapshot = engine.scheduling_snapshot(0)
+    decision = loop.scheduler.plan(snapshot)
+    with pytest.raises(RuntimeError, match="applied last"):
+        engine.revert_decision(decision)  # not applied yet
+    loop.step()  # applied, then the step ended (the fairness counters moved)
+    with pytest.raises(RuntimeError, match="applied last"):
+        engine.revert_decision(decision)
+    assert engine.request_state("r0") == "active" and engine.cache.seq_len("r0") == 5
+
+
+def test_rejections_say_why():
+    engine = make_engine(max_blocks=8)
+    loop = ServingLoop(engine, BlockAwareScheduler(CONFIG), Recorder(engine))
+    big, small = RequestSpec("big", 40, 2, 0), RequestSpec("small", 4, 2, 1)
+    assert loop.rejection_reason(big) == "needs a 11-block table, more than max_blocks_per_seq 8"
+    assert loop.rejection_reason(small) is None
+    with pytest.raises(TypeError, match="RequestSpec"):
+        loop.rejection_reason("big")
+    for spec in (big, small):
+        loop.submit(spec)
+    record = loop.step()
+    assert record.rejected == ("big",)
+    assert record.rejection_reasons == (loop.rejection_reason(big),)

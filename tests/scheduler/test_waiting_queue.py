@@ -306,3 +306,50 @@ def test_a_decision_stays_checkable_after_the_queue_moves_on():
         dataclasses.replace(d, admit=("zz",))
     with pytest.raises(ValueError):
         dataclasses.replace(d, reject=("r0",))  # both admitted and rejected
+
+
+def test_restore_undoes_removals_with_their_counters():
+    q = _queue(*(_spec(i) for i in range(5)))
+    q.advance(None)
+    q.remove("r1")
+    q.advance(1)  # r0 skipped once; everyone waited two steps
+    before = _counters(q.view())
+    checkpoint = q.checkpoint()
+    q.remove("r3")
+    q.remove("r0")
+    q.restore(checkpoint, ["r3", "r0"])
+    view = q.view()
+    assert _counters(view) == before == [("r0", 2, 1), ("r2", 2, 0), ("r3", 2, 0), ("r4", 2, 0)]
+    assert "r0" in q and view.get("r3").wait_steps == 2 and len(q) == 4
+    q.advance(3)  # the restored queue moves on as the original would have
+    assert _counters(q.view()) == [("r0", 3, 2), ("r2", 3, 1), ("r3", 3, 0), ("r4", 3, 0)]
+
+
+def test_restore_empties_back_to_the_geometry_it_had():
+    q = _queue(_spec(0))
+    checkpoint = q.checkpoint()
+    q.remove("r0")
+    assert q.geometry is None
+    q.restore(checkpoint, ["r0"])
+    assert q.geometry == (BS, frozenset({("sys", 2, 8)})) and q.view().request_ids() == ("r0",)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda q: q.submit(_spec(9), block_size=BS, prefixes=(P,)),
+        lambda q: q.advance(None),
+        lambda q: q.remove("r2"),  # a removal the caller does not name
+    ],
+)
+def test_restore_refuses_when_more_than_the_removals_changed(change):
+    q = _queue(*(_spec(i) for i in range(3)))
+    checkpoint = q.checkpoint()
+    q.remove("r0")
+    change(q)
+    before = (_counters(q.view()), q.view().request_ids())
+    with pytest.raises(RuntimeError, match="cannot be restored"):
+        q.restore(checkpoint, ["r0"])
+    assert (_counters(q.view()), q.view().request_ids()) == before
+    with pytest.raises(TypeError, match="QueueCheckpoint"):
+        q.restore(object(), [])
