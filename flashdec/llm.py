@@ -18,16 +18,24 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashdec._blocks import lifetime_blocks
-from flashdec._checks import check_choice, check_positive_int
+from flashdec._checks import (
+    check_choice,
+    check_device,
+    check_fraction,
+    check_positive_int,
+    check_token_ids,
+    type_name,
+)
 from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import CapturedStep, DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
 from flashdec.engine.loop import LoopStep, ServingLoop
-from flashdec.models import DecoderAdapter, load_model
-from flashdec.runtime import available_host_bytes
+from flashdec.models import DecoderAdapter, resolve_model
+from flashdec.runtime import available_host_bytes, free_memory_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 
 log = logging.getLogger("flashdec")
@@ -51,14 +59,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type_name(self.temperature)}")
         if not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_fraction("top_p", self.top_p)
         check_positive_int("top_k", self.top_k, minimum=0)
         if self.seed is not None:
             check_positive_int("seed", self.seed, minimum=0)
@@ -98,6 +103,7 @@ class RequestTiming:
 
 class _Request:
     __slots__ = (
+        "error",
         "finished_at",
         "first_token_at",
         "ignore_eos",
@@ -115,14 +121,21 @@ class _Request:
         self.submitted_at = now
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self.error: str | None = None  # why it never ran (the scheduler rejected it)
+
+    def reset(self) -> None:
+        """Back to before its admission (the step that admitted it was taken back)."""
+        self.tokens.clear()
+        self.first_token_at = self.finished_at = None
 
 
 class LLM:
     """Greedy (or sampled) generation with a transformers causal LM through FlashDec.
 
     Args:
-        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3) or a local
-            model directory (loaded with its tokenizer, if saved).
+        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3), a local
+            model directory (loaded with its tokenizer, if saved) or the name of a built-in
+            shape (``flashdec.models.BUILTIN_SHAPES``: random weights, seed 0).
         dtype: the model's dtype by default; another one converts the model in place.
         device: the model's device by default; another one moves the model there.
         block_size: tokens per KV block.
@@ -169,13 +182,18 @@ class LLM:
         kv_scale: float = 1.0,
     ) -> None:
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
+        if device is not None:
+            device = check_device(device)  # before a model moves: a clear error, not torch's
+        fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
+        if num_blocks is not None:
+            check_positive_int("num_blocks", num_blocks)
         if isinstance(model, (str, os.PathLike)):
-            loaded = load_model(model, dtype=dtype, device=device)
+            loaded = resolve_model(model, dtype=dtype, device=device)
             model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
         elif not isinstance(model, torch.nn.Module):
             raise TypeError(
-                "model must be a transformers PreTrainedModel or a local model directory, got "
-                f"{type(model).__name__}"
+                "model must be a transformers PreTrainedModel, a local model directory or a "
+                f"built-in shape name, got {type_name(model)}"
             )
         elif dtype is not None or device is not None:
             model.to(**{k: v for k, v in (("dtype", dtype), ("device", device)) if v})
@@ -201,8 +219,6 @@ class LLM:
             raise TypeError(f"cuda_graphs must be a bool or None, got {cuda_graphs!r}")
         if cuda_graphs and spec.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
-        if not (isinstance(gpu_memory_fraction, float) and 0.0 < gpu_memory_fraction <= 1.0):
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {gpu_memory_fraction}")
         self.cuda_graphs = cuda_graphs
         if self.max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -211,13 +227,13 @@ class LLM:
             )
 
         blocks_per_seq = -(-self.max_model_len // block_size)
-        if num_blocks is not None:
-            num_blocks = check_positive_int("num_blocks", num_blocks)
         if spec.windowed or fp8:
-            cache = self._grouped_cache(num_blocks, gpu_memory_fraction)
+            cache = self._grouped_cache(num_blocks, fraction)
         else:
             if num_blocks is None:
-                num_blocks = self._default_num_blocks(blocks_per_seq, gpu_memory_fraction)
+                num_blocks = self._default_num_blocks(blocks_per_seq, fraction)
+            else:
+                self._check_pool_fits(num_blocks, num_blocks * spec.kv_bytes_per_token * block_size)
             cache = PagedKVCache(
                 spec.num_layers,
                 spec.num_kv_heads,
@@ -294,6 +310,7 @@ class LLM:
                 sizes.append(n)
         else:
             sizes = [num_blocks] * len(windows)
+            self._check_pool_fits(num_blocks, num_blocks * sum(counts) * layer_block_bytes)
         groups = [
             KVGroupSpec(2, n, self.block_size, spec.num_kv_heads, spec.head_dim, dtype, c, w)
             for n, c, w in zip(sizes, counts, windows, strict=True)
@@ -310,6 +327,17 @@ class LLM:
             device=spec.device,
             kv_scales=[scales] * len(groups),
         )
+
+    def _check_pool_fits(self, num_blocks: int, pool_bytes: int) -> None:
+        """ValueError before allocating a pool of ``num_blocks`` that the device cannot hold."""
+        device = self.adapter.spec.device
+        free = free_memory_bytes(device)
+        if free is not None and pool_bytes > free:
+            raise ValueError(
+                f"num_blocks={num_blocks} needs a KV pool of {pool_bytes / 2**30:.2f} GiB, more "
+                f"than the {free / 2**30:.2f} GiB free on {device}; pass fewer blocks, or "
+                "leave num_blocks out to size the pool from memory"
+            )
 
     def _default_num_blocks(self, blocks_per_seq: int, fraction: float) -> int:
         spec = self.adapter.spec
@@ -333,24 +361,22 @@ class LLM:
                     "pass tokenizer=); pass token ids instead"
                 )
             return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return list(prompt)
-        raise TypeError(
-            f"a prompt must be a list of token ids or a str, got {type(prompt).__name__}"
-        )
+        if not isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
+            raise TypeError(
+                f"a prompt must be a list of token ids or a str, got {type_name(prompt)}"
+            )
+        return check_token_ids("a prompt", prompt)
 
-    def add_request(self, prompt, max_new_tokens: int = 32, *, ignore_eos: bool = False):
-        """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
+    def _spec(self, request_id: int, num_prompt_tokens: int, max_new_tokens: int) -> RequestSpec:
+        # the lifetime commitment: the prompt plus every token whose K/V is appended
+        return RequestSpec(request_id, num_prompt_tokens, max(1, max_new_tokens - 1), request_id)
 
-        It is admitted as the pool allows and joins the running batch at the next
-        :meth:`step`. All checks happen before anything is queued.
-        """
+    def _check_request(self, prompt, max_new_tokens: int, ignore_eos: bool) -> list[int]:
+        """Every check of one request (its prompt ids), before anything is queued."""
         ids = self._prompt_ids(prompt)
         check_positive_int("max_new_tokens", max_new_tokens)
         if not isinstance(ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(ignore_eos).__name__}")
+            raise TypeError(f"ignore_eos must be a bool, got {type_name(ignore_eos)}")
         vocab = self.adapter.spec.vocab_size
         if not ids:
             raise ValueError("a prompt needs at least one token")
@@ -363,46 +389,89 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"
             )
+        # the scheduler's own rule: a request an empty pool cannot hold would wait forever
+        reason = self.loop.rejection_reason(self._spec(self._next_id, len(ids), max_new_tokens))
+        if reason is not None:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) can never fit "
+                f"the KV cache: it {reason}"
+            )
+        return ids
+
+    def _queue(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> int:
         rid = self._next_id
+        prompt = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
+        self._runner.requests[rid] = _Request(prompt, max_new_tokens, ignore_eos, _now())
+        try:
+            self.loop.submit(self._spec(rid, len(ids), max_new_tokens))
+        except BaseException:
+            del self._runner.requests[rid]
+            raise
         self._next_id += 1
-        prompt_tensor = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
-        self._runner.requests[rid] = _Request(prompt_tensor, max_new_tokens, ignore_eos, _now())
-        # the lifetime commitment: the prompt plus every token whose K/V is appended
-        self.loop.submit(RequestSpec(rid, len(ids), max(1, max_new_tokens - 1), rid))
         return rid
+
+    def add_request(self, prompt, max_new_tokens: int = 32, *, ignore_eos: bool = False):
+        """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
+
+        It is admitted as the pool allows and joins the running batch at the next
+        :meth:`step`. All checks happen before anything is queued, including that the KV
+        cache can ever hold it (ValueError naming the blocks it needs and the blocks there are).
+        """
+        ids = self._check_request(prompt, max_new_tokens, ignore_eos)
+        return self._queue(ids, max_new_tokens, ignore_eos)
 
     def step(self) -> LoopStep | None:
         """One serving-loop step: admit, import prompts, decode one token for the batch. When
-        nothing runs but the last step's tokens are still on their way, collect them (None)."""
+        nothing runs but the last step's tokens are still on their way, collect them (None).
+
+        A step that raises (a KeyboardInterrupt, an error in the model) leaves every request as
+        it was before it: stepping on gives the tokens an uninterrupted run gives."""
         if self.loop.idle:
             self._runner.collect()
+            self._runner.ended.clear()  # nothing runs that the loop would still finish
             return None
-        return self.loop.step()
+        return self._step()
+
+    def _step(self) -> LoopStep:
+        record = self.loop.step()
+        for rid, reason in zip(record.rejected, record.rejection_reasons, strict=True):
+            self._runner.requests[rid].error = f"the scheduler rejected it: {reason}"
+        return record
 
     def has_unfinished(self) -> bool:
         return not self.loop.idle or self._runner.pending is not None
 
     def output(self, request_id) -> list[int]:
-        """The tokens generated so far for ``request_id`` (the prompt excluded)."""
-        return list(self._request(request_id).tokens)
+        """The tokens generated so far for ``request_id`` (the prompt excluded); RuntimeError
+        for a request the scheduler rejected, naming why."""
+        req = self._request(request_id)
+        if req.error is not None:
+            raise RuntimeError(f"request {request_id!r} did not run: {req.error}")
+        return list(req.tokens)
 
     def request_timing(self, request_id) -> RequestTiming:
         req = self._request(request_id)
         return RequestTiming(req.submitted_at, req.first_token_at, req.finished_at, len(req.tokens))
 
     def release(self, request_id) -> list[int]:
-        """Forget a finished (or cancelled) request's record; returns its tokens."""
+        """Forget a finished (or rejected) request's record; returns its tokens, all of them
+        (a rejected request's: none)."""
         req = self._request(request_id)
-        if request_id in self.loop.live_ids:
+        if self.loop.is_live(request_id):
             raise RuntimeError(f"request {request_id!r} is still running")
         del self._runner.requests[request_id]
         return req.tokens
 
     def _request(self, request_id) -> _Request:
+        """The record of ``request_id``; once it stopped running, with every token it made
+        (its last one may still be on its way from the device: read it now)."""
         try:
-            return self._runner.requests[request_id]
+            req = self._runner.requests[request_id]
         except KeyError:
             raise ValueError(f"unknown request id {request_id!r}") from None
+        if self._runner.is_pending(request_id) and not self.loop.is_live(request_id):
+            self._runner.collect()
+        return req
 
     def generate(
         self,
@@ -422,40 +491,57 @@ class LLM:
         Greedy by default (exactly transformers' greedy ``generate``); ``temperature > 0``
         samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``). ``progress(done,
         total)`` is called after every step with the tokens generated so far.
+
+        Every prompt is checked before any is queued; whatever happens, nothing of the call
+        is left behind (an interrupted call cancels its requests and forgets them).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a non-empty list of token-id lists or strings")
+        if progress is not None and not callable(progress):
+            raise TypeError(
+                f"progress must be a callable(done, total) or None, got {type_name(progress)}"
+            )
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if not self.loop.idle:
             raise RuntimeError(
                 "generate needs an idle LLM (requests added with add_request "
                 "are still running: step them to completion first)"
             )
-        checked = [self._prompt_ids(p) for p in prompts]  # all checks before anything is queued
-        self._runner.set_sampling(sampling)
+        checked = [self._check_request(p, max_new_tokens, ignore_eos) for p in prompts]
+        runner = self._runner
+        runner.collect()  # the last tokens of requests added with add_request: theirs to keep
+        runner.ended.clear()
+        runner.set_sampling(sampling)
         start = _now(self.adapter.spec.device)
-        rids = []
-        replays_before = self._runner.graph_replays
+        rids: list[int] = []
+        replays_before = runner.graph_replays
+        steps = 0
         try:
-            rids = [self.add_request(ids, max_new_tokens, ignore_eos=ignore_eos) for ids in checked]
-            steps = 0
+            for ids in checked:
+                rids.append(self._queue(ids, max_new_tokens, ignore_eos))
             total = max_new_tokens * len(rids)
             while not self.loop.idle:
-                self.loop.step()
+                self._step()
                 steps += 1
                 if progress is not None:
-                    progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
-            self._runner.collect()
+                    progress(sum(len(runner.requests[r].tokens) for r in rids), total)
+            runner.collect()
             if progress is not None:
-                progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
+                progress(sum(len(runner.requests[r].tokens) for r in rids), total)
+            requests = [runner.requests[rid] for rid in rids]
+            for i, req in enumerate(requests):
+                if req.error is not None:
+                    raise RuntimeError(f"prompt {i} did not run: {req.error}")
         finally:
             self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
-            self._runner.pending = None
-            self._runner.set_sampling(SamplingParams())
+            runner.pending = None
+            runner.ended.clear()
+            runner.set_sampling(SamplingParams())
+            for rid in rids:  # the caller never sees these ids: forget them, whatever happened
+                runner.requests.pop(rid, None)
         elapsed = _now(self.adapter.spec.device) - start
-        requests = [self._runner.requests.pop(rid) for rid in rids]
         self.last_stats = GenerationStats(
             num_requests=len(requests),
             prompt_tokens=sum(r.prompt.shape[0] for r in requests),
@@ -464,7 +550,7 @@ class LLM:
             ttft_s=tuple(r.first_token_at - r.submitted_at for r in requests),
             tpot_s=tuple(_tpot(r) for r in requests),
             decode_steps=steps,
-            graph_replays=self._runner.graph_replays - replays_before,
+            graph_replays=runner.graph_replays - replays_before,
         )
         return [r.tokens for r in requests]
 
@@ -509,6 +595,7 @@ class _ModelRunner:
         self._ensure_slots()
         # the step whose tokens are still on their way to the host: (batch, host view, event)
         self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
+        self.ended: set = set()  # requests collect() saw end that no decode has reported yet
         pinned = device.type == "cuda"
         self._host_tokens = [
             torch.zeros(llm.max_batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)
@@ -570,20 +657,30 @@ class _ModelRunner:
             return True
         return False
 
-    def collect(self) -> set:
-        """Read the pending step's tokens (waits for that step only); the requests that ended."""
+    def is_pending(self, rid) -> bool:
+        """Whether a token of ``rid`` is still on its way from the device."""
+        return self.pending is not None and rid in self.pending[0]
+
+    def collect(self) -> None:
+        """Read the pending step's tokens (waits for that step only); the requests that ended
+        join ``ended`` until a decode reports them to the loop."""
         if self.pending is None:
-            return set()
+            return
         batch, host, event = self.pending
-        self.pending = None
         if event is not None:
             event.synchronize()
+        self.pending = None
         now = _now()
-        return {
-            rid
-            for rid, token in zip(batch, host.tolist(), strict=True)
-            if self._record(rid, token, now)
-        }
+        for rid, token in zip(batch, host.tolist(), strict=True):
+            if self._record(rid, token, now):
+                self.ended.add(rid)
+
+    def revert_admission(self, request_ids: Sequence) -> None:
+        """The loop took these admissions back: forget the first tokens their prompts gave."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.reset()
 
     def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
         """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""
@@ -599,8 +696,9 @@ class _ModelRunner:
     # -- the loop's executor ------------------------------------------------------------------
     def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
         """Each prompt in its own transaction; its first token comes from the prefill logits
-        (read at once: it is the request's time to first token)."""
-        done = set()
+        (read at once: it is the request's time to first token). The tokens are recorded once
+        every prompt is in: when one fails, the loop takes them all back and nothing is kept."""
+        firsts = []
         engine = self.engine
         self._ensure_slots()
         for rid, num_tokens in requests:
@@ -619,9 +717,8 @@ class _ModelRunner:
                 if engine.has_open_step:
                     engine.abort_step(tx)
                 raise
-            if self._record(rid, int(token), _now()):
-                done.add(rid)
-        return done
+            firsts.append((rid, int(token), _now()))
+        return {rid for rid, token, now in firsts if self._record(rid, token, now)}
 
     def decode(self, batch: Sequence) -> set:
         """Launch one step for ``batch``, then collect the previous step's tokens."""
@@ -639,14 +736,16 @@ class _ModelRunner:
             else:
                 logits, greedy_ids = self._forward(tx, slots)
             tokens = self._choose(logits[:rows], greedy_ids[:rows])
-            self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
-        except BaseException:
+            engine.commit_step(tx)
+        except BaseException:  # nothing decoded: the inputs and the pending tokens stay
             if engine.has_open_step:
                 engine.abort_step(tx)
             raise
-        engine.commit_step(tx)
-        ended = self.collect()
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
+        self.collect()
         self._hand_off(batch, tokens)
+        ended, self.ended = self.ended, set()
         return ended
 
     def _attention(self, tx):
@@ -667,8 +766,9 @@ class _ModelRunner:
             self.graph_replays += 1
             return engine.replay_step(tx, held[2])
         if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
+            out = self._forward(tx, slots)
             self.warm.add((bucket, plan))
-            return self._forward(tx, slots)
+            return out
         # each graph owns its memory pool: a replaced graph (new plan bucket) frees its pool with
         # it, and a pool shared with a freed graph cannot be captured into again
         captured = engine.capture_step(tx, lambda: self._forward(tx, slots))

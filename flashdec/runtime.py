@@ -45,6 +45,14 @@ def available_host_bytes() -> int | None:
         return None
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """What ``device`` can still give: free GPU memory, or the host's available memory for
+    the CPU (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_bytes()
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -14,6 +14,8 @@ from flashdec._checks import (
     PagedDecodeStats,
     check_append_stats,
     check_choice,
+    check_device,
+    check_fraction,
     check_inv_freq,
     check_kv_layout,
     check_paged_decode_inputs,
@@ -21,8 +23,10 @@ from flashdec._checks import (
     check_request_id,
     check_rope_base,
     check_rotary_dim,
+    check_token_ids,
     paged_decode_stats,
     same_device,
+    type_name,
 )
 
 
@@ -186,3 +190,68 @@ def test_append_stats_errors(stats, match):
     check_append_stats(AppendStats(0, 9, 0, 7, 0, 0), 10, 8)
     with pytest.raises(ValueError, match=match):
         check_append_stats(stats, 10, 8)
+
+
+@pytest.mark.parametrize("value", [1, 1.0, 0.5, np.float32(0.25), 1e-9])
+def test_fraction_accepts_shares_up_to_one(value):
+    assert check_fraction("f", value) == float(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (0, ValueError),
+        (1.01, ValueError),
+        (math.nan, ValueError),
+        (-0.5, ValueError),
+        (True, TypeError),
+        ("0.5", TypeError),
+        (None, TypeError),
+    ],
+)
+def test_fraction_rejects(value, error):
+    with pytest.raises(error, match=r"f must (be in \(0, 1\]|be a float)"):
+        check_fraction("f", value)
+
+
+def test_type_names_say_where_a_type_comes_from():
+    assert [type_name(v) for v in (1, [], np.float64(1), torch.zeros(1))] == [
+        "int",
+        "list",
+        "numpy.float64",
+        "torch.Tensor",
+    ]
+
+
+def test_token_ids_accept_integers_of_any_kind():
+    for ids in ([1, 2], (1, 2), [np.int32(1), np.int64(2)], np.array([1, 2]), torch.tensor([1, 2])):
+        out = check_token_ids("p", ids)
+        assert out == [1, 2] and all(type(t) is int for t in out)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ([1, 2.0], TypeError, "got float at index 1"),
+        ([np.float32(1)], TypeError, "got numpy.float32 at index 0"),
+        ([np.bool_(True)], TypeError, "got numpy.bool"),
+        ([False], TypeError, "got bool at index 0"),
+        (np.array([True]), TypeError, "array of bool"),
+        (torch.tensor([1.0]), TypeError, "array of torch.float32"),
+        (np.zeros((1, 2), dtype=np.int64), ValueError, "must be 1-D"),
+        ("12", TypeError, "got str"),
+    ],
+)
+def test_token_ids_name_what_is_wrong(value, error, match):
+    with pytest.raises(error, match=match):
+        check_token_ids("p", value)
+
+
+def test_device_must_exist():
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="not available"):
+        check_device("cuda:99")
+    with pytest.raises(ValueError, match="invalid device"):
+        check_device("gpu")
+    with pytest.raises(TypeError, match="got int"):
+        check_device(0)

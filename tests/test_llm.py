@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
 import flashdec
-from flashdec.models import build_random_model
+from flashdec.models import BUILTIN_SHAPES, build_random_model
+from flashdec.runtime import available_host_bytes
 from tests.models.greedy import hf_greedy
 from tests.models.test_loading import _save_tokenizer
 
@@ -170,10 +172,14 @@ def test_rejected_calls_change_nothing():
         ("text", ValueError),  # no tokenizer
         ([[1.5]], TypeError),
         ([], TypeError),
+        ([[1, 2], [vocab]], ValueError),  # the good prompt before the bad one is not queued
+        ([[1, 2], [1] * 60], ValueError),
+        ([[1, 2], "text"], ValueError),
     ):
         with pytest.raises(exc):
             llm.generate(bad, NEW)
         assert llm.loop.idle and llm.engine.cache.metrics()["num_requests"] == 0
+        assert llm._runner.requests == {} and llm._next_id == 0  # nothing queued, no id taken
     with pytest.raises(ValueError, match="temperature"):
         llm.generate([[1, 2]], 4, temperature=-1.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -185,7 +191,7 @@ def test_construction_checks():
     model = _model("tiny-llama")
     with pytest.raises(TypeError, match="PreTrainedModel"):
         flashdec.LLM(42)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="neither a local model directory nor a built-in"):
         flashdec.LLM("/no/such/model/dir")
     with pytest.raises(ValueError, match="cuda_graphs"):
         flashdec.LLM(model, cuda_graphs=True)
@@ -360,3 +366,61 @@ def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
             prompts, NEW, ignore_eos=True
         )
     assert graphed._runner.graph_replays > 0
+
+
+def test_bad_arguments_fail_before_anything_runs():
+    model = _model("tiny-llama")
+    llm = flashdec.LLM(model, max_model_len=64)
+    with pytest.raises(TypeError, match="progress must be a callable"):
+        llm.generate([[1, 2]], 4, progress=5)
+    assert llm.loop.step_index == 0 and llm.engine.cache.metrics()["num_requests"] == 0
+    bad = (
+        ([np.float64(1.0)], "numpy.float64 at index 0"),
+        ([1, np.bool_(True)], "numpy.bool.* at index 1"),
+        ([1, True], "got bool at index 1"),
+        (np.array([1.0, 2.0]), "array of float64"),
+        (torch.tensor([True]), "array of torch.bool"),
+        ({1, 2}, "got set"),
+    )
+    for prompt, message in bad:
+        with pytest.raises(TypeError, match=message):
+            llm.generate([prompt], 4)
+        with pytest.raises(TypeError, match=message):
+            llm.add_request(prompt, 4)
+    with pytest.raises(ValueError, match="1-D"):
+        llm.add_request(np.array([[1, 2]]), 4)
+    assert llm._runner.requests == {} and llm._next_id == 0
+    ints = [5, 6, 7]
+    expected = llm.generate([ints], 4)
+    for same in (np.array(ints), [np.int64(t) for t in ints], torch.tensor(ints), tuple(ints)):
+        assert llm.generate([same], 4) == expected
+
+
+def test_construction_fails_cleanly_before_allocating():
+    model = _model("tiny-llama")
+    with pytest.raises(ValueError, match="not available"):
+        flashdec.LLM(model, device="cuda:99" if torch.cuda.is_available() else "cuda")
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda"):
+        flashdec.LLM(model, device="meta")
+    with pytest.raises(TypeError, match=r"device must be a str or torch\.device"):
+        flashdec.LLM(model, device=0.5)
+    assert next(model.parameters()).device.type == "cpu"  # the model did not move
+    for fraction in (0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"gpu_memory_fraction must be in \(0, 1\]"):
+            flashdec.LLM(model, gpu_memory_fraction=fraction)
+    for fraction in ("0.5", True):
+        with pytest.raises(TypeError, match="gpu_memory_fraction must be a float"):
+            flashdec.LLM(model, gpu_memory_fraction=fraction)
+    assert flashdec.LLM(model, gpu_memory_fraction=1, max_batch_size=2).engine is not None
+    too_many = available_host_bytes() // 64 + 1  # every block takes more than 64 bytes
+    for name in ("tiny-llama", "tiny-qwen2-swa"):  # one pool, and one pool per KV group
+        with pytest.raises(ValueError, match=r"num_blocks=\d+ needs a KV pool of .* free on cpu"):
+            flashdec.LLM(_model(name), num_blocks=too_many)
+
+
+def test_a_model_name_is_a_built_in_shape_or_a_directory():
+    llm = flashdec.LLM("tiny", max_batch_size=2)
+    assert llm.adapter.spec.num_layers == BUILTIN_SHAPES["tiny"].make_config().num_hidden_layers
+    assert len(llm.generate([[1, 2, 3]], 2)[0]) == 2
+    with pytest.raises(ValueError, match=r"nor a built-in shape \(tiny, .*tiny-llama"):
+        flashdec.LLM("tiny-lama")

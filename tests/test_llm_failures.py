@@ -1,0 +1,277 @@
+"""``flashdec.LLM`` under failure: an exception at any point of a step (scheduling, each prompt's
+import, each layer's attention and MLP, sampling, the commit) leaves every request as the step
+found it, and stepping on gives exactly the tokens of an uninterrupted run; results are whole
+when a request leaves; a request that can never fit is refused up front; a rejected or
+interrupted ``generate`` leaves nothing behind."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import flashdec
+from flashdec.models import build_random_model
+
+# (arrival step, prompt, max_new_tokens): two prompts imported in one step, a third joining the
+# running batch, a step that only decodes
+ARRIVALS = (
+    (0, [3, 14, 15, 92, 65], 4),
+    (0, [35, 89, 79, 32, 38, 46, 26], 3),
+    (1, [43, 38], 2),
+)
+
+
+@functools.cache
+def _model():
+    return build_random_model("tiny", dtype=torch.float32, device="cpu", seed=0)
+
+
+def _llm(**kw) -> flashdec.LLM:
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("num_blocks", 16)
+    kw.setdefault("max_model_len", 64)
+    return flashdec.LLM(_model(), **kw)
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+class Injector:
+    """Counts every call at a failure point of a step and raises at the armed one."""
+
+    def __init__(self) -> None:
+        self.left: int | None = None  # calls to let through before raising; None: disarmed
+        self.exc: type[BaseException] = InjectedError
+        self.where: list[str] = []
+
+    def arm(self, offset: int) -> None:
+        self.left = offset
+        self.exc = KeyboardInterrupt if offset % 2 == 0 else InjectedError
+        self.where = []
+
+    def hit(self, where: str) -> None:
+        if self.left is None:
+            return
+        self.where.append(where)
+        if self.left == 0:
+            self.left = None
+            raise self.exc(f"injected at {where}")
+        self.left -= 1
+
+    def wrap(self, obj, name: str, monkeypatch) -> None:
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            self.hit(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, wrapped)
+
+
+def _instrument(llm, monkeypatch) -> tuple[Injector, list]:
+    injector = Injector()
+    injector.wrap(llm.scheduler, "plan", monkeypatch)  # scheduling
+    injector.wrap(llm.adapter, "prefill", monkeypatch)  # each prompt
+    injector.wrap(llm.engine, "prefill_layer", monkeypatch)  # each prompt layer's K/V import
+    injector.wrap(llm.engine, "step_layer", monkeypatch)  # each decode layer's attention
+    injector.wrap(llm._runner, "_choose", monkeypatch)  # sampling
+    injector.wrap(llm.engine, "commit_step", monkeypatch)  # every commit
+    hooks = [  # each layer's MLP, in prefill and decode
+        layer.mlp.register_forward_pre_hook(lambda *_: injector.hit("mlp"))
+        for layer in llm.model.model.layers
+    ]
+    return injector, hooks
+
+
+def _bookkeeping(llm) -> dict:
+    """Every request as the engine, the cache, the loop and the runner see it."""
+    engine, cache, runner, loop = llm.engine, llm.engine.cache, llm._runner, llm.loop
+    rows = {}
+    for rid, req in runner.requests.items():
+        state = str(engine.request_state(rid))
+        seq_len = cache.seq_len(rid) if state != "waiting" else None
+        rows[rid] = (state, seq_len, loop.generated.get(rid), list(req.tokens), req.first_token_at)
+        if state == "active":  # never an admitted request without its context
+            prompt = req.prompt.shape[0]
+            assert seq_len == prompt + loop.generated[rid], rows[rid]
+            in_flight = runner.pending is not None and rid in runner.pending[0]
+            assert len(req.tokens) + in_flight == 1 + loop.generated[rid], rows[rid]
+    snapshot = engine.scheduling_snapshot(loop.step_index)
+    return {
+        "requests": rows,
+        "active": snapshot.active,
+        "waiting": tuple(snapshot.waiting),
+        "free": cache.num_free_blocks,
+        "step": loop.step_index,
+        "live": loop.live_ids,
+    }
+
+
+def _run(llm, injector: Injector | None = None) -> tuple[list[list[int]], int]:
+    """Step the arrivals to the end. With an injector, every step is first tried with the
+    failure at its 1st point, then its 2nd, ... until a try gets through; each failed try must
+    leave everything as it was. Returns the outputs and the number of failed tries."""
+    rids, step, failures = [], 0, 0
+    while step <= max(a for a, _, _ in ARRIVALS) or llm.has_unfinished():
+        rids += [llm.add_request(p, n) for at, p, n in ARRIVALS if at == step]
+        offset = 0
+        while injector is not None:
+            before = _bookkeeping(llm)
+            pending = llm._runner.pending
+            injector.arm(offset)
+            try:
+                llm.step()
+            except (KeyboardInterrupt, InjectedError) as exc:
+                assert str(exc).startswith("injected"), exc
+                assert _bookkeeping(llm) == before, f"after a failure at {injector.where[-1]}"
+                assert llm._runner.pending is pending  # the late-read tokens stay pending
+                llm.engine.cache.validate_invariants()
+                failures += 1
+                offset += 1
+                continue
+            assert injector.left is not None, "an injected failure was swallowed"
+            injector.left = None
+            break
+        else:
+            llm.step()
+        step += 1
+    llm.engine.cache.validate_invariants()
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+    return [llm.release(rid) for rid in rids], failures
+
+
+@functools.cache
+def _uninterrupted() -> list[list[int]]:
+    return _run(_llm())[0]
+
+
+def test_a_failure_anywhere_in_a_step_changes_no_later_token(monkeypatch):
+    llm = _llm()
+    injector, hooks = _instrument(llm, monkeypatch)
+    try:
+        outputs, failures = _run(llm, injector)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == _uninterrupted()
+    assert [len(t) for t in outputs] == [n for _, _, n in ARRIVALS]
+    # step 0 alone: the plan, two prompts (each: the call, 4 layers of K/V import and MLP, the
+    # first token, its commit) and a decode of both (4 layers of attention and MLP, sampling,
+    # the commit)
+    assert failures >= 1 + 2 * 11 + 10
+
+
+def test_a_failed_decode_keeps_the_pending_tokens_and_the_counts(monkeypatch):
+    """The decode of step 1 fails after step 0's tokens were handed off: they stay pending,
+    step 0's admissions stay, step 1's admission is taken back with its first token."""
+    llm = _llm()
+    rids = [llm.add_request(p, n) for at, p, n in ARRIVALS if at == 0]
+    llm.step()
+    late = llm.add_request(ARRIVALS[2][1], ARRIVALS[2][2])
+    pending = llm._runner.pending
+    assert pending is not None and set(pending[0]) == set(rids)
+    calls = []
+
+    def failing_mlp(module, args):
+        calls.append(args[0].shape[0])
+        if args[0].shape[0] == 3:  # the decode of all three (a prompt has 2 or more tokens)
+            raise KeyboardInterrupt
+
+    hook = llm.model.model.layers[2].mlp.register_forward_pre_hook(failing_mlp)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+    finally:
+        hook.remove()
+    assert 2 in calls  # the late prompt was imported before the decode failed
+    assert llm._runner.pending is pending
+    assert llm.loop.generated == {rids[0]: 1, rids[1]: 1, late: 0}
+    assert str(llm.engine.request_state(late)) == "waiting"
+    assert llm.output(late) == [] and llm.request_timing(late).first_token_at is None
+    assert [len(llm._runner.requests[r].tokens) for r in rids] == [1, 1]  # 2nd token pending
+    while llm.has_unfinished():
+        llm.step()
+    assert [llm.release(r) for r in [*rids, late]] == _uninterrupted()
+
+
+def test_release_returns_every_token():
+    llm = _llm()
+    rid = llm.add_request([1, 2, 3], 4)
+    while rid in llm.loop.live_ids:
+        llm.step()
+    assert llm.output(rid) == llm.release(rid)
+    expected = _llm().generate([[1, 2, 3]], 4)[0]
+    assert len(expected) == 4
+    llm = _llm()
+    rid = llm.add_request([1, 2, 3], 4)
+    while rid in llm.loop.live_ids:
+        llm.step()
+    assert llm.release(rid) == expected
+
+
+def test_a_request_that_can_never_fit_is_refused_up_front():
+    llm = _llm(num_blocks=4, max_model_len=512)  # 4 blocks of 16 tokens
+    with pytest.raises(ValueError, match=r"never fit the KV cache.*7-block.* 4"):
+        llm.generate([list(range(100))], 4)
+    with pytest.raises(ValueError, match=r"never fit the KV cache.*7-block.* 4"):
+        llm.add_request(list(range(100)), 4)
+    assert llm.loop.idle and llm._runner.requests == {} and llm._next_id == 0
+    assert llm.generate([list(range(60))], 4) == _llm(max_model_len=512).generate(
+        [list(range(60))], 4
+    )
+
+
+def test_a_request_that_can_never_fit_is_refused_per_kv_group():
+    model = build_random_model("tiny-qwen2-swa", dtype=torch.float32, device="cpu", seed=0)
+    llm = flashdec.LLM(model, num_blocks=3, max_batch_size=2, max_model_len=256)
+    with pytest.raises(ValueError, match=r"never fit the KV cache: it needs .* group \d"):
+        llm.add_request(list(range(60)), 4)
+    assert llm.loop.idle and llm._runner.requests == {}
+
+
+def test_a_request_the_scheduler_rejects_carries_the_reason(monkeypatch):
+    llm = _llm(num_blocks=4, max_model_len=512)
+    # skip the up-front check, as if the pool had shrunk since
+    monkeypatch.setattr(llm.loop, "rejection_reason", lambda spec: None, raising=False)
+    rid = llm.add_request(list(range(100)), 4)
+    record = llm.step()
+    assert record.rejected == (rid,) and "7-block table" in record.rejection_reasons[0]
+    with pytest.raises(RuntimeError, match=r"did not run: the scheduler rejected it.*7-block"):
+        llm.output(rid)
+    assert llm.release(rid) == []
+    with pytest.raises(RuntimeError, match=r"prompt 1 did not run.*7-block"):
+        llm.generate([[1, 2], list(range(100))], 4)
+    assert llm.loop.idle and llm._runner.requests == {}
+
+
+def test_a_rejected_generate_queues_nothing():
+    llm = _llm(max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1, 2], [3] * 64], 8)
+    assert llm.loop.idle and llm._runner.requests == {} and llm._next_id == 0
+    assert llm.engine.cache.metrics()["num_requests"] == 0
+
+
+def test_an_interrupted_generate_leaves_no_record(monkeypatch):
+    llm = _llm()
+    kept = llm.add_request([5, 6, 7], 2)  # the caller's own request survives the interruption
+    while llm.has_unfinished():
+        llm.step()
+    calls = []
+
+    def stop_after_two_steps(done, total):
+        calls.append(done)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5]], 8, progress=stop_after_two_steps)
+    assert list(llm._runner.requests) == [kept]
+    assert llm.loop.idle and llm._runner.pending is None
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+    llm.engine.cache.validate_invariants()
+    assert llm.generate([[1, 2, 3]], 3) == _llm().generate([[1, 2, 3]], 3)
+    assert list(llm._runner.requests) == [kept] and len(llm.release(kept)) == 2
