@@ -164,6 +164,29 @@ def test_a_failure_anywhere_in_a_step_changes_no_later_token(monkeypatch):
     assert failures >= 1 + 2 * 11 + 10
 
 
+@pytest.mark.gpu
+def test_a_failure_anywhere_in_a_graphed_step_changes_no_later_token(monkeypatch):
+    """The same on the GPU with CUDA graphs: failures land in eager warm-up runs, in graph
+    captures and around replays (the MLP runs fused there: its hooks never fire)."""
+    model = build_random_model("tiny", dtype=torch.bfloat16, device="cuda", seed=0)
+
+    def make():
+        return flashdec.LLM(
+            model, max_batch_size=4, num_blocks=16, max_model_len=64, cuda_graphs=True
+        )
+
+    expected = _run(make())[0]
+    llm = make()
+    injector, hooks = _instrument(llm, monkeypatch)
+    try:
+        outputs, failures = _run(llm, injector)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == expected and failures > 0
+    assert llm._runner.graph_replays > 0  # retried steps replayed graphs captured on a try
+
+
 def test_a_failed_decode_keeps_the_pending_tokens_and_the_counts(monkeypatch):
     """The decode of step 1 fails after step 0's tokens were handed off: they stay pending,
     step 0's admissions stay, step 1's admission is taken back with its first token."""
