@@ -25,6 +25,7 @@ FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 KV_LAYOUTS = ("token_major", "dim_major")
 DEFAULT_ROPE_BASE = 10000.0
+INT32_MAX = 2**31 - 1  # block ids and sequence lengths live in int32 tensors
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
