@@ -58,6 +58,8 @@ from flashdec.kernels.decode_plan import (
 # bound; head_dim 256 halves it (the fp32 accumulator is BLOCK_M x 256).
 PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_M_256 = 64
+# K+V bytes per loop step of a prompt chunk's tile (in q's dtype).
+PREFILL_TILE_BYTES = 32 * 1024
 # A split of a 128-row tile writes and merges 128 partial rows: longer splits than decode's.
 PREFILL_MIN_TOKENS_PER_SPLIT = 512
 
@@ -81,20 +83,23 @@ def extend_kernel_config(
 
     Up to 32 rows the kernel is decode with a few more rows: memory bound, and decode's tuned
     table applies (:func:`~flashdec.kernels.decode_plan.default_kernel_config`). Wider tiles are
-    compute bound: the FlashAttention-2 shape (64 keys per step, 8 warps for 128 rows, three
-    stages: 3 x 32 KiB of K/V plus the 32 KiB query tile in shared memory at head_dim 128).
-    These are first choices, to be confirmed by ``benchmarks/bench_extend.py --sweep``.
+    compute bound, FlashAttention-2 style: :data:`PREFILL_TILE_BYTES` of K and V per step (64
+    keys at head_dim 128 in bf16), counted in q's dtype (an FP8 tile is converted to it on chip
+    and staged at that size), three pipeline stages while the query tile and the stages fit in
+    shared memory (128 x 128 bf16: 32 KiB + 3 x 32 KiB), two beyond (head_dim 256, fp32), and
+    8 warps for 128 rows or head_dim 256. First choices, to be confirmed by
+    ``benchmarks/bench_extend.py --sweep``.
     """
     block_d = max(16, next_power_of_2(head_dim))
     if block_m <= 32:
         return default_kernel_config(
             head_dim, dtype, programs_per_sm=programs_per_sm, kv_dtype=kv_dtype
         )
-    if block_d >= 256:
-        return KernelConfig(block_n=32, num_warps=8, num_stages=2)
-    if block_m <= 64:
-        return KernelConfig(block_n=64, num_warps=4, num_stages=3)
-    return KernelConfig(block_n=64, num_warps=8 if block_d >= 128 else 4, num_stages=3)
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_n = min(128, max(16, PREFILL_TILE_BYTES // (2 * block_d * elem)))
+    num_stages = 3 if block_d * elem <= 256 else 2
+    num_warps = 8 if block_m >= 128 or block_d >= 256 else 4
+    return KernelConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 @dataclass(frozen=True)
