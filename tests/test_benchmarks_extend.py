@@ -168,3 +168,29 @@ def test_case_builds_a_consistent_problem():
     out = case.flashdec_fn(case.plan())()
     ref = paged_extend_attention_ref(case.q, case.k, case.v, case.tables, case.lens, case.qlens)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_compile_check_lists_the_matrix_and_the_gpu_variants():
+    """benchmarks/compile_extend.py (sm_90 compile without a GPU) covers every default plan of
+    the benchmark and the variants the GPU tests run; its report flags what does not fit."""
+    from benchmarks import compile_extend as ce
+
+    cases = ce.cases(ce.parse_args([]))
+    labels = {c[0] for c in cases}
+    assert {"default", "head_dim 256", "fp8", "window", "dim_major", "fp32"} <= labels
+    assert sum(c[0] == "default" for c in cases) == 72
+    sweep = ce.cases(ce.parse_args(["--sweep"]))
+    assert len(sweep) > len(cases)
+    row = {"variant": "default", "heads": "32/8/128", "dtype": "bfloat16", "shape": "x"}
+    text = ce.render(
+        {
+            "environment": _fake_environment(),
+            "kernels": 1,
+            "rows": [{**row, "smem_kib": 240.0, "fits": False}, {**row, "error": "E: boom"}],
+        }
+    )
+    assert "2 fail to compile or do not fit" in text and "**NO**" in text
+
+
+def _fake_environment():
+    return payload([])["environment"]

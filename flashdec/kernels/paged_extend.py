@@ -591,6 +591,47 @@ def launch_extend(
     plan ``k_scale``/``v_scale`` as contiguous float32 device tensors ``[num_kv_heads]``."""
     if batch == 0:
         return out
+    _EXTEND(
+        *extend_launch_arguments(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_lens,
+            sm_scale,
+            plan,
+            out,
+            partial_out,
+            partial_lse,
+            counters,
+            batch,
+            k_scale,
+            v_scale,
+        )
+    )
+    return out
+
+
+def extend_launch_arguments(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_lens,
+    sm_scale,
+    plan,
+    out,
+    partial_out,
+    partial_lse,
+    counters,
+    batch,
+    k_scale,
+    v_scale,
+) -> tuple:
+    """``(grid, tensors, scalars, constexprs, num_warps, num_stages)`` of the extend launch
+    (also what ``benchmarks/compile_extend.py`` compiles for sm_90 without a GPU)."""
     consts = _plan_constants(plan)
     if not consts.fp8:  # never read: seq_lens stands in for the scale pointers
         k_scale = v_scale = seq_lens
@@ -604,7 +645,7 @@ def launch_extend(
     else:  # never touched: out and seq_lens stand in for their pointers
         partials = (out, out, seq_lens)
         partial_strides = (0,) * 9
-    _EXTEND(
+    return (
         plan.num_programs,
         (q, k_cache, v_cache, block_tables, seq_lens, query_lens, out, *partials, k_scale, v_scale),
         (
@@ -632,7 +673,6 @@ def launch_extend(
         plan.num_warps,
         plan.num_stages,
     )
-    return out
 
 
 def extend(
