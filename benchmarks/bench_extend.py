@@ -84,6 +84,7 @@ FI_BACKENDS = ("fa2", "fa3")
 TARGET_GEOMEAN = 1.0
 TARGET_WORST = 1.15
 FI_WORKSPACE_BYTES = 512 * 2**20
+DEVICE = "cuda"  # where cases are built (the CPU tests run the interpreter)
 
 # (batches, query lengths, contexts) per class: the issue's matrix and the --quick subset
 MATRIX = {
@@ -280,8 +281,8 @@ class ExtendCase:
     FlashInfer's page arrays. ``k``/``v`` are token-major ``[pages, Hkv, page, D]`` (FlashInfer's
     HND); the NHD copy is made on first use."""
 
-    def __init__(self, shape: ExtendShape, hq, hkv, d, page, dtype, seed=0, device="cuda"):
-        dev = self.device = torch.device(device)
+    def __init__(self, shape: ExtendShape, hq, hkv, d, page, dtype, seed=0, device=None):
+        dev = self.device = torch.device(device or DEVICE)
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.shape, self.hq, self.hkv, self.d, self.page, self.dtype = (
             shape,

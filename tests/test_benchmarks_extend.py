@@ -194,3 +194,21 @@ def test_compile_check_lists_the_matrix_and_the_gpu_variants():
 
 def _fake_environment():
     return payload([])["environment"]
+
+
+def test_measure_and_sweep_rows_on_the_interpreter(monkeypatch):
+    """The measuring code paths end to end on a tiny case, with the CUDA-graph timer replaced
+    by one plain call (the CPU has no graphs)."""
+    monkeypatch.setattr(be, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(be, "graph_us_per_call", lambda fn, calls, warmup, rep: (fn(), 5.0)[1])
+    args = be.parse_args(["--heads", "4/2/16", "--page", "8", "--sweep-block-n", "16"])
+    mc = be.MatrixCase("fp16", "4/2/16", 8, be.ExtendShape("verify", 2, 3, 21))
+    row = be.measure(mc, args, None, None, CEILINGS)
+    assert row["fd_us"] == 5.0 and row["fd_error"] is None and row["plan"]["block_m"] == 16
+    assert row["fd_tflops"] > 0 and row["ratio"] is None
+    args.sweep_block_m, args.sweep_warps, args.sweep_stages = [None], [4], [2]
+    rows = be.measure_sweep(mc, be.sweep_configs(args), args)
+    assert [r["config"] for r in rows] == ["default", "Mauto N16 w4 s2 splitsauto"]
+    assert all(r["fd_us"] == 5.0 for r in rows)
+    assert be.progress_line(be.finish_row(rows[1], CEILINGS)).startswith("fp16 4/2/16 verify")
