@@ -154,10 +154,12 @@ class LLM:
         kv_cache_dtype: ``None`` or ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` stores
             them as float8_e4m3fn (1 byte per element: the KV pool holds twice the tokens of
             bf16) with fixed per-head scales, not calibrated (``stored = value / kv_scale``,
-            saturating at +-448). Needs an fp16/bf16 model. Prompt attention runs on the
-            unquantized K/V; decode reads the FP8 cache.
+            saturating at +-448). Needs an fp16/bf16 model. Prompt and decode attention
+            both read the FP8 cache.
         kv_scale: the fixed K and V scale of every head with ``kv_cache_dtype="fp8"`` (1.0 suits
             K/V of magnitude up to a few hundred); only with ``"fp8"``.
+        max_num_batched_tokens: prompt tokens one step imports at most (prompts are split into
+            chunks across steps; a sliding-window model's chunks stay below its window).
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -180,6 +182,7 @@ class LLM:
         decode_backend: str | None = None,
         kv_cache_dtype: str | None = None,
         kv_scale: float = 1.0,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
         if device is not None:
@@ -187,6 +190,9 @@ class LLM:
         fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
         if num_blocks is not None:
             check_positive_int("num_blocks", num_blocks)
+        self.max_num_batched_tokens = check_positive_int(
+            "max_num_batched_tokens", max_num_batched_tokens
+        )
         if isinstance(model, (str, os.PathLike)):
             loaded = resolve_model(model, dtype=dtype, device=device)
             model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
@@ -555,6 +561,22 @@ class LLM:
         return [r.tokens for r in requests]
 
 
+def _next_chunks(
+    left: list[tuple[object, int, int]], budget: int, limit: int
+) -> tuple[list[tuple[object, int, int]], list[tuple[object, int, int]]]:
+    """The next step's prompt chunks ``(request, start, count)``, in order, within ``budget``
+    tokens and at most ``limit`` per request; and what is left after them."""
+    chunks, rest = [], []
+    for rid, start, n in left:
+        take = min(n, limit, budget)
+        if take:
+            chunks.append((rid, start, take))
+            budget -= take
+        if take < n:
+            rest.append((rid, start + take, n - take))
+    return chunks, rest
+
+
 def _tpot(request: _Request) -> float:
     if len(request.tokens) < 2 or request.first_token_at is None:
         return 0.0
@@ -605,6 +627,10 @@ class _ModelRunner:
         sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
         self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
         self.warm: set[tuple[int, int]] = set()
+        # a prompt chunk's tokens per request and step: a sliding-window group takes fewer
+        # than its window in one step (SPEC §8.6)
+        windows = [w for w in llm.adapter.spec.layer_windows if w is not None]
+        self.chunk_limit = min(windows, default=llm.max_num_batched_tokens + 1) - 1
         self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
 
     def _ensure_slots(self) -> None:
@@ -695,30 +721,45 @@ class _ModelRunner:
 
     # -- the loop's executor ------------------------------------------------------------------
     def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
-        """Each prompt in its own transaction; its first token comes from the prefill logits
-        (read at once: it is the request's time to first token). The tokens are recorded once
-        every prompt is in: when one fails, the loop takes them all back and nothing is kept."""
+        """Import the prompts as mixed-token steps of at most ``max_num_batched_tokens`` tokens
+        (several prompts share a step, a long prompt spans several): each step runs the
+        model over the packed tokens, its attention is the engine's extend over the paged
+        cache. A prompt's first token comes from its last chunk's logits, read at once (it is
+        the request's time to first token). The tokens are recorded once every prompt is in:
+        when one fails, the loop takes them all back and nothing is kept."""
         firsts = []
         engine = self.engine
+        cache = engine.cache
         self._ensure_slots()
-        for rid, num_tokens in requests:
-            prompt = self.requests[rid].prompt
-            tx = engine.begin_prefill([rid], [num_tokens])
+        # (request, first prompt position still to import, tokens left)
+        left = [(rid, cache.seq_len(rid), n) for rid, n in requests]
+        while left:
+            chunks, left = _next_chunks(left, self.llm.max_num_batched_tokens, self.chunk_limit)
+            rids = [rid for rid, _, _ in chunks]
+            counts = [n for _, _, n in chunks]
+            ids = torch.cat([self.requests[rid].prompt[s : s + n] for rid, s, n in chunks])
+            ends = [i for i, (rid, s, n) in enumerate(chunks) if s + n == self._prompt_len(rid)]
+            rows = torch.tensor(counts, device=ids.device).cumsum(0)[ends] - 1
+            tx = engine.begin_step(rids, num_tokens=counts)
             try:
-                logits = self.adapter.prefill(
-                    prompt, lambda layer, k, v, tx=tx: engine.prefill_layer(tx, layer, k, v)
-                )
-                token = self._choose(logits[None])
-                self.last_tokens.index_copy_(
-                    0, engine.cache.transaction_slots(tx).request_slots, token
-                )
+                logits = self.adapter.decode(ids, self._attention(tx), logits_rows=rows)
+                tokens = self._choose(logits) if ends else rows  # no prompt ends: no token
+                slots = cache.transaction_slots(tx).request_slots
+                index = torch.tensor(ends, dtype=torch.long, device=slots.device)
+                self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
                 engine.commit_step(tx)
             except BaseException:
                 if engine.has_open_step:
                     engine.abort_step(tx)
                 raise
-            firsts.append((rid, int(token), _now()))
+            now = _now()
+            firsts += [
+                (rids[i], token, now) for i, token in zip(ends, tokens.tolist(), strict=True)
+            ]
         return {rid for rid, token, now in firsts if self._record(rid, token, now)}
+
+    def _prompt_len(self, rid) -> int:
+        return self.requests[rid].prompt.shape[0]
 
     def decode(self, batch: Sequence) -> set:
         """Launch one step for ``batch``, then collect the previous step's tokens."""
