@@ -283,8 +283,9 @@ class LLM:
         in ``kv_cache_dtype`` (FP8 groups get ``kv_scale`` for every head).
 
         A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
-        its pool needs only that many per running request; the full-attention group gets the
-        rest of the budget. ``num_blocks`` (when given) sizes every group's pool.
+        its pool needs only that many per running request, plus room for the blocks a prompt
+        chunk's step holds while it is open; the full-attention group gets the rest of the
+        budget. ``num_blocks`` (when given) sizes every group's pool.
         """
         spec = self.adapter.spec
         windows = sorted(set(spec.layer_windows), key=lambda w: (w is not None, w or 0))
@@ -293,8 +294,14 @@ class LLM:
         dtype = self.kv_cache_dtype
         itemsize = torch.empty((), dtype=dtype).element_size()  # FP8: 1 byte per element
         layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * self.block_size * itemsize
+        # a prompt chunk's step holds a window group's blocks from the window before its
+        # first token to its last: up to ceil(n / block_size) + 2 blocks past the bound while
+        # the step is open, for every request the step imports
+        chunk_room = -(-self.max_num_batched_tokens // self.block_size) + 2 * self.max_batch_size
         wanted = [
-            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w) + 1
+            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w)
+            + 1
+            + (0 if w is None else chunk_room)
             for w in windows
         ]
         if num_blocks is None:
