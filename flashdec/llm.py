@@ -33,7 +33,7 @@ from flashdec._checks import (
 from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import CapturedStep, DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
-from flashdec.engine.loop import LoopStep, ServingLoop
+from flashdec.engine.loop import LoopStep, ServingLoop, StepExecutor
 from flashdec.models import DecoderAdapter, resolve_model
 from flashdec.runtime import available_host_bytes, free_memory_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
@@ -158,8 +158,10 @@ class LLM:
             both read the FP8 cache.
         kv_scale: the fixed K and V scale of every head with ``kv_cache_dtype="fp8"`` (1.0 suits
             K/V of magnitude up to a few hundred); only with ``"fp8"``.
-        max_num_batched_tokens: prompt tokens one step imports at most (prompts are split into
-            chunks across steps; a sliding-window model's chunks stay below its window).
+        max_num_batched_tokens: tokens one step brings at most: the running requests' decode
+            tokens first, then prompt chunks (a long prompt is split across steps; a
+            sliding-window model's chunks stay below its window). Every step imports at least
+            one prompt token while prompts wait, so a full batch never starves them.
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -264,7 +266,12 @@ class LLM:
             SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)
         )
         self._runner = _ModelRunner(self)
-        self.loop = ServingLoop(self.engine, self.scheduler, self._runner)
+        self.loop = ServingLoop(
+            self.engine,
+            self.scheduler,
+            self._runner,
+            max_step_tokens=self.max_num_batched_tokens,
+        )
         self._next_id = 0
         self.last_stats: GenerationStats | None = None
 
@@ -568,22 +575,6 @@ class LLM:
         return [r.tokens for r in requests]
 
 
-def _next_chunks(
-    left: list[tuple[object, int, int]], budget: int, limit: int
-) -> tuple[list[tuple[object, int, int]], list[tuple[object, int, int]]]:
-    """The next step's prompt chunks ``(request, start, count)``, in order, within ``budget``
-    tokens and at most ``limit`` per request; and what is left after them."""
-    chunks, rest = [], []
-    for rid, start, n in left:
-        take = min(n, limit, budget)
-        if take:
-            chunks.append((rid, start, take))
-            budget -= take
-        if take < n:
-            rest.append((rid, start + take, n - take))
-    return chunks, rest
-
-
 def _tpot(request: _Request) -> float:
     if len(request.tokens) < 2 or request.first_token_at is None:
         return 0.0
@@ -598,7 +589,7 @@ def _now(device: torch.device | None = None) -> float:
     return time.perf_counter()
 
 
-class _ModelRunner:
+class _ModelRunner(StepExecutor):
     """The serving loop's executor for a model: prefill, decode (eager or graph), sampling.
 
     Tokens stay on the device between steps: each request's last token sits in ``last_tokens``
@@ -634,10 +625,6 @@ class _ModelRunner:
         sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
         self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
         self.warm: set[tuple[int, int]] = set()
-        # a prompt chunk's tokens per request and step: a sliding-window group takes fewer
-        # than its window in one step (SPEC §8.6)
-        windows = [w for w in llm.adapter.spec.layer_windows if w is not None]
-        self.chunk_limit = min(windows, default=llm.max_num_batched_tokens + 1) - 1
         self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
 
     def _ensure_slots(self) -> None:
@@ -727,46 +714,52 @@ class _ModelRunner:
         self.pending = (batch, host, event)
 
     # -- the loop's executor ------------------------------------------------------------------
-    def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
-        """Import the prompts as mixed-token steps of at most ``max_num_batched_tokens`` tokens
-        (several prompts share a step, a long prompt spans several): each step runs the
-        model over the packed tokens, its attention is the engine's extend over the paged
-        cache. A prompt's first token comes from its last chunk's logits, read at once (it is
-        the request's time to first token). The tokens are recorded once every prompt is in:
-        when one fails, the loop takes them all back and nothing is kept."""
-        firsts = []
-        engine = self.engine
-        cache = engine.cache
+    def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        """One engine step for the decode ``batch`` and the prompt ``chunks`` together (decode
+        rows first): the projections and the MLP run once over every packed token, attention
+        is the engine's extend over the paged cache. A step without prompt chunks is a decode
+        step (CUDA graphs). A request whose prompt ends here gets its first token from its
+        last prompt row; tokens reach the host with the next step's collect, like decode's."""
+        if not chunks:
+            return set(), self.decode(batch) if batch else set()
+        engine, cache = self.engine, self.engine.cache
         self._ensure_slots()
-        # (request, first prompt position still to import, tokens left)
-        left = [(rid, cache.seq_len(rid), n) for rid, n in requests]
-        while left:
-            chunks, left = _next_chunks(left, self.llm.max_num_batched_tokens, self.chunk_limit)
-            rids = [rid for rid, _, _ in chunks]
-            counts = [n for _, _, n in chunks]
-            ids = torch.cat([self.requests[rid].prompt[s : s + n] for rid, s, n in chunks])
-            ends = [i for i, (rid, s, n) in enumerate(chunks) if s + n == self._prompt_len(rid)]
-            rows = torch.tensor(counts, device=ids.device).cumsum(0)[ends] - 1
-            tx = engine.begin_step(rids, num_tokens=counts)
-            try:
-                logits = self.adapter.decode(ids, self._attention(tx), logits_rows=rows)
-                tokens = self._choose(logits) if ends else rows  # no prompt ends: no token
-                slots = cache.transaction_slots(tx).request_slots
-                index = torch.tensor(ends, dtype=torch.long, device=slots.device)
-                self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
-                engine.commit_step(tx)
-            except BaseException:
-                if engine.has_open_step:
-                    engine.abort_step(tx)
-                raise
-            now = _now()
-            firsts += [
-                (rids[i], token, now) for i, token in zip(ends, tokens.tolist(), strict=True)
+        batch = list(batch)
+        rids = [*batch, *(rid for rid, _ in chunks)]
+        counts = [1] * len(batch) + [n for _, n in chunks]
+        starts = [cache.seq_len(rid) for rid, _ in chunks]
+        sampled = [*range(len(batch))] + [  # requests that get a token: decode rows, ends
+            len(batch) + i
+            for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
+            if start + n == self.requests[rid].prompt.shape[0]
+        ]
+        device = self.spec.device
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        last_rows = (torch.tensor(counts, device=device).cumsum(0) - 1).index_select(0, index)
+        tx = engine.begin_step(rids, num_tokens=counts)
+        try:
+            slots = cache.transaction_slots(tx).request_slots
+            pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
+            pieces += [
+                self.requests[rid].prompt[start : start + n]
+                for (rid, n), start in zip(chunks, starts, strict=True)
             ]
-        return {rid for rid, token, now in firsts if self._record(rid, token, now)}
-
-    def _prompt_len(self, rid) -> int:
-        return self.requests[rid].prompt.shape[0]
+            logits = self.adapter.decode(
+                torch.cat(pieces), self._attention(tx), logits_rows=last_rows
+            )
+            tokens = self._choose(logits) if sampled else None
+            engine.commit_step(tx)
+        except BaseException:  # nothing committed: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.collect()
+        if tokens is not None:
+            self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
+            self._hand_off([rids[i] for i in sampled], tokens)
+        ended, self.ended = self.ended, set()
+        return set(), ended
 
     def decode(self, batch: Sequence) -> set:
         """Launch one step for ``batch``, then collect the previous step's tokens."""

@@ -299,6 +299,13 @@ class DecodeEngine:
         return self._group_shapes
 
     @property
+    def max_tokens_per_request_step(self) -> int | None:
+        """The most tokens one request may bring to one step: ``window - 1`` of the smallest
+        sliding window (``begin_step``'s rule; one token always), None without a window."""
+        windows = [w for w in self._windows if w is not None]
+        return max(1, min(windows) - 1) if windows else None
+
+    @property
     def rotary_dim(self) -> int:
         return self.rope.rotary_dim
 
@@ -724,7 +731,7 @@ class DecodeEngine:
                     f"has only {left} token(s) left"
                 )
         for g, window in enumerate(self._windows):
-            if window is not None and max(counts) >= window:
+            if window is not None and 1 < max(counts) >= window:
                 raise ValueError(
                     f"num_tokens: a step brings at most window - 1 = {window - 1} tokens of a "
                     f"request to sliding-window KV group {g} (window {window}), got "
