@@ -145,6 +145,28 @@ def check_token_ids(name: str, value: object) -> list[int]:
     return [int(t) for t in value]
 
 
+def check_token_counts(name: str, value: object, num_requests: int) -> list[int]:
+    """Per-request token counts of a step: a list or tuple of ``num_requests`` ints >= 1."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of ints, got {type(value).__name__}")
+    if len(value) != num_requests:
+        raise ValueError(f"{name} has {len(value)} entries for {num_requests} requests")
+    return [check_positive_int(f"{name}[{i}]", n) for i, n in enumerate(value)]
+
+
+def check_accept_counts(accept: object, counts: Sequence[int]) -> list[int]:
+    """How many of each request's ``counts[i]`` new tokens a commit keeps: ``0..counts[i]``."""
+    if isinstance(accept, (str, bytes)) or not isinstance(accept, (list, tuple)):
+        raise TypeError(f"accept must be a list or tuple of ints, got {type(accept).__name__}")
+    if len(accept) != len(counts):
+        raise ValueError(f"accept has {len(accept)} entries for {len(counts)} requests")
+    kept = [check_positive_int(f"accept[{i}]", a, minimum=0) for i, a in enumerate(accept)]
+    for i, (a, n) in enumerate(zip(kept, counts, strict=True)):
+        if a > n:
+            raise ValueError(f"accept[{i}] = {a} is more than the {n} token(s) request {i} brought")
+    return kept
+
+
 def check_window(window: object) -> int | None:
     """A sliding-window length: ``None`` (full attention) or an int >= 1."""
     return None if window is None else check_positive_int("window", window)
