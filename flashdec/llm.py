@@ -121,8 +121,10 @@ class LLM:
     """Greedy (or sampled) generation with a transformers causal LM through FlashDec.
 
     Args:
-        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3) or a local
-            model directory (loaded with its tokenizer, if saved).
+        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3; GGUF
+            checkpoints as transformers loads them, dequantized), a local model directory
+            (loaded with its tokenizer, if saved) or a built-in real model's name (``"smollm2"``,
+            with its tokenizer; see :mod:`flashdec.models.real`).
         dtype: the model's dtype by default; another one converts the model in place.
         device: the model's device by default; another one moves the model there.
         block_size: tokens per KV block.
@@ -415,18 +417,22 @@ class LLM:
         top_p: float = 1.0,
         seed: int | None = None,
         progress=None,
+        on_tokens=None,
     ) -> list[list[int]]:
         """Generate for every prompt; returns the generated ids only, one list per prompt, in
         order (a sequence stops after its EOS token unless ``ignore_eos``).
 
         Greedy by default (exactly transformers' greedy ``generate``); ``temperature > 0``
         samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``). ``progress(done,
-        total)`` is called after every step with the tokens generated so far.
+        total)`` is called after every step with the tokens generated so far;
+        ``on_tokens(outputs)`` (for streaming) with every prompt's tokens so far, in order.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError("prompts must be a non-empty list of token-id lists or strings")
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be callable, got {type(on_tokens).__name__}")
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if not self.loop.idle:
             raise RuntimeError(
@@ -445,11 +451,9 @@ class LLM:
             while not self.loop.idle:
                 self.loop.step()
                 steps += 1
-                if progress is not None:
-                    progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
+                self._report(rids, total, progress, on_tokens)
             self._runner.collect()
-            if progress is not None:
-                progress(sum(len(self._runner.requests[r].tokens) for r in rids), total)
+            self._report(rids, total, progress, on_tokens)
         finally:
             self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
             self._runner.pending = None
@@ -467,6 +471,14 @@ class LLM:
             graph_replays=self._runner.graph_replays - replays_before,
         )
         return [r.tokens for r in requests]
+
+    def _report(self, rids: list, total: int, progress, on_tokens) -> None:
+        """``generate``'s callbacks after a step: tokens done, and each prompt's tokens."""
+        requests = [self._runner.requests[r] for r in rids]
+        if progress is not None:
+            progress(sum(len(r.tokens) for r in requests), total)
+        if on_tokens is not None:
+            on_tokens([list(r.tokens) for r in requests])
 
 
 def _tpot(request: _Request) -> float:

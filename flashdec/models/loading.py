@@ -1,5 +1,6 @@
-"""Models by name: a local transformers directory (weights and, if present, its tokenizer) or a
-built-in random-weight shape. Nothing is downloaded: every load is ``local_files_only``."""
+"""Models by name: a local transformers directory (weights and, if present, its tokenizer), a
+built-in real model (a GGUF file an installed package ships, with its tokenizer) or a built-in
+random-weight shape. Nothing is downloaded: every load is ``local_files_only``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from flashdec._checks import FLOAT_DTYPES
+from flashdec.models.real import REAL_MODELS, load_gguf, real_model_file
 from flashdec.models.shapes import BUILTIN_SHAPES, build_random_model, default_device
 from flashdec.models.spec import check_supported, config_problems
 
@@ -30,7 +32,7 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 class LoadedModel:
     model: PreTrainedModel  # eval mode, on its target device
     tokenizer: PreTrainedTokenizerBase | None  # None: no tokenizer saved, or a built-in shape
-    source: str  # the directory, or the built-in shape's name
+    source: str  # the directory, or the built-in model's or shape's name
 
 
 def _check_dtype(dtype: object) -> None:
@@ -44,19 +46,26 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> LoadedModel:
-    """Load a model directory written by ``save_pretrained`` (and its tokenizer, if saved).
+    """Load a model directory written by ``save_pretrained`` (and its tokenizer, if saved), or
+    the built-in real model of that name (:data:`~flashdec.models.real.REAL_MODELS`, e.g.
+    ``"smollm2"``; a name wins over a directory of the same name).
 
-    ``dtype`` defaults to the checkpoint's own, ``device`` to the GPU when there is one.
-    The config is checked before any weight is read.
+    ``dtype`` defaults to the checkpoint's own (float32 for a GGUF file), ``device`` to the GPU
+    when there is one. The config is checked before any weight is read.
 
     Raises:
         TypeError: ``path`` is not a path, or ``dtype`` is not a float dtype.
         ValueError: a missing directory, no ``config.json`` or no weights in it (each naming the
-            directory), or an unsupported architecture or feature (each one named).
+            directory), a built-in real model whose package is not installed (naming the
+            package), or an unsupported architecture or feature (each one named).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     _check_dtype(dtype)
+    if isinstance(path, str) and path in REAL_MODELS:
+        device = default_device() if device is None else device
+        model, tokenizer = load_gguf(real_model_file(path), dtype=dtype, device=device)
+        return LoadedModel(model, tokenizer, path)
     directory = Path(path)
     if not directory.is_dir():
         raise ValueError(f"model directory {str(directory)!r} does not exist")
@@ -95,7 +104,7 @@ def resolve_model(
     seed: int = 0,
 ) -> LoadedModel:
     """``flashdec generate --model``: a built-in shape name (random weights from ``seed``, no
-    tokenizer) or a local model directory."""
+    tokenizer), a built-in real model name or a local model directory."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"model must be a str or os.PathLike, got {type(name_or_path).__name__}")
     name = str(name_or_path)
@@ -104,9 +113,9 @@ def resolve_model(
         return LoadedModel(
             build_random_model(name, dtype=dtype, device=device, seed=seed), None, name
         )
-    if Path(name).is_dir():
+    if name in REAL_MODELS or Path(name).is_dir():
         return load_model(name, dtype=dtype, device=device)
     raise ValueError(
-        f"model {name!r} is neither a local model directory nor a built-in shape "
-        f"({', '.join(BUILTIN_SHAPES)})"
+        f"model {name!r} is neither a local model directory nor a built-in model "
+        f"({', '.join(REAL_MODELS)}) or shape ({', '.join(BUILTIN_SHAPES)})"
     )

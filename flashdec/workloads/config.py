@@ -538,8 +538,9 @@ class ModelRunConfig:
 
     model: str = _knob(
         "tiny",
-        "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...) or a "
-        "local model directory",
+        "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...), the built-in "
+        "real model smollm2 (SmolLM2-135M-Instruct, with its tokenizer) or a local model "
+        "directory",
     )
     dtype: str = _knob(
         "auto",
@@ -593,8 +594,14 @@ class ModelRunConfig:
         shape or a directory holding a supported config. Returns its max positions."""
         from pathlib import Path
 
-        from flashdec.models import BUILTIN_SHAPES, config_problems
+        from flashdec.models import BUILTIN_SHAPES, REAL_MODELS, config_problems
+        from flashdec.models.real import real_model_problem
 
+        if self.model in REAL_MODELS:
+            problem = real_model_problem(self.model)
+            if problem is not None:
+                raise ValueError(problem)
+            return REAL_MODELS[self.model].max_position_embeddings
         if self.model in BUILTIN_SHAPES:
             config = BUILTIN_SHAPES[self.model].make_config()
         elif Path(self.model).is_dir():
@@ -608,8 +615,8 @@ class ModelRunConfig:
                 raise ValueError(f"model {self.model!r}: unsupported " + "; ".join(problems))
         else:
             raise ValueError(
-                f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) "
-                "nor a local model directory"
+                f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}), "
+                f"a built-in real model ({', '.join(REAL_MODELS)}) nor a local model directory"
             )
         return int(config.max_position_embeddings)
 
@@ -619,6 +626,7 @@ class GenerateConfig(ModelRunConfig):
     """Knobs of ``flashdec generate``."""
 
     prompt: str = _knob("", "a text prompt (needs the model's tokenizer); empty: random token ids")
+    chat: bool = _knob(False, "send the prompt as a user turn in the tokenizer's chat template")
     prompt_len: int = _knob(32, "tokens of each random prompt", minimum=1, maximum=131072)
     batch: int = _knob(4, "random prompts generated together", minimum=1, maximum=1024)
     max_new_tokens: int = _knob(32, "tokens to generate per prompt", minimum=1, maximum=131072)
@@ -641,9 +649,12 @@ class GenerateConfig(ModelRunConfig):
             raise ValueError("compare needs greedy decoding (temperature 0)")
         if self.prompt and self.batch != 1 and self.batch != GenerateConfig.batch:
             raise ValueError("a text prompt is one request: drop --batch")
+        if self.chat and not self.prompt:
+            raise ValueError("chat needs a text prompt (--prompt)")
+        from flashdec.models import REAL_MODELS
         from flashdec.models.loading import has_tokenizer
 
-        if self.prompt and not has_tokenizer(self.model):
+        if self.prompt and self.model not in REAL_MODELS and not has_tokenizer(self.model):
             raise ValueError(
                 f"a text prompt needs the model's tokenizer, and {self.model!r} has none (a "
                 "built-in shape, or a directory without tokenizer files): use --prompt-len"
