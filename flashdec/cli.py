@@ -274,15 +274,15 @@ def _run_model(console: Console, title: str, config, json_path: str | None = Non
 
     console.print(f"[bold]{title}[/bold] {config.model}: loading")
     llm = load_llm(config)
+    if title == "generate":
+        label, unit = "generating", "tokens"
+        run = lambda progress: run_generate(config, llm=llm, progress=progress)  # noqa: E731
+    else:
+        label, unit = "serving", "requests done"
+        run = lambda progress: run_serve_benchmark(llm, config, progress=progress)  # noqa: E731
     if title == "generate" and config.prompt:
         result = _generate_text(console, config, llm)
     else:
-        if title == "generate":
-            label, unit = "generating", "tokens"
-            run = lambda progress: run_generate(config, llm=llm, progress=progress)  # noqa: E731
-        else:
-            label, unit = "serving", "requests done"
-            run = lambda progress: run_serve_benchmark(llm, config, progress=progress)  # noqa: E731
         with _progress(console, label, unit) as progress:
             result = run(progress)
     console.print(_kv_table(f"FlashDec {title}", result.rows()))
