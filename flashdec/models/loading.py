@@ -1,12 +1,13 @@
-"""Models by name: a local transformers directory (weights and, if present, its tokenizer) or a
-built-in random-weight shape. Nothing is downloaded: every load is ``local_files_only``, and no
-code from a model directory ever runs: every load passes ``trust_remote_code=False``, and a
-config that asks for the directory's own code (``auto_map``) is refused before transformers
-reads it."""
+"""Models by name: a local transformers directory (weights and, if present, its tokenizer), a
+built-in real model (a GGUF file an installed package ships, with its tokenizer) or a built-in
+random-weight shape. Nothing is downloaded: every load is ``local_files_only``, and no code from
+a model directory ever runs: every load passes ``trust_remote_code=False``, and a config that
+asks for the directory's own code (``auto_map``) is refused before transformers reads it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +29,23 @@ from transformers.utils import (
 )
 
 from flashdec._checks import FLOAT_DTYPES
+from flashdec.models.real import (
+    _LOCAL_ONLY,
+    REAL_MODELS,
+    cache_root,
+    converted_dir,
+    load_gguf,
+    real_model_file,
+)
 from flashdec.models.shapes import BUILTIN_SHAPES, build_random_model, default_device
 from flashdec.models.spec import FAMILIES, check_supported, config_problems
+
+log = logging.getLogger("flashdec")
 
 # any of these marks a saved tokenizer (fast, sentencepiece or BPE vocab files)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # the weight files transformers' from_pretrained reads from a local directory
 _WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
-# never transformers' interactive prompt, never the directory's own Python files
-_LOCAL_ONLY = {"local_files_only": True, "trust_remote_code": False}
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -50,7 +59,7 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
 class LoadedModel:
     model: PreTrainedModel  # eval mode, on its target device
     tokenizer: PreTrainedTokenizerBase | None  # None: no tokenizer saved, or a built-in shape
-    source: str  # the directory, or the built-in shape's name
+    source: str  # the directory, or the built-in model's or shape's name
 
 
 def _check_dtype(dtype: object) -> None:
@@ -123,18 +132,24 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> LoadedModel:
-    """Load a model directory written by ``save_pretrained`` (and its tokenizer, if saved).
+    """Load a model directory written by ``save_pretrained`` (and its tokenizer, if saved), or
+    the built-in real model of that name (:data:`~flashdec.models.real.REAL_MODELS`, e.g.
+    ``"smollm2"``; a name wins over a directory of the same name).
 
-    ``dtype`` defaults to the checkpoint's own, ``device`` to the GPU when there is one.
-    The directory is checked by :func:`check_model_dir` before any weight is read; none of its
-    code runs.
+    ``dtype`` defaults to the checkpoint's own (float32 for a real model), ``device`` to the GPU
+    when there is one. The directory (a real model's: the one :func:`~flashdec.models.real.
+    converted_dir` writes on first use) is checked by :func:`check_model_dir` before any weight
+    is read; none of its code runs.
 
     Raises:
         TypeError: ``path`` is not a path, or ``dtype`` is not a float dtype.
         ValueError: what :func:`check_model_dir` refuses, weights or a tokenizer transformers
-            cannot read (each naming the directory), or an unsupported module (each one named).
+            cannot read (each naming the directory), a built-in real model whose package is not
+            installed (naming the package), or an unsupported module (each one named).
     """
     _check_dtype(dtype)
+    if isinstance(path, str) and path in REAL_MODELS:
+        return _load_real(path, dtype, device)
     config = check_model_dir(path)
     directory = Path(path)
     try:
@@ -158,6 +173,27 @@ def load_model(
     return LoadedModel(model, tokenizer, str(directory))
 
 
+def _load_real(name: str, dtype: torch.dtype | None, device) -> LoadedModel:
+    """A built-in real model: from its converted directory (a local model directory like any
+    other), or straight from the GGUF file when the cache cannot be written."""
+    file = real_model_file(name)
+    try:
+        directory = converted_dir(file)
+    except OSError as exc:
+        log.warning(
+            "cannot cache %s's float32 weights under %s (%s): reading the GGUF file, which is "
+            "slow, on every load (set XDG_CACHE_HOME to a writable directory)",
+            name,
+            cache_root(),
+            exc,
+        )
+        device = default_device() if device is None else device
+        model, tokenizer = load_gguf(file, dtype=dtype, device=device)
+        return LoadedModel(model, tokenizer, name)
+    loaded = load_model(directory, dtype=dtype, device=device)
+    return LoadedModel(loaded.model, loaded.tokenizer, name)
+
+
 def resolve_model(
     name_or_path: str,
     *,
@@ -166,7 +202,7 @@ def resolve_model(
     seed: int = 0,
 ) -> LoadedModel:
     """``flashdec generate --model``: a built-in shape name (random weights from ``seed``, no
-    tokenizer) or a local model directory."""
+    tokenizer), a built-in real model name or a local model directory."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"model must be a str or os.PathLike, got {type(name_or_path).__name__}")
     name = str(name_or_path)
@@ -175,9 +211,9 @@ def resolve_model(
         return LoadedModel(
             build_random_model(name, dtype=dtype, device=device, seed=seed), None, name
         )
-    if Path(name).is_dir():
+    if name in REAL_MODELS or Path(name).is_dir():
         return load_model(name, dtype=dtype, device=device)
     raise ValueError(
         f"model {name!r} is neither a local model directory nor a built-in shape "
-        f"({', '.join(BUILTIN_SHAPES)})"
+        f"({', '.join(BUILTIN_SHAPES)}) or real model ({', '.join(REAL_MODELS)})"
     )

@@ -155,8 +155,12 @@ def config_problems(config: PretrainedConfig) -> list[str]:
     )
     if act != "silu":
         problems.append(f"MLP activation {act!r} (only silu)")
-    if getattr(config, "quantization_config", None) is not None:
-        problems.append("quantized weights (quantization_config)")
+    method = quantization_method(config)
+    if method is not None and method != "gguf":
+        problems.append(
+            f"quantized weights (quantization_config quant_method={method!r}; FlashDec runs "
+            "float weights: GGUF checkpoints, which transformers dequantizes on load, are accepted)"
+        )
 
     if model_type in FAMILIES:
         head_dim = _head_dim(config)
@@ -168,6 +172,15 @@ def config_problems(config: PretrainedConfig) -> list[str]:
                 f"num_attention_heads={heads} not a multiple of num_kv_heads={kv_heads}"
             )
     return problems
+
+
+def quantization_method(config: PretrainedConfig) -> str | None:
+    """The config's ``quantization_config`` method (``"gguf"``, ``"fp8"``, ...), or None."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    return str(getattr(method, "value", method))  # transformers' QuantizationMethod enum
 
 
 def _is_rms_norm(module: object) -> bool:
@@ -241,10 +254,26 @@ def module_problems(model: PreTrainedModel) -> list[str]:
         problems.append(f"weights on several devices {devices} (one device only)")
     elif devices[0] == "meta":
         problems.append("weights on the meta device (not materialised)")
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    packed = [(n, p.dtype) for n, p in model.named_parameters() if not p.is_floating_point()]
+    if packed:
+        problems.append(_packed_problem(model.config, packed))
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
     if len(dtypes) != 1 or model.dtype not in FLOAT_DTYPES:
         problems.append(f"weight dtypes {dtypes} (one of float32, float16, bfloat16)")
     return problems
+
+
+def _packed_problem(config: PretrainedConfig, packed: list[tuple[str, torch.dtype]]) -> str:
+    """Weights that stayed quantized (integer blocks) instead of arriving as floats."""
+    name, dtype = packed[0]
+    more = f" and {len(packed) - 1} more" if len(packed) > 1 else ""
+    fix = ""
+    if quantization_method(config) == "gguf":  # transformers can keep GGUF blocks packed
+        fix = "; load the GGUF file with quantization_config=GgufConfig(dequantize=True)"
+    return (
+        f"weights left quantized ({name} is {str(dtype).removeprefix('torch.')}{more}): "
+        f"FlashDec multiplies float weights only{fix}"
+    )
 
 
 def check_supported(model: PreTrainedModel) -> None:

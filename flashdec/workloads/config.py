@@ -545,8 +545,9 @@ class ModelRunConfig:
 
     model: str = _knob(
         "tiny",
-        "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...) or a "
-        "local model directory",
+        "a built-in random-weight shape (tiny, llama3-8b-shape, tiny-qwen2, ...), the built-in "
+        "real model smollm2 (SmolLM2-135M-Instruct, with its tokenizer) or a local model "
+        "directory",
     )
     dtype: str = _knob(
         "auto",
@@ -602,12 +603,19 @@ class ModelRunConfig:
 
     def model_config(self):
         """The model's transformers config, read alone (no weights, none of a directory's
-        code): a built-in shape's, or a directory's that ``check_model_dir`` accepts."""
+        code): a built-in shape's, a built-in real model's (from its registry entry, once its
+        packages are found) or a directory's that ``check_model_dir`` accepts."""
         from pathlib import Path
 
-        from flashdec.models import BUILTIN_SHAPES
+        from flashdec.models import BUILTIN_SHAPES, REAL_MODELS
         from flashdec.models.loading import check_model_dir
+        from flashdec.models.real import real_model_problem
 
+        if self.model in REAL_MODELS:
+            problem = real_model_problem(self.model)
+            if problem is not None:
+                raise ValueError(problem)
+            return REAL_MODELS[self.model].config()
         if self.model in BUILTIN_SHAPES:
             return BUILTIN_SHAPES[self.model].make_config()
         try:
@@ -617,8 +625,8 @@ class ModelRunConfig:
         if is_dir:
             return check_model_dir(self.model)
         raise ValueError(
-            f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) "
-            "nor a local model directory"
+            f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}), "
+            f"a built-in real model ({', '.join(REAL_MODELS)}) nor a local model directory"
         )
 
     def check_model(self) -> int:
@@ -646,8 +654,8 @@ class ModelRunConfig:
         """What the run needs at least, on its device: the weights (every parameter once, in
         the run's dtype), a KV pool that holds the longest request (``flashdec.LLM`` sizes its
         pool to what is free: more requests run at once when memory allows) and the LLM's
-        activation reserve. A directory's weights load on the host first; a built-in shape's
-        are made in place."""
+        activation reserve. A directory's or a real model's weights load on the host first; a
+        built-in shape's are made in place."""
         from transformers import AutoModelForCausalLM
 
         from flashdec.llm import _ACTIVATION_RESERVE, LLM  # what LLM reserves, one definition
@@ -678,6 +686,7 @@ class GenerateConfig(ModelRunConfig):
     """Knobs of ``flashdec generate``."""
 
     prompt: str = _knob("", "a text prompt (needs the model's tokenizer); empty: random token ids")
+    chat: bool = _knob(False, "send the prompt as a user turn in the tokenizer's chat template")
     prompt_len: int = _knob(32, "tokens of each random prompt", minimum=1, maximum=131072)
     batch: int = _knob(4, "random prompts generated together", minimum=1, maximum=1024)
     max_new_tokens: int = _knob(32, "tokens to generate per prompt", minimum=1, maximum=131072)
@@ -702,9 +711,12 @@ class GenerateConfig(ModelRunConfig):
             raise ValueError("a text prompt is one request: drop --batch")
         if self.prompt and self.prompt_len != GenerateConfig.prompt_len:
             raise ValueError("a text prompt sets its own length: drop --prompt-len")
+        if self.chat and not self.prompt:
+            raise ValueError("chat needs a text prompt (--prompt)")
+        from flashdec.models import REAL_MODELS
         from flashdec.models.loading import has_tokenizer
 
-        if self.prompt and not has_tokenizer(self.model):
+        if self.prompt and self.model not in REAL_MODELS and not has_tokenizer(self.model):
             raise ValueError(
                 f"a text prompt needs the model's tokenizer, and {self.model!r} has none (a "
                 "built-in shape, or a directory without tokenizer files): use --prompt-len"
@@ -720,9 +732,14 @@ class GenerateConfig(ModelRunConfig):
     def longest_request(self) -> int:
         """Tokens the longest request holds: prompt and output."""
         if self.prompt:
-            # a token is at least one byte; room for special tokens and a chat template
-            return len(self.prompt.encode()) + 64 + self.max_new_tokens
+            return self.text_token_bound(self.prompt) + self.max_new_tokens
         return self.prompt_len + self.max_new_tokens
+
+    @staticmethod
+    def text_token_bound(text: str) -> int:
+        """At most how many tokens ``text`` takes as a prompt: a token is at least one byte;
+        room for special tokens and a chat template."""
+        return len(text.encode()) + 64
 
     @classmethod
     def demo_defaults(cls, seed: int = 0) -> GenerateConfig:

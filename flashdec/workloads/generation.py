@@ -1,14 +1,16 @@
 """``flashdec generate``: a real (or random-weight) model generating through FlashDec.
 
-Loads a built-in shape or a local model directory, generates for a text prompt or a batch of
-random prompts, and reports what a user asks first: tokens per second, time to first token, time
-per output token — and, with ``compare``, whether the tokens are exactly transformers' own greedy
-ones.
+Loads a built-in shape, the built-in real model or a local model directory, generates for text
+prompts (optionally in the chat template) or a batch of random prompts, and reports what a user
+asks first: the text, tokens per second, time to first token, time per output token — and, with
+``compare``, whether the tokens are exactly transformers' own greedy ones. :class:`ChatDemo` is
+``flashdec demo``'s real-model part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,24 +18,38 @@ import torch
 from flashdec.workloads.config import GenerateConfig, ModelRunConfig
 from flashdec.workloads.stats import LatencyStats
 
+# `flashdec demo`'s chat turns: short answers, a list, a poem (tests keep their own)
+DEMO_CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Write a short poem about the sea.",
+    "Explain in one sentence what a CPU does.",
+)
+DEMO_CHAT_NEW_TOKENS = 28
 
-def load_llm(config: ModelRunConfig):
-    """The model of ``config`` (a built-in shape with seeded random weights, or a directory)
-    wrapped in :class:`flashdec.LLM`."""
+
+def load_llm(config: ModelRunConfig, loaded=None, *, max_model_len: int | None = None):
+    """The model of ``config`` (a built-in shape with seeded random weights, a built-in real
+    model, or a directory; ``loaded``: already loaded) wrapped in :class:`flashdec.LLM`, its KV
+    pool sized for the requests ``config`` runs at once."""
     from flashdec.llm import LLM
     from flashdec.models import resolve_model
 
-    loaded = resolve_model(
-        config.model, dtype=config.torch_dtype(), device=config.torch_device(), seed=config.seed
-    )
-    llm = LLM(
+    if loaded is None:
+        loaded = resolve_model(
+            config.model, dtype=config.torch_dtype(), device=config.torch_device(), seed=config.seed
+        )
+    max_batch_size = config.max_batch_size
+    if isinstance(config, GenerateConfig):  # its prompts all run at once: no larger pool
+        max_batch_size = min(max_batch_size, 1 if config.prompt else config.batch)
+    return LLM(
         loaded.model,
         tokenizer=loaded.tokenizer,
-        max_batch_size=config.max_batch_size,
+        max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
         cuda_graphs=config.graphs(),
         kv_cache_dtype=config.kv_cache_dtype,
     )
-    return llm
 
 
 @dataclass(frozen=True)
@@ -45,7 +61,8 @@ class GenerateResult:
     num_prompts: int
     prompt_tokens: int
     generated: tuple[tuple[int, ...], ...]  # per prompt, the new ids only
-    text: str | None  # the first output decoded, when the model has a tokenizer
+    # per prompt, the new ids decoded (special tokens left out), when the model has a tokenizer
+    texts: tuple[str, ...] | None
     elapsed_s: float  # submission of the first prompt to the last token
     ttft: LatencyStats
     tpot: LatencyStats
@@ -55,8 +72,18 @@ class GenerateResult:
     first_divergence: tuple[int | None, ...] | None = None
 
     @property
+    def text(self) -> str | None:
+        """The first output decoded."""
+        return self.texts[0] if self.texts else None
+
+    @property
     def generated_tokens(self) -> int:
         return sum(len(g) for g in self.generated)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every prompt's tokens equal transformers' (False without ``compare``)."""
+        return self.matches_transformers == self.num_prompts
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,10 +141,32 @@ class GenerateResult:
 
 def _prompts(config: GenerateConfig, llm) -> list:
     if config.prompt:
+        if config.chat:
+            from flashdec.models import chat_prompt
+
+            return [chat_prompt(llm.tokenizer, config.prompt)]
         return [config.prompt]
     gen = torch.Generator().manual_seed(config.seed)
     vocab = llm.adapter.spec.vocab_size
     return torch.randint(0, vocab, (config.batch, config.prompt_len), generator=gen).tolist()
+
+
+class TextStream:
+    """Hands a growing output's decoded text to ``emit`` piece by piece, holding a piece back
+    while it ends inside a multi-byte character (decoded as U+FFFD until its last byte)."""
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]) -> None:
+        self.tokenizer = tokenizer
+        self.emit = emit
+        self.text = ""  # emitted so far
+
+    def update(self, tokens: Sequence[int], final: bool = False) -> None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if (text.endswith("\ufffd") and not final) or not text.startswith(self.text):
+            return
+        if len(text) > len(self.text):
+            self.emit(text[len(self.text) :])
+            self.text = text
 
 
 def run_generate(
@@ -125,13 +174,21 @@ def run_generate(
     *,
     llm=None,
     progress: Callable[[int, int], None] | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> GenerateResult:
-    """Generate with ``config`` (``llm``: an already loaded model to reuse)."""
+    """Generate with ``config`` (``llm``: an already loaded model to reuse; ``prompts``: token-id
+    lists to run instead of the config's prompt; ``on_text``: receives the first output's text
+    piece by piece as it is generated)."""
     config = config or GenerateConfig()
     llm = llm or load_llm(config)
-    prompts = _prompts(config, llm)
+    prompts = [list(p) for p in prompts] if prompts is not None else _prompts(config, llm)
+    if on_text is not None and llm.tokenizer is None:
+        raise ValueError("streaming text needs the model's tokenizer")
+    stream = None if on_text is None else TextStream(llm.tokenizer, on_text)
+    on_tokens = None if stream is None else lambda outputs: stream.update(outputs[0])
 
-    def generate(progress=None):
+    def generate(progress=None, on_tokens=None):
         return llm.generate(
             prompts,
             config.max_new_tokens,
@@ -141,11 +198,14 @@ def run_generate(
             top_p=config.top_p,
             seed=config.seed if config.temperature > 0 else None,
             progress=progress,
+            on_tokens=on_tokens,
         )
 
     if config.warmup_run:
         generate()
-    generated = generate(progress)
+    generated = generate(progress, on_tokens)
+    if stream is not None:
+        stream.update(generated[0], final=True)
     stats = llm.last_stats
     matches = equal = divergence = None
     if config.compare:
@@ -165,7 +225,9 @@ def run_generate(
         num_prompts=stats.num_requests,
         prompt_tokens=stats.prompt_tokens,
         generated=tuple(tuple(g) for g in generated),
-        text=tokenizer.decode(generated[0]) if tokenizer is not None else None,
+        texts=None
+        if tokenizer is None
+        else tuple(tokenizer.decode(g, skip_special_tokens=True) for g in generated),
         elapsed_s=stats.elapsed_s,
         ttft=LatencyStats.from_seconds(stats.ttft_s),
         tpot=LatencyStats.from_seconds([t for t in stats.tpot_s if t > 0]),
@@ -173,6 +235,62 @@ def run_generate(
         tokens_equal=equal,
         first_divergence=divergence,
     )
+
+
+@dataclass(frozen=True)
+class ChatDemo:
+    """``flashdec demo``'s real text, loaded and ready: each message as one chat turn to a
+    built-in real model in float32, checked token for token against transformers' greedy
+    generate."""
+
+    messages: tuple[str, ...]
+    config: GenerateConfig
+    llm: object  # flashdec.LLM, its KV pool sized for just these requests
+    prompts: tuple[tuple[int, ...], ...]  # the messages in the chat template
+
+    @staticmethod
+    def config_for(
+        messages: Sequence[str] = DEMO_CHAT_PROMPTS,
+        *,
+        model: str = "smollm2",
+        max_new_tokens: int = DEMO_CHAT_NEW_TOKENS,
+        device: str = "auto",
+    ) -> GenerateConfig:
+        """What the chat turns run as, known before the model loads (its memory can be checked
+        first): ``prompt_len`` bounds the longest turn's tokens in the chat template."""
+        config = GenerateConfig(
+            model=model,
+            dtype="float32",
+            device=device,
+            batch=len(messages),
+            prompt_len=max(GenerateConfig.text_token_bound(m) for m in messages),
+            max_new_tokens=max_new_tokens,
+            compare=True,
+        )
+        return dataclasses.replace(config, warmup_run=config.on_gpu)  # Triton compiles once
+
+    @classmethod
+    def load(
+        cls,
+        messages: Sequence[str] = DEMO_CHAT_PROMPTS,
+        *,
+        config: GenerateConfig | None = None,
+        loaded=None,
+    ) -> ChatDemo:
+        """The turns ready to run under ``config`` (default: :meth:`config_for` the messages;
+        ``loaded``: the model already loaded, in float32)."""
+        from flashdec.models import chat_prompt, resolve_model
+
+        config = config or ChatDemo.config_for(messages)
+        if loaded is None:
+            loaded = resolve_model(config.model, dtype=torch.float32, device=config.torch_device())
+        prompts = tuple(tuple(chat_prompt(loaded.tokenizer, m)) for m in messages)
+        longest = max(map(len, prompts)) + config.max_new_tokens
+        llm = load_llm(config, loaded, max_model_len=longest)
+        return cls(tuple(messages), config, llm, prompts)
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> GenerateResult:
+        return run_generate(self.config, llm=self.llm, progress=progress, prompts=self.prompts)
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:

@@ -184,7 +184,12 @@ CONFIG_CASES = [
     ("llama", {"hidden_act": "gelu"}, ["MLP activation 'gelu' (only silu)"]),
     ("llama", {"head_dim": 15}, ["head_dim=15 (must be even and <= 256)"]),
     ("llama", {"head_dim": 320}, ["head_dim=320 (must be even and <= 256)"]),
-    ("llama", {"quantization_config": {"quant_method": "fp8"}}, ["quantized weights"]),
+    (
+        "llama",
+        {"quantization_config": {"quant_method": "fp8"}},
+        ["quantized weights (quantization_config quant_method='fp8'", "GGUF checkpoints"],
+    ),
+    ("qwen2", {"quantization_config": {"quant_method": "bitsandbytes"}}, ["'bitsandbytes'"]),
     (
         "llama",
         {"architectures": ["LlamaForSequenceClassification"]},
@@ -298,3 +303,52 @@ class TestUnsupported:
             model = AutoModelForCausalLM.from_config(_config("llama"))
         with pytest.raises(ValueError, match="meta device"):
             check_supported(model)
+
+
+GGUF = {"quant_method": "gguf", "gguf_file": "model.Q4_1.gguf", "dequantize": False}
+
+
+class TestGGUF:
+    """transformers loads a GGUF checkpoint with ``quantization_config`` method ``gguf`` and, for
+    FlashDec's families, every weight dequantized to float: that runs; blocks kept packed do not."""
+
+    def test_dequantized_gguf_checkpoint_is_supported(self):
+        config = _config("llama", quantization_config=GGUF)
+        assert config_problems(config) == []
+        model = random_model(config, dtype=torch.float32, device="cpu")
+        assert model_spec(model).family == "llama"
+
+    def test_gguf_config_as_transformers_object(self):
+        from transformers import GgufConfig
+
+        config = _config("llama")
+        config.quantization_config = GgufConfig(gguf_file="model.gguf")
+        assert config_problems(config) == []
+
+    def test_weights_left_in_gguf_blocks_are_refused_naming_why(self):
+        # transformers >= 5.17 keeps GGUF blocks packed in GgufLinear where it has a kernel
+        packed = pytest.importorskip("transformers.integrations.gguf.utils")
+        dequant = pytest.importorskip("transformers.integrations.gguf.dequant")
+        if not hasattr(packed, "GgufLinear"):
+            pytest.skip("this transformers has no GgufLinear")
+        model = random_model(
+            _config("llama", quantization_config=GGUF), dtype=torch.float32, device="cpu"
+        )
+        model.model.layers[0].mlp.up_proj = packed.GgufLinear(32, 48, dequant.GGML_Q8_0)
+        with pytest.raises(ValueError) as info:
+            check_supported(model)
+        message = str(info.value)
+        assert "weights left quantized (model.layers.0.mlp.up_proj.weight is uint8)" in message
+        assert "FlashDec multiplies float weights only" in message
+        assert "GgufConfig(dequantize=True)" in message
+        assert "projection layers.0.mlp.up_proj of type GgufLinear" in message
+        assert "weight dtypes" not in message  # the float weights all agree
+
+    def test_integer_weights_without_gguf_name_no_gguf_remedy(self):
+        model = _llama()
+        for name in ("up_proj", "down_proj"):
+            linear = getattr(model.model.layers[1].mlp, name)
+            linear.weight = nn.Parameter(linear.weight.to(torch.int8), requires_grad=False)
+        with pytest.raises(ValueError, match=r"is int8 and 1 more\): FlashDec") as info:
+            check_supported(model)
+        assert "GgufConfig" not in str(info.value)
