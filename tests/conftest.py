@@ -17,6 +17,8 @@ if not HAS_CUDA:
 
 import pytest  # noqa: E402
 
+from tests import profiles  # noqa: E402, F401  (registers and loads the hypothesis profiles)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
