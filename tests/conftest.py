@@ -16,6 +16,8 @@ if not HAS_CUDA:
     # Tests use tiny tensors and run two pytest workers on two cores: intra-op threads only add
     # contention (measured here: a small einsum took 1.7 ms with 2 threads, 0.06 ms with 1).
     torch.set_num_threads(1)
+    # the same for the processes tests start (README examples, `python -m flashdec`)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
