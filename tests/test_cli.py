@@ -343,11 +343,11 @@ DEVICE_CASE = (
 )
 
 
+# Every usage error leaves through parser.error (exit status 2), so all share this path from the
+# process's side; BAD_COMMANDS checks each message in-process. These two depend on the machine.
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["workload", "scheduler", "--trace", "nope"], "invalid choice: 'nope'"),
-        (["workload", "synthetic", "--num-kv-heads", "3"], "multiple of num_kv_heads"),
         (["workload", "synthetic", *DEVICE_CASE], "TRITON_INTERPRET" if HAS_CUDA else "CUDA"),
         (["workload", "integrated", "--num-blocks", "1073741824"], "memory"),
     ],
@@ -358,12 +358,6 @@ def test_errors_as_a_user_sees_them(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in _assert_one_error_line(proc.stdout, proc.stderr)
     assert proc.stdout == "" and not path.exists()
-
-
-def test_workload_without_a_name_as_a_user_sees_it():
-    proc = _flashdec("workload")
-    assert proc.returncode == 2
-    assert "needs a NAME" in _assert_one_error_line(proc.stdout, proc.stderr)
 
 
 def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from flashdec._blocks import blocks_for_tokens, held_block_range, lifetime_block
 from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.cache.paged_kv_cache import torch_scatter
 from tests.cache.snapshot import assert_same_state, snapshot
+from tests.profiles import examples
 
 SEEDS = st.integers(0, 2**16)
 
@@ -316,9 +318,9 @@ class GroupedCacheMachine(RuleBasedStateMachine):
             assert torch.equal(_bits(v_layer[blocks, :, offsets]), _bits(want_v))
 
 
-TestGroupedCacheStateful = GroupedCacheMachine.TestCase
+TestGroupedCacheStateful = pytest.mark.large(GroupedCacheMachine.TestCase)
 TestGroupedCacheStateful.settings = settings(
-    max_examples=300,
+    max_examples=examples(300, ci=60),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

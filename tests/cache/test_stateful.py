@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from hypothesis.stateful import (
 from flashdec.cache import PagedKVCache
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
 from tests.cache.snapshot import assert_same_state, snapshot
+from tests.profiles import examples
 
 SEEDS = st.integers(0, 2**16)
 RARELY = st.sampled_from([False] * 5 + [True])  # a deliberate mistake now and then
@@ -455,9 +457,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert torch.equal(_bits(got_v), _bits(want_v)), f"V of {rid!r} changed"
 
 
-TestPagedKVCacheStateful = CacheMachine.TestCase
+TestPagedKVCacheStateful = pytest.mark.large(CacheMachine.TestCase)
 TestPagedKVCacheStateful.settings = settings(
-    max_examples=60,
+    max_examples=examples(60, ci=15),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -70,7 +70,8 @@ class TestPlan:
         assert not ws.counters.any()
 
 
-@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (2, 2), (8, 1), (6, 2)], ids=str)
+# groups of 1, 3 (padded to the merge tile's 4) and 8 (MQA)
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (8, 1), (6, 2)], ids=str)
 def test_ragged_batch_fused_and_separate_merge(hq, hkv, device):
     dtype = torch.float16
     k, v, tables, lens, kd, vd = make_paged_kv(RAGGED, hkv, 32, 8, dtype, device)

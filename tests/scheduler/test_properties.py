@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from flashdec.scheduler import (
     make_scheduler,
 )
 from flashdec.scheduler.spec import ceil_div
+from tests.profiles import examples
 from tests.scheduler.reference_policy import reference_plan
 from tests.scheduler.sim import simulate
 from tests.scheduler.strategies import configs, snapshots
@@ -93,7 +95,8 @@ def test_decisions_respect_caps_and_reserve(snapshot, config, policy):
         assert need <= snapshot.free_blocks - config.reserve_blocks or not admitted
 
 
-@SETTINGS
+@pytest.mark.large
+@settings(max_examples=examples(150, ci=40), deadline=None)
 @given(traces(), configs)
 def test_lifetime_never_stalls_and_everything_admitted_completes(trace, config):
     specs, arrivals, bs, num_blocks, prefixes = trace
@@ -112,7 +115,8 @@ def test_lifetime_never_stalls_and_everything_admitted_completes(trace, config):
         assert (s.request_id in out.rejected) == (private > capacity)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.large
+@settings(max_examples=examples(40, ci=10), deadline=None)
 @given(
     traces(max_requests=10),
     configs.filter(lambda c: c.aging_threshold is not None),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -33,6 +34,7 @@ from flashdec.scheduler import (
     lifetime_private_blocks,
     make_scheduler,
 )
+from tests.profiles import examples
 from tests.scheduler.reference_policy import reference_plan
 from tests.scheduler.strategies import active_row
 
@@ -236,8 +238,10 @@ class QueueMachine(RuleBasedStateMachine):
                 assert view.has_id(rid) == any(r.request_id == rid for r in expected)
 
 
-QueueMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
-TestWaitingQueueScheduling = QueueMachine.TestCase
+QueueMachine.TestCase.settings = settings(
+    max_examples=examples(60, ci=15), stateful_step_count=25, deadline=None
+)
+TestWaitingQueueScheduling = pytest.mark.large(QueueMachine.TestCase)
 
 
 def test_large_queue_rounds_match_the_oracle():
