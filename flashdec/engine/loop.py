@@ -288,6 +288,15 @@ class ServingLoop:
         return [rid for rid in left if rid in stuck], victims
 
     # ------------------------------------------------------------------ running and stopping
+    def cancel(self, request_id: object) -> None:
+        """Cancel one waiting or running request between steps (a client went away): a running
+        one's blocks return to the pool at once. ValueError unless it is live; RuntimeError
+        inside an open engine step (nothing changes then)."""
+        if not self.is_live(request_id):
+            raise ValueError(f"request {request_id!r} is not waiting or running")
+        self.engine.cancel_request(request_id)
+        self._live.discard(request_id)
+
     def close(self) -> tuple[tuple, tuple]:
         """Cancel every request still running or waiting (an early stop, a deadlock); returns
         ``(active_ids, waiting_ids)`` as they were."""
