@@ -22,6 +22,7 @@ from flashdec.server.engine import EngineThread
 log = logging.getLogger("flashdec.server")
 
 STARTUP_TIMEOUT_S = 30.0
+BACKLOG = 2048  # uvicorn's default
 
 
 def require_http_stack() -> None:
@@ -37,12 +38,13 @@ def require_http_stack() -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one); OSError when it cannot be."""
+    """A TCP socket listening on ``host:port`` (port 0: a free one); OSError when it cannot."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(BACKLOG)  # connections wait in the backlog until uvicorn accepts them
     except OSError:
         sock.close()
         raise
