@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from benchmarks import bench_http as bh  # noqa: E402
+from benchmarks import bench_http as bh
 
 
 def test_the_trace_is_serve_traces():
