@@ -96,10 +96,17 @@ def launch_arguments(plan, lens: list[int]):
 
 
 def compile_plan(plan, lens: list[int]):
-    """The kernel of ``plan`` compiled for sm_90, specialised as Triton 3.6 would (pointers
-    16-byte aligned; ints equal to 1 constant, others tagged when divisible by 16)."""
+    """The kernel of ``plan`` compiled for sm_90 (:func:`compile_launch`)."""
     tensors, scalars, constexprs = launch_arguments(plan, lens)
-    fn = pd._decode_kernel
+    return compile_launch(
+        pd._decode_kernel, tensors, scalars, constexprs, plan.num_warps, plan.num_stages
+    )
+
+
+def compile_launch(fn, tensors, scalars, constexprs, num_warps: int, num_stages: int):
+    """A ``@triton.jit`` kernel compiled for sm_90 with the arguments of a launch (tensors may
+    be meta tensors), specialised as Triton 3.6 would (pointers 16-byte aligned; ints equal to
+    1 constant, others tagged when divisible by 16)."""
     signature, constants, attrs = {}, {}, {}
     values = [*tensors, *scalars, *constexprs]
     first_constexpr = len(tensors) + len(scalars)
@@ -116,7 +123,7 @@ def compile_plan(plan, lens: list[int]):
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constants, attrs)
-    options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(src, target=TARGET, options=options)
 
 
@@ -143,11 +150,17 @@ def inner_loop(sass: str) -> list[str]:
     return min(loops, key=len) if loops else []
 
 
-def analyse(plan, lens: list[int]) -> dict[str, Any]:
-    kernel = compile_plan(plan, lens)
+def resources(kernel) -> tuple[int | None, int | None]:
+    """Registers per thread and local-memory (spill) bytes of a compiled kernel."""
     usage = _cuobjdump(kernel, "-res-usage")
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
+    return (int(regs.group(1)) if regs else None), (int(local.group(1)) if local else None)
+
+
+def analyse(plan, lens: list[int]) -> dict[str, Any]:
+    kernel = compile_plan(plan, lens)
+    regs, spills = resources(kernel)
     loop = inner_loop(_cuobjdump(kernel, "-sass"))
     elem = 1 if plan.kv_dtype == FP8 else torch.empty((), dtype=plan.dtype).element_size()
     tile_kib = plan.block_n * plan.head_dim * 2 * elem / 1024
@@ -157,8 +170,8 @@ def analyse(plan, lens: list[int]) -> dict[str, Any]:
         "num_warps": plan.num_warps,
         "num_stages": plan.num_stages,
         "splits": plan.num_splits,
-        "regs": int(regs.group(1)) if regs else None,
-        "spill_bytes": int(local.group(1)) if local else None,
+        "regs": regs,
+        "spill_bytes": spills,
         "smem_kib": kernel.metadata.shared / 1024,
         "loop_instructions": len(loop),
         "warp_instructions_per_kib": len(loop) * plan.num_warps / tile_kib if loop else None,

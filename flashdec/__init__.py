@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     # references
     "dense_decode_attention_ref": "flashdec.reference",
     "paged_decode_attention_ref": "flashdec.reference",
+    "paged_extend_attention_ref": "flashdec.reference",
     "apply_rope": "flashdec.reference",
     # Triton kernels
     "decode": "flashdec.kernels",
@@ -23,6 +24,11 @@ _EXPORTS: dict[str, str] = {
     "plan_decode": "flashdec.kernels",
     "DecodePlan": "flashdec.kernels",
     "DecodeWorkspace": "flashdec.kernels",
+    "extend": "flashdec.kernels",
+    "paged_extend_attention": "flashdec.kernels",
+    "plan_extend": "flashdec.kernels",
+    "ExtendPlan": "flashdec.kernels",
+    "ExtendWorkspace": "flashdec.kernels",
     "kv_append": "flashdec.kernels",
     "clear_validation_cache": "flashdec.kernels",
     "fused_rope_kv_append": "flashdec.kernels",

@@ -71,3 +71,17 @@ def lifetime_blocks(total_tokens: int, block_size: int, window: int | None = Non
     # p >= window - 1: the window [s, s + window) with s = p + 1 - window in [0, total - window]
     # spans (s % bs + window - 1) // bs + 1 blocks, largest for the largest reachable s % bs
     return (min(total - window, bs - 1) + window - 1) // bs + 1
+
+
+def reserved_blocks(start: int, count: int, block_size: int, window: int | None) -> int:
+    """New blocks a step of ``count`` tokens after ``start`` committed ones takes in a group
+    while it is open (the window's blocks are released only when it commits): for a window
+    group, blocks from the first one the window keeps after the step (always the last
+    token's) on, less those already held."""
+    end = -(-(start + count) // block_size)
+    first, held_end = held_range(start, block_size, window)
+    if window is None:
+        return end - held_end
+    stored = min(held_range(start + count, block_size, window)[0], end - 1)
+    first_new = stored if first == held_end else max(stored, held_end)
+    return max(0, end - first_new)

@@ -25,6 +25,7 @@ FP8_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 KV_LAYOUTS = ("token_major", "dim_major")
 DEFAULT_ROPE_BASE = 10000.0
+INT32_MAX = 2**31 - 1  # block ids and sequence lengths live in int32 tensors
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
@@ -142,6 +143,28 @@ def check_token_ids(name: str, value: object) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise TypeError(f"{name} must hold int token ids, got {type_name(token)} at index {i}")
     return [int(t) for t in value]
+
+
+def check_token_counts(name: str, value: object, num_requests: int) -> list[int]:
+    """Per-request token counts of a step: a list or tuple of ``num_requests`` ints >= 1."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of ints, got {type(value).__name__}")
+    if len(value) != num_requests:
+        raise ValueError(f"{name} has {len(value)} entries for {num_requests} requests")
+    return [check_positive_int(f"{name}[{i}]", n) for i, n in enumerate(value)]
+
+
+def check_accept_counts(accept: object, counts: Sequence[int]) -> list[int]:
+    """How many of each request's ``counts[i]`` new tokens a commit keeps: ``0..counts[i]``."""
+    if isinstance(accept, (str, bytes)) or not isinstance(accept, (list, tuple)):
+        raise TypeError(f"accept must be a list or tuple of ints, got {type(accept).__name__}")
+    if len(accept) != len(counts):
+        raise ValueError(f"accept has {len(accept)} entries for {len(counts)} requests")
+    kept = [check_positive_int(f"accept[{i}]", a, minimum=0) for i, a in enumerate(accept)]
+    for i, (a, n) in enumerate(zip(kept, counts, strict=True)):
+        if a > n:
+            raise ValueError(f"accept[{i}] = {a} is more than the {n} token(s) request {i} brought")
+    return kept
 
 
 def check_window(window: object) -> int | None:
@@ -406,10 +429,15 @@ def paged_decode_stats(
     seq_lens: torch.Tensor,
     dims: PagedDecodeDims,
     window: int | None = None,
+    query_lens: torch.Tensor | None = None,
 ) -> PagedDecodeStats:
     """The stats computed with torch on the host (the reference; the Triton kernels compute the
     same on the device). With a sliding ``window`` only the blocks holding a request's last
-    ``window`` tokens are read, so only those table entries must be valid."""
+    ``window`` tokens are read, so only those table entries must be valid.
+
+    ``query_lens`` (extend: the new tokens of each request, the last ones of its ``seq_len``)
+    moves the first block read back to the first new token's window: a request reads its last
+    ``window + query_len - 1`` tokens (one query is a decode's ``window``)."""
     if dims.batch == 0:
         return PagedDecodeStats(0, 0, 0, None, None)
     lens = seq_lens.to("cpu", torch.int64)
@@ -417,12 +445,16 @@ def paged_decode_stats(
     used = used.clamp(max=dims.max_blocks_per_seq)
     columns = torch.arange(dims.max_blocks_per_seq)[None, :]
     mask = columns < used[:, None]
+    attended = lens
     if window is not None:
-        first = (lens - window).clamp(min=0) // dims.block_size  # [B] first block in the window
+        reach = torch.full_like(lens, window)
+        if query_lens is not None:
+            reach += query_lens.to("cpu", torch.int64) - 1
+        first = (lens - reach).clamp(min=0) // dims.block_size  # [B] first block in the window
         mask &= columns >= first[:, None]
+        attended = torch.minimum(lens, reach)
     ids = block_tables.to("cpu", torch.int64)[mask]
     min_id, max_id = (int(ids.min()), int(ids.max())) if ids.numel() else (None, None)
-    attended = lens if window is None else lens.clamp(max=window)
     return PagedDecodeStats(int(lens.min()), int(lens.max()), int(attended.sum()), min_id, max_id)
 
 
@@ -450,11 +482,75 @@ def check_paged_decode_values(
     seq_lens: torch.Tensor,
     dims: PagedDecodeDims,
     window: int | None = None,
+    query_lens: torch.Tensor | None = None,
 ) -> PagedDecodeStats:
     """Value checks on the host (copies the metadata: for references and tests)."""
-    stats = paged_decode_stats(block_tables, seq_lens, dims, window)
+    stats = paged_decode_stats(block_tables, seq_lens, dims, window, query_lens)
     check_paged_decode_stats(stats, dims)
     return stats
+
+
+# --------------------------------------------------------------------------------------------
+# paged extend (several new tokens per request)
+# --------------------------------------------------------------------------------------------
+def check_paged_extend_inputs(
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    block_tables: object,
+    seq_lens: object,
+    query_lens: object,
+    kv_layout: str = "token_major",
+) -> tuple[PagedDecodeDims, int]:
+    """Structural checks (no host sync) for one layer's extend call: ``q [total_q, Hq, D]``
+    packed request by request, ``query_lens [B]``. Returns the dims of the batch (``batch`` =
+    ``len(query_lens)``) and ``total_q``. Each query_len is >= 1, so fewer rows than requests
+    is already a ValueError here; the values themselves are :func:`check_query_len_stats`'s."""
+    q = check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    query_lens = check_int_tensor("query_lens", query_lens, ndim=1, device=q.device)
+    batch, total_q = query_lens.shape[0], q.shape[0]
+    for name, meta, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
+        if isinstance(meta, torch.Tensor) and meta.dim() == ndim and meta.shape[0] != batch:
+            raise ValueError(
+                f"{name} has {meta.shape[0]} rows but query_lens {batch}: one per request"
+            )
+    if total_q < batch or (batch == 0 and total_q):
+        raise ValueError(
+            f"q has {total_q} rows but query_lens has {batch} entries, each >= 1: q must be "
+            "[sum(query_lens), num_q_heads, head_dim]"
+        )
+    dims = check_paged_decode_inputs(q[:batch], k_cache, v_cache, block_tables, seq_lens, kv_layout)
+    return dims, total_q
+
+
+class QueryLenStats(NamedTuple):
+    """What the checks of an extend call read off its ``query_lens`` (batch > 0)."""
+
+    min_len: int
+    max_len: int
+    max_excess: int  # largest query_len - seq_len: > 0 means a query longer than its request
+    total: int
+
+
+def query_len_stats(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> QueryLenStats:
+    """The stats computed with torch on the host (batch > 0; the device kernel's reference)."""
+    qls = query_lens.to("cpu", torch.int64)
+    excess = qls - seq_lens.to("cpu", torch.int64)
+    return QueryLenStats(int(qls.min()), int(qls.max()), int(excess.max()), int(qls.sum()))
+
+
+def check_query_len_stats(stats: QueryLenStats, total_q: int) -> None:
+    """Every request brings at least one and at most ``seq_len`` new tokens (``seq_lens``
+    count them), and the new tokens are q's rows."""
+    if stats.min_len < 1:
+        raise ValueError(f"query_lens must each be >= 1, got min {stats.min_len}")
+    if stats.max_excess > 0:
+        raise ValueError(
+            "each query_len must be <= its request's seq_len (seq_lens include the new tokens); "
+            f"one exceeds it by {stats.max_excess}"
+        )
+    if stats.total != total_q:
+        raise ValueError(f"query_lens must sum to q's {total_q} rows, got {stats.total}")
 
 
 # --------------------------------------------------------------------------------------------

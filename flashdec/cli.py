@@ -8,28 +8,30 @@ Every error reaches the user as one line on stderr, ``flashdec: error: <what and
 - exit status 2 for a bad flag or configuration, found before any work starts (argparse, the
   config's own checks, the ``--json`` path, the memory estimate against what is free);
 - exit status 1 for a failure during a run (the traceback only with ``-v``);
-- exit status 130 when interrupted.
+- exit status 130 when interrupted, start-up included (torch, transformers and the model load for
+  seconds: this module imports them only inside ``main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import NoReturn
-
-import torch
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, NoReturn
 
 from flashdec import __version__
-from flashdec.runtime import available_host_bytes, environment_report, prepare_triton
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 log = logging.getLogger("flashdec")
 
@@ -45,24 +47,37 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"flashdec: error: {_one_line(message)}\n")
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser, config_cls) -> None:
-    """One ``--field-name`` option per dataclass field, typed, defaulted and constrained by it."""
+def _add_config_arguments(
+    parser: argparse.ArgumentParser, config_cls, exclusive: tuple[str, ...] = ()
+) -> None:
+    """One ``--field-name`` option per dataclass field, typed, defaulted and constrained by it;
+    the fields named in ``exclusive`` may not be given together."""
+    group = parser.add_mutually_exclusive_group() if exclusive else None
     for field in dataclasses.fields(config_cls):
         default = field.default
         flag = "--" + field.name.replace("_", "-")
         help_text = field.metadata.get("help", "")
+        target = group if field.name in exclusive else parser
         if isinstance(default, bool):
             parser.add_argument(
                 flag, default=default, action=argparse.BooleanOptionalAction, help=help_text
             )
         else:
-            parser.add_argument(
+            target.add_argument(
                 flag,
                 type=type(default),
-                default=default,
+                # argparse sees a conflict only for a value that is not the default object
+                # (``--prompt-len 32`` parses to the cached int 32): None stands for the default
+                default=None if target is group else default,
                 choices=field.metadata.get("choices"),
                 help=f"{help_text} (default: {default})",
             )
+
+
+def _config_values(args: argparse.Namespace, config_cls) -> dict:
+    """The config's fields as parsed; an option left out (None) takes the field's default."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _workloads() -> dict:
@@ -95,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate with a model (a built-in random-weight shape or a local directory) and "
         "report tokens/s, TTFT and TPOT",
     )
-    _add_config_arguments(generate, GenerateConfig)
+    _add_config_arguments(generate, GenerateConfig, exclusive=("prompt", "prompt_len"))
     generate.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     serve = sub.add_parser(
         "bench-serve",
@@ -151,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_env(console: Console) -> None:
+    from rich.table import Table
+
+    from flashdec.runtime import environment_report
+
     report = environment_report()
     table = Table(title="FlashDec environment", show_header=False)
     table.add_column("item", style="bold")
@@ -161,6 +180,8 @@ def _print_env(console: Console) -> None:
 
 
 def _print_spec(console: Console, groups) -> None:
+    from rich.table import Table
+
     from flashdec.cache import format_kv_spec
 
     table = Table(title="KV layer groups")
@@ -204,39 +225,62 @@ def _check_memory(parser: argparse.ArgumentParser, config) -> None:
     """Refuse a run whose estimated memory exceeds what the device or the host has free."""
     if not hasattr(config, "memory_estimate"):
         return  # the scheduler workload's traces are tiny and fixed
+    import torch
+
+    from flashdec import runtime
+
     est = config.memory_estimate()
-    kv = f"KV cache {_size(est.kv_cache_bytes)} = {config.kv_description()}"
+    kv = f"KV cache {_size(est.kv_cache_bytes)} for {config.kv_description()}"
+    if est.weight_bytes:  # a model run
+        parts = f"weights {_size(est.weight_bytes)}, {kv}"
+        hint = "try a smaller --model, --dtype bfloat16 (half of float32) or shorter requests"
+        host_parts = parts if est.device.type == "cpu" else f"weights {_size(est.weight_bytes)}"
+        host_hint = hint
+    else:
+        parts = kv
+        hint = "lower --num-blocks, --num-layers or --max-batch-size"
+        on_cpu = f"{kv}, on the CPU; " if est.device.type == "cpu" else ""
+        host_parts = f"{on_cpu}bookkeeping for {config.num_requests:,} requests"
+        host_hint = "lower --num-requests, --num-blocks or --num-layers"
     if est.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(est.device)
         if est.device_bytes > free:
             parser.error(
-                f"the run needs an estimated {_size(est.device_bytes)} of GPU memory ({kv}), "
-                f"more than the {_size(free)} free on {est.device}; lower --num-blocks, "
-                "--num-layers or --max-batch-size"
+                f"the run needs an estimated {_size(est.device_bytes)} of GPU memory ({parts}), "
+                f"more than the {_size(free)} free on {est.device}; {hint}"
             )
-    available = available_host_bytes()
+    available = runtime.available_host_bytes()
     if available is not None and est.host_bytes > available:
-        on_cpu = f"{kv}, on the CPU; " if est.device.type == "cpu" else ""
         parser.error(
-            f"the run needs an estimated {_size(est.host_bytes)} of host memory ({on_cpu}"
-            f"bookkeeping for {config.num_requests:,} requests), more than the "
-            f"{_size(available)} available; lower --num-requests, --num-blocks or --num-layers"
+            f"the run needs an estimated {_size(est.host_bytes)} of host memory ({host_parts}), "
+            f"more than the {_size(available)} available; {host_hint}"
         )
 
 
 def _check_json_path(parser: argparse.ArgumentParser, path: str | None) -> None:
-    """``--json PATH`` must name a file we can write, checked before the run."""
+    """``--json PATH`` must name a file we can write, checked before the run by opening it
+    (permission bits say nothing to root, nor about /proc or a read-only mount)."""
     if path is None:
         return
+    if not path:
+        parser.error("--json needs a file path, got ''")
     target = Path(path)
-    folder = target.parent
     if target.is_dir():
         parser.error(f"--json {path}: is a directory; give a file path")
-    if not folder.is_dir():
-        parser.error(f"--json {path}: directory {str(folder)!r} does not exist")
-    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK)
-    if not writable:
-        parser.error(f"--json {path}: not writable")
+    for parent in reversed((target.parent, *target.parent.parents)):
+        if parent.exists() and not parent.is_dir():
+            parser.error(f"--json {path}: {str(parent)!r} is a file, not a directory")
+    if not target.parent.is_dir():
+        parser.error(f"--json {path}: directory {str(target.parent)!r} does not exist")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or os.strerror(exc.errno or errno.EIO)
+        parser.error(f"--json {path}: cannot be written ({reason})")
+    if not existed:
+        target.unlink()  # a refused run leaves nothing behind
 
 
 def _progress(
@@ -258,10 +302,18 @@ def _run_workload(console: Console, name: str, config, json_path: str | None = N
 
     entry = registry()[name]
     console.print(f"[bold]workload[/bold] {name}: {config}")
-    with _progress(console) as progress:
+    # a rejected request ends the workload's wait for it too: the count says so
+    with _progress(console, unit="requests finished or rejected") as progress:
         result = entry.run(config, progress=progress)
     for renderable in entry.tables(result):
         console.print(renderable)
+    rejected = getattr(result, "rejected", 0)
+    if rejected:
+        console.print(
+            f"[bold yellow]warning:[/bold yellow] {rejected} of {result.num_requests} requests "
+            "were rejected: each needs more KV blocks than the pool holds (--num-blocks, "
+            "--block-size)"
+        )
     if json_path:
         with open(json_path, "w") as fh:
             fh.write(result_to_json(result))
@@ -338,17 +390,20 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         _print_env(console)
         return 0
     if args.command == "spec":
-        from flashdec.cache import parse_kv_spec
+        from flashdec.cache.kv_spec import check_storable, parse_kv_spec
 
-        _print_spec(console, _checked_config(parser, lambda: parse_kv_spec(args.spec)))
+        groups = _checked_config(parser, lambda: parse_kv_spec(args.spec))
+        _checked_config(parser, lambda: check_storable(groups))
+        _print_spec(console, groups)
         return 0
     if args.command in ("generate", "bench-serve"):
         from flashdec.workloads.config import GenerateConfig, ServeConfig
 
         config_cls = GenerateConfig if args.command == "generate" else ServeConfig
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+        values = _config_values(args, config_cls)
         config = _checked_config(parser, lambda: config_cls(**values))
         _check_json_path(parser, args.json)
+        _check_memory(parser, config)
         return _run_model(console, args.command, config, args.json)
     if args.command == "serve":
         return _serve(parser, args, console)
@@ -360,6 +415,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         config = _checked_config(
             parser, lambda: IntegratedWorkloadConfig.demo_defaults(seed=args.seed)
         )
+        _check_memory(parser, generation)
         _check_memory(parser, config)
         _run_model(console, "generate", generation)
         return _run_workload(console, "integrated", config)
@@ -371,7 +427,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
                 "(flashdec workload NAME --help lists its knobs)"
             )
         config_cls = workloads[args.workload].config_cls
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+        values = _config_values(args, config_cls)
         config = _checked_config(parser, lambda: config_cls(**values))
         _check_json_path(parser, args.json)
         _check_memory(parser, config)
@@ -380,9 +436,14 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _start(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Imports (seconds: torch, then transformers), Triton's mode, the parsed arguments."""
+    from flashdec.runtime import prepare_triton  # imports torch
+
     mode = prepare_triton()  # before anything imports Triton
     if mode != "native":
+        import torch
+
         # CPU runs use small tensors: extra intra-op threads only contend for the cores
         torch.set_num_threads(1)
     parser = build_parser()
@@ -391,23 +452,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    # piped output (CI logs, files) is not limited to rich's 80-column default
-    console = Console(width=None if sys.stdout.isatty() else 120)
     log.debug("triton mode: %s", mode)
+    return parser, args
+
+
+def _interrupted() -> int:
+    print("flashdec: error: interrupted", file=sys.stderr)
+    return 130
+
+
+@contextmanager
+def _noting_interrupts() -> Iterator[list[bool]]:
+    """Ctrl-C raises KeyboardInterrupt as ever, and is noted: an import it cuts short can end in
+    another error (numpy's C module: RuntimeError on the retried initialisation)."""
+    pressed: list[bool] = []
+
+    def on_sigint(signum, frame) -> NoReturn:
+        pressed.append(True)
+        raise KeyboardInterrupt
+
+    installed = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if installed:
+        signal.signal(signal.SIGINT, on_sigint)
     try:
-        return _dispatch(parser, args, console)
-    except KeyboardInterrupt:
-        print("flashdec: error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        if args.verbose:
-            traceback.print_exc()
-        hint = "" if args.verbose else " (-v shows the traceback)"
-        print(
-            f"flashdec: error: the run failed: {type(exc).__name__}: {_one_line(exc)}{hint}",
-            file=sys.stderr,
-        )
-        return 1
+        yield pressed
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    with _noting_interrupts() as pressed:
+        try:
+            parser, args = _start(argv)
+        except KeyboardInterrupt:
+            return _interrupted()
+        except Exception:
+            if pressed:
+                return _interrupted()
+            raise
+        try:
+            from rich.console import Console
+
+            # piped output (CI logs, files) is not limited to rich's 80-column default
+            console = Console(width=None if sys.stdout.isatty() else 120)
+            return _dispatch(parser, args, console)
+        except KeyboardInterrupt:
+            return _interrupted()
+        except Exception as exc:
+            if pressed:
+                return _interrupted()
+            if args.verbose:
+                traceback.print_exc()
+            hint = "" if args.verbose else " (-v shows the traceback)"
+            print(
+                f"flashdec: error: the run failed: {type(exc).__name__}: {_one_line(exc)}{hint}",
+                file=sys.stderr,
+            )
+            return 1
 
 
 if __name__ == "__main__":

@@ -4,15 +4,19 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
-#   launch e2e
+#   launch e2e extendtests extend extendsweep
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
-#   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS
+#   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
+#   (extend, extendsweep)
 #   window: sliding-window decode time, bytes and blocks held, L = W..32W (~1.5 min,
 #     window_groups.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
 #   decodefp8: FP8 e4m3 KV against bf16 and FlashInfer's FP8 decode (~3 min, decode_fp8.md);
 #   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md);
 #   tunefp8: the same sweep over FP8 KV (<= 4 min, decode_tuning_fp8.md)
+#   extendtests: the extend kernel's tests only (tests/kernels/test_extend.py, CPU cases too);
+#   extend: extend attention vs FlashInfer's best prefill path, issue 20's matrix (<= 8 min
+#     budget, extend.md); extendsweep: its launch-configuration sweep (extend_sweep.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -82,6 +86,17 @@ for phase in $PHASES; do
     launch)
       python3 benchmarks/bench_launch.py --out-dir "$OUT" ${LAUNCH_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
+    extendtests)
+      python3 -m pytest tests/kernels/test_extend.py tests/reference/test_extend_ref.py -q \
+        -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    extend)
+      python3 benchmarks/bench_extend.py --out-dir "$OUT" ${EXTEND_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    extendsweep)
+      python3 benchmarks/bench_extend.py --sweep --out-dir "$OUT" ${EXTEND_ARGS:-} 2>&1 \
+        | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
     e2e)
       python3 benchmarks/bench_e2e.py --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
@@ -98,6 +113,9 @@ for f in decode decode_fp8; do
   [ -f "$OUT/$f.md" ] && grep -q "^## Targets" "$OUT/$f.md" \
     && { echo "--- $f.md"; sed -n '/^## Targets/,/^## Summary/p' "$OUT/$f.md"; }
 done
+[ -f "$OUT/extend.md" ] && { echo "--- extend.md"; sed -n '/^## Targets/,/^## All shapes/p' "$OUT/extend.md"; }
+[ -f "$OUT/extend_sweep.md" ] && { echo "--- extend_sweep.md"; \
+  sed -n '/^## Best configuration/,/^## Best per shape/p' "$OUT/extend_sweep.md"; }
 for f in decode_tuning decode_tuning_fp8; do
   [ -f "$OUT/$f.md" ] && grep -q "^## Tiles" "$OUT/$f.md" \
     && { echo "--- $f.md"; sed -n '/^## Best configuration/,/^## Tiles/p' "$OUT/$f.md"; }

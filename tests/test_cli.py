@@ -8,18 +8,23 @@ traceback, no JSON written.
 import dataclasses
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
 import flashdec
-import flashdec.cli as cli
+from flashdec import runtime
 from flashdec.cli import build_parser, main
-from flashdec.workloads import report, run_synthetic_workload
+from flashdec.workloads import generation, report, run_synthetic_workload
 from flashdec.workloads.report import ProgressLines, engine_result_tables
+from tests.models.test_loading import write_remote_code_model
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -30,6 +35,13 @@ def _assert_one_error_line(out: str, err: str) -> str:
     assert lines[0].startswith("flashdec: error: "), err
     assert "Traceback" not in out + err
     return lines[0]
+
+
+def _never(name):
+    def runner(*args, **kwargs):
+        raise AssertionError(f"{name} ran")
+
+    return runner
 
 
 @pytest.fixture
@@ -112,6 +124,7 @@ BAD_COMMANDS = [
     (["demo", "--seed", "-1"], "seed must be >= 0"),
     (["launch"], "invalid choice: 'launch'"),
     (["generate", "--model", "nope"], "neither a built-in shape"),
+    (["generate", "--model", "/nonexistent/dir"], "neither a built-in shape"),
     (["generate", "--prompt-len", "-3"], "prompt_len must be >= 1"),
     (["generate", "--prompt", "hello"], "needs the model's tokenizer"),
     (["generate", "--temperature", "1", "--compare"], "compare needs greedy decoding"),
@@ -119,7 +132,25 @@ BAD_COMMANDS = [
     (["generate", "--prompt-len", "4000"], "exceeds the model's max_position_embeddings"),
     (["generate", "--dtype", "int8"], "argument --dtype: invalid choice"),
     (["generate", "--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice"),
-    (["generate", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "needs dtype float16 or"),
+    (["generate", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "add --dtype bfloat16"),
+    (["generate", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice"),
+    (["generate", "--top-p", "-0.5"], "top_p must be > 0, got -0.5"),
+    (["generate", "--top-p", "0"], "top_p must be > 0, got 0.0"),
+    (["generate", "--top-p", "1e999"], "top_p must be finite"),
+    (["generate", "--top-p", "many"], "argument --top-p: invalid float value: 'many'"),
+    (["generate", "--prompt", "hi", "--prompt-len", "8"], "--prompt-len: not allowed with"),
+    (["generate", "--prompt-len", "32", "--prompt", "hi"], "--prompt: not allowed with"),
+    (["generate", "--model", ""], "neither a built-in shape"),
+    (["generate", "--model", "x" * 5000], "neither a built-in shape"),
+    (["generate", "--json", ""], "--json needs a file path, got ''"),
+    (["generate", "--json", "/"], "--json /: is a directory"),
+    (["workload", "synthetic", "--num-blocks", "0"], "num_blocks must be >= 1, got 0"),
+    (["workload", "synthetic", "--num-blocks", "2147483648"], "block ids are int32"),
+    (["spec", "(2,0,16,8,128):bfloat16:4"], "num_blocks must be >= 1, got 0"),
+    (["spec", "(2,99999999999999999999,16,8,128):bfloat16:4"], "num_blocks must be <= 2147483647"),
+    (["generate", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
+    (["bench-serve", "--json", "/proc/x.json"], "--json /proc/x.json: cannot be written"),
+    (["bench-serve", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "add --dtype bfloat16"),
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
 ]
@@ -145,19 +176,32 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys, runs):
 
 
 def test_json_path_is_checked_before_the_run(tmp_path, capsys, runs):
+    (tmp_path / "file").write_text("")
     for path, message in (
         (tmp_path / "missing" / "r.json", "does not exist"),
         (tmp_path, "is a directory"),
+        (tmp_path / "file" / "r.json", f"'{tmp_path / 'file'}' is a file, not a directory"),
+        (tmp_path / "file" / "sub" / "r.json", "is a file, not a directory"),
     ):
         with pytest.raises(SystemExit) as exc:
             main(["workload", "synthetic", "--json", str(path)])
         assert exc.value.code == 2
         assert message in _assert_one_error_line(*capsys.readouterr())
-    assert runs == [] and list(tmp_path.iterdir()) == []
+    assert runs == [] and [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_json_path_is_opened_not_judged_by_permission_bits(capsys, runs):
+    # root passes every permission check; only opening the file tells
+    with pytest.raises(SystemExit) as exc:
+        main(["workload", "synthetic", "--json", "/proc/x.json"])
+    assert exc.value.code == 2
+    assert "/proc/x.json: cannot be written" in _assert_one_error_line(*capsys.readouterr())
+    assert runs == []
 
 
 def test_runs_that_cannot_fit_in_host_memory_are_refused(monkeypatch, capsys, runs):
-    monkeypatch.setattr(cli, "available_host_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(runtime, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(SystemExit) as exc:
         main(["workload", "integrated", "--num-requests", "100000000"])
     assert exc.value.code == 2
@@ -168,7 +212,7 @@ def test_runs_that_cannot_fit_in_host_memory_are_refused(monkeypatch, capsys, ru
 
 
 def test_host_available_bytes_reads_the_machine():
-    available = cli.available_host_bytes()
+    available = runtime.available_host_bytes()
     assert available is None or available > 0
 
 
@@ -198,10 +242,19 @@ def test_synthetic_workload_via_cli_writes_json_with_progress_lines(tmp_path, ca
     assert code == 0
     assert json.loads(path.read_text())["finished"] == 4
     out = capsys.readouterr().out
-    assert "completion rate" in out
+    assert "completion rate" in out and "rejected:" not in out
     # stdout is not a terminal here: plain progress lines, the last one at 100%
     lines = [line for line in out.splitlines() if line.startswith("decoding: ")]
-    assert lines and lines[-1].startswith("decoding: 4/4 requests done (100%")
+    assert lines and lines[-1].startswith("decoding: 4/4 requests finished or rejected (100%")
+
+
+def test_a_workload_that_rejects_every_request_says_so(capsys):
+    # a request needs up to 8 blocks of 8 tokens; the pool has 1
+    assert main(["workload", "synthetic", "--num-blocks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "requests done" not in out
+    assert "decoding: 16/16 requests finished or rejected (100%" in out
+    assert "warning: 16 of 16 requests were rejected: each needs more KV blocks" in out
 
 
 def test_scheduler_workload_via_cli_explains_its_columns(capsys):
@@ -350,8 +403,10 @@ def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
     assert result["config"]["kv_cache_dtype"] == "fp8"
 
 
-def test_an_fp8_kv_cache_on_a_float32_model_fails_in_one_line(capsys):
-    # the tiny shape is float32 on the CPU: the model's dtype is known only once it is loaded
+@pytest.mark.skipif(HAS_CUDA, reason="the tiny shape's CPU placement")
+def test_an_fp8_kv_cache_on_a_float32_model_is_refused_before_loading(monkeypatch, capsys):
+    # the tiny shape is float32: its dtype is known from its config, before any weight exists
+    monkeypatch.setattr(generation, "load_llm", _never("load_llm"))
     argv = [
         "generate",
         "--kv-cache-dtype",
@@ -363,9 +418,11 @@ def test_an_fp8_kv_cache_on_a_float32_model_fails_in_one_line(capsys):
         "--max-new-tokens",
         "2",
     ]
-    assert main(argv) == 1
-    out, err = capsys.readouterr()
-    assert "needs a float16 or bfloat16 model" in _assert_one_error_line(out, err)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    assert "needs a float16 or bfloat16 model" in line and line.endswith("add --dtype bfloat16")
 
 
 def test_bench_serve_reports_latency_percentiles(capsys):
@@ -390,7 +447,7 @@ def test_demo_runs_as_a_module():
     assert proc.returncode == 0, proc.stderr
     assert "agreement with transformers" in proc.stdout and "(100.0%)" in proc.stdout
     assert "completion rate" in proc.stdout and "100.0%" in proc.stdout
-    assert "requests done (100%" in proc.stdout  # piped: progress lines, not a bar
+    assert "requests finished or rejected (100%" in proc.stdout  # piped: lines, not a bar
     assert "Traceback" not in proc.stderr
 
 
@@ -491,3 +548,133 @@ def test_window_workload_prints_both_concurrencies(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert result["windowed"]["admitted_at_once"] == 5
     assert result["all_full"]["admitted_at_once"] == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("(1,8,16,8,128):bfloat16:4", "KV group 0: kv_size 1 is not supported"),
+        ("(2,8,16,8,128):bfloat16:4;(2,8,16,8,127):float16:1", "KV group 1: head_dim must be"),
+        ("(2,2147483648,16,8,128):bfloat16:4", "num_blocks must be <= 2147483647 (block ids"),
+    ],
+)
+def test_spec_refuses_what_the_cache_refuses_with_its_message(spec, message, capsys):
+    from flashdec.cache import PagedKVCache
+
+    with pytest.raises(ValueError) as cache_error:
+        PagedKVCache(kv_spec=spec, device="cpu")
+    with pytest.raises(SystemExit) as exc:
+        main(["spec", spec])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    line = _assert_one_error_line(out, err)
+    assert message in line and line == f"flashdec: error: {cache_error.value}"
+    assert out == ""
+
+
+@pytest.fixture
+def bad_model_dirs(tmp_path):
+    from flashdec.models import build_random_model
+
+    dirs = {}
+    dirs["broken"] = tmp_path / "broken"
+    dirs["broken"].mkdir()
+    (dirs["broken"] / "config.json").write_text('{"model_type": "llama",')
+    dirs["no-weights"] = tmp_path / "no-weights"
+    build_random_model("tiny-llama", device="cpu").config.save_pretrained(dirs["no-weights"])
+    dirs["unknown"] = tmp_path / "unknown"
+    dirs["unknown"].mkdir()
+    (dirs["unknown"] / "config.json").write_text('{"model_type": "gpt_oss_99"}')
+    dirs["no-config"] = tmp_path / "no-config"
+    dirs["no-config"].mkdir()
+    return dirs
+
+
+@pytest.mark.parametrize("command", ["generate", "bench-serve"])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("broken", "is not valid JSON"),
+        ("no-weights", "holds no weights"),
+        ("unknown", "model_type='gpt_oss_99'; supported architectures: llama, qwen2"),
+        ("no-config", "has no config.json"),
+    ],
+)
+def test_bad_model_directories_are_one_line_before_loading(
+    bad_model_dirs, command, name, message, monkeypatch, capsys
+):
+    monkeypatch.setattr(generation, "load_llm", _never("load_llm"))
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--model", str(bad_model_dirs[name])])
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    assert message in line and len(line) < 300 and "pip" not in line
+
+
+def test_remote_code_in_a_model_directory_never_runs(tmp_path):
+    """transformers asks on stdin whether to run a directory's code: FlashDec never lets it
+    ask, and "y" on stdin changes nothing."""
+    marker = tmp_path / "RAN"
+    write_remote_code_model(tmp_path / "model", marker)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashdec", "generate", "--model", str(tmp_path / "model")],
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr
+    line = _assert_one_error_line(proc.stdout, proc.stderr)
+    assert "asks to run code from the directory (auto_map: evil.EvilConfig" in line
+    assert not marker.exists()
+    assert "custom code" not in proc.stdout + proc.stderr  # transformers' prompt
+
+
+@pytest.mark.parametrize("command", ["generate", "bench-serve"])
+def test_model_runs_that_cannot_fit_in_memory_are_refused_before_loading(
+    command, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(runtime, "available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr(generation, "load_llm", _never("load_llm"))
+    path = tmp_path / "r.json"
+    argv = [command, "--model", "llama3-8b-shape", "--device", "cpu", "--json", str(path)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    line = _assert_one_error_line(*capsys.readouterr())
+    # 8,030,261,248 bfloat16 parameters
+    assert "of host memory (weights 15.0 GiB, KV cache" in line and "1.0 GiB available" in line
+    assert "--dtype bfloat16" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_during_start_up_is_one_line(monkeypatch, capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "prepare_triton", interrupted)
+    assert main(["env"]) == 130
+    assert _assert_one_error_line(*capsys.readouterr()) == "flashdec: error: interrupted"
+
+
+def test_the_command_module_imports_nothing_heavy():
+    """torch and transformers load inside main, where Ctrl-C is one line, not a traceback."""
+    code = "import sys, flashdec.cli; print(sorted({'torch', 'rich'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_ctrl_c_during_start_up_as_a_user_sees_it():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashdec", "generate", "--max-new-tokens", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)  # importing torch, or loading, or generating: each ends the same way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert _assert_one_error_line(out, err) == "flashdec: error: interrupted"

@@ -77,9 +77,6 @@ ALLOWED = {
     "__init__": set(),  # resolves public names lazily, by string
 }
 
-# The documented exceptions: the old import path of names that moved up a layer.
-COMPAT_SHIMS = {("cache/__init__.py", "engine")}
-
 
 def layer_of(module: str) -> str | None:
     """``flashdec.kernels.append`` -> ``kernels``; None for modules outside the package."""
@@ -126,7 +123,7 @@ def test_module_respects_the_import_contract(path):
     assert own in ALLOWED, f"{rel}: unknown layer {own!r}; add it to the contract"
     for module in imports_of(path):
         layer = layer_of(module)
-        if layer is None or layer == own or (str(rel), layer) in COMPAT_SHIMS:
+        if layer is None or layer == own:
             continue
         if layer == "__init__" and module == "flashdec":
             # `import flashdec` / `from flashdec import __version__`: only the root and the cli
@@ -135,6 +132,13 @@ def test_module_respects_the_import_contract(path):
             )
             continue
         assert layer in ALLOWED[own], f"{rel} ({own}) must not import {module} ({layer})"
+
+
+def test_the_cache_never_imports_the_engine():
+    """The cache is below the engine: no shim, no lazy import of it (issue 20)."""
+    for path in (PACKAGE / "cache").rglob("*.py"):
+        layers = {layer_of(m) for m in imports_of(path)}
+        assert "engine" not in layers, f"{path.relative_to(PACKAGE)} imports the engine"
 
 
 def test_the_parser_sees_every_import_form():

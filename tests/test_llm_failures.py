@@ -188,8 +188,9 @@ def test_a_failure_anywhere_in_a_graphed_step_changes_no_later_token(monkeypatch
 
 
 def test_a_failed_decode_keeps_the_pending_tokens_and_the_counts(monkeypatch):
-    """The decode of step 1 fails after step 0's tokens were handed off: they stay pending,
-    step 0's admissions stay, step 1's admission is taken back with its first token."""
+    """Step 1 (the two running requests' decode and the late prompt, in one mixed step) fails
+    after step 0's tokens (the first ones, from the prompts) were handed off: they stay
+    pending, step 0's admissions stay, step 1's admission is taken back."""
     llm = _llm()
     rids = [llm.add_request(p, n) for at, p, n in ARRIVALS if at == 0]
     llm.step()
@@ -200,7 +201,7 @@ def test_a_failed_decode_keeps_the_pending_tokens_and_the_counts(monkeypatch):
 
     def failing_mlp(module, args):
         calls.append(args[0].shape[0])
-        if args[0].shape[0] == 3:  # the decode of all three (a prompt has 2 or more tokens)
+        if args[0].shape[0] == 4:  # two decode rows and the late prompt's two tokens
             raise KeyboardInterrupt
 
     hook = llm.model.model.layers[2].mlp.register_forward_pre_hook(failing_mlp)
@@ -209,12 +210,12 @@ def test_a_failed_decode_keeps_the_pending_tokens_and_the_counts(monkeypatch):
             llm.step()
     finally:
         hook.remove()
-    assert 2 in calls  # the late prompt was imported before the decode failed
+    assert 4 in calls
     assert llm._runner.pending is pending
-    assert llm.loop.generated == {rids[0]: 1, rids[1]: 1, late: 0}
+    assert llm.loop.generated == {rids[0]: 0, rids[1]: 0, late: 0}
     assert str(llm.engine.request_state(late)) == "waiting"
     assert llm.output(late) == [] and llm.request_timing(late).first_token_at is None
-    assert [len(llm._runner.requests[r].tokens) for r in rids] == [1, 1]  # 2nd token pending
+    assert [len(llm._runner.requests[r].tokens) for r in rids] == [0, 0]  # 1st token pending
     while llm.has_unfinished():
         llm.step()
     assert [llm.release(r) for r in [*rids, late]] == _uninterrupted()

@@ -136,7 +136,7 @@ def test_poll_reports_tokens_as_they_arrive():
 def test_loop_cancel_checks_its_request():
     llm = _llm()
     rid = llm.add_request([5, 6, 7], 4)
-    with pytest.raises(ValueError, match="not waiting or running"):
+    with pytest.raises(ValueError, match="not live"):
         llm.loop.cancel(rid + 1)
     llm.loop.cancel(rid)
     assert llm.loop.idle and str(llm.engine.request_state(rid)) == "cancelled"

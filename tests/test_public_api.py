@@ -28,6 +28,9 @@ SPEC_NAMES = [
     "KVGroupSpec",
     "parse_kv_spec",
     "format_kv_spec",
+    "paged_extend_attention_ref",
+    "extend",
+    "paged_extend_attention",
 ]
 
 
@@ -158,6 +161,33 @@ def test_signatures_follow_the_spec():
         "aging_threshold",
     ]
     assert flashdec.SchedulerConfig(1, 1).aging_threshold == 8
+
+
+def test_extend_signatures_follow_the_spec():
+    """SPEC §8.6: the extend reference and kernel, exactly."""
+    common = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_lens", "sm_scale"]
+    assert _params(flashdec.paged_extend_attention_ref) == [
+        *common,
+        "kv_layout",
+        "window",
+        "k_scale",
+        "v_scale",
+    ]
+    assert _params(flashdec.extend) == [
+        *common,
+        "kv_layout",
+        "out",
+        "workspace",
+        "window",
+        "k_scale",
+        "v_scale",
+    ]
+    params = inspect.signature(flashdec.extend).parameters
+    for name in ("out", "workspace", "window", "k_scale", "v_scale"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].default is None
+    assert params["kv_layout"].default == "token_major" and params["sm_scale"].default is None
+    assert flashdec.paged_extend_attention is flashdec.extend
 
 
 def test_request_state_values():

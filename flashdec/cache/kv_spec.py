@@ -11,7 +11,9 @@ e.g. ``(2,1024,16,8,128):bfloat16:30;(2,1024,16,2,64):bfloat16:2:window=4096``. 
 spaces around tokens and any dtype case; the formatter writes the canonical form (no spaces,
 lowercase dtype, ``:window=`` only when set), and the two round-trip exactly.
 
-The parser checks the syntax; ``KVGroupSpec`` checks the values, so each rule lives in one place.
+The parser checks the syntax; ``KVGroupSpec`` checks the values, so each rule lives in one place;
+``check_storable`` adds what the paged cache can store (``PagedKVCache`` and ``flashdec spec``
+both call it, so a spec the command prints is one the cache accepts).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_positive_int
+from flashdec._checks import FLOAT_DTYPES, INT32_MAX, check_positive_int
 
 KV_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 # spec names are the torch attribute names: float16, bfloat16, float32, float8_e4m3fn
@@ -56,6 +58,10 @@ class KVGroupSpec:
             check_positive_int(name, getattr(self, name))
         if self.kv_size not in (1, 2):
             raise ValueError(f"kv_size must be 1 (one tensor) or 2 (K and V), got {self.kv_size}")
+        if self.num_blocks > INT32_MAX:
+            raise ValueError(
+                f"num_blocks must be <= {INT32_MAX} (block ids are int32), got {self.num_blocks}"
+            )
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in KV_DTYPES:
             names = ", ".join(_DTYPE_BY_NAME)
             raise TypeError(f"dtype must be one of ({names}), got {self.dtype!r}")
@@ -85,6 +91,22 @@ class KVGroupSpec:
     def nbytes(self) -> int:
         """Bytes of the group's whole pool."""
         return self.num_blocks * self.block_bytes
+
+
+def check_storable(groups: Sequence[KVGroupSpec]) -> None:
+    """Refuse groups the paged cache cannot store: it keeps K and V apart (``kv_size`` 2), and
+    RoPE rotates pairs of dims (an even ``head_dim``). ValueError naming the group."""
+    for index, group in enumerate(groups):
+        if group.kv_size != 2:
+            raise ValueError(
+                f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
+                "stores K and V: kv_size 2)"
+            )
+        if group.head_dim % 2:
+            raise ValueError(
+                f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
+                f"got {group.head_dim}"
+            )
 
 
 def format_kv_spec(groups: Sequence[KVGroupSpec]) -> str:

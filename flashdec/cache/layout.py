@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from flashdec._checks import FLOAT_DTYPES, check_positive_int
-from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+from flashdec.cache.kv_spec import KVGroupSpec, check_storable, format_kv_spec, parse_kv_spec
 
 GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
 
@@ -48,17 +48,7 @@ def check_groups(kv_spec: object) -> tuple[KVGroupSpec, ...]:
         raise TypeError(
             f"kv_spec must be a str or a sequence of KVGroupSpec, got {type(kv_spec).__name__}"
         )
-    for index, group in enumerate(groups):
-        if group.kv_size != 2:
-            raise ValueError(
-                f"KV group {index}: kv_size {group.kv_size} is not supported (the cache "
-                "stores K and V: kv_size 2)"
-            )
-        if group.head_dim % 2:
-            raise ValueError(
-                f"KV group {index}: head_dim must be even (RoPE rotates pairs of dims), "
-                f"got {group.head_dim}"
-            )
+    check_storable(groups)
     return groups
 
 

@@ -30,11 +30,13 @@ import torch
 from flashdec._blocks import held_range
 from flashdec._checks import (
     FLOAT_DTYPES,
+    check_accept_counts,
     check_device,
     check_positive_int,
     check_request_id,
     check_shape,
     check_tensor,
+    check_token_counts,
 )
 from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
@@ -970,9 +972,7 @@ class PagedKVCache:
         arr = np.asarray(updates, dtype=np.int64)
         return arr[:, 0] * width + arr[:, 1], arr[:, 2]
 
-    def _fresh_slots(
-        self, group: LayerGroup, plan: _Plan, part: _Reservation, with_tables: bool
-    ) -> TransactionSlots:
+    def _fresh_slots(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> TransactionSlots:
         """Device metadata in new tensors (prompt imports, legacy append)."""
         positions, block_ids = plan.positions, part.block_ids
         if part.token_rows is not None:
@@ -1007,10 +1007,8 @@ class PagedKVCache:
         parts = torch.tensor_split(dev, cuts.tolist())
         if u:
             group.tables.write(parts[6], parts[7])
-        tables = None
-        if with_tables:
-            tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
-            group.tables.gather(parts[5], out=tables)
+        tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
+        group.tables.gather(parts[5], out=tables)
         return TransactionSlots(
             batch=b,
             num_rows=b,
@@ -1130,7 +1128,7 @@ class PagedKVCache:
         self._take_all(plan, one_each=True)
         group, part = self._groups[0], plan.groups[0]
         try:
-            slots = self._fresh_slots(group, plan, part, with_tables=True)
+            slots = self._fresh_slots(group, plan, part)
             result = writer(*self._layers[0], slots)
         except BaseException:
             self._release(plan.reserved())
@@ -1210,20 +1208,14 @@ class PagedKVCache:
         stored) lists the rows of ``k, v`` that go there, one per slot row.
         """
         rids = self._check_ids(request_ids, unique=True, nonempty=True)
-        if isinstance(num_tokens, (str, bytes)) or not isinstance(num_tokens, Sequence):
-            raise TypeError(f"num_tokens must be a list or tuple, got {type(num_tokens).__name__}")
-        if len(num_tokens) != len(rids):
-            raise ValueError(
-                f"num_tokens has {len(num_tokens)} entries for {len(rids)} request ids"
-            )
-        counts = [check_positive_int(f"num_tokens[{i}]", n) for i, n in enumerate(num_tokens)]
+        counts = check_token_counts("num_tokens", num_tokens, len(rids))
         records = self._active_records(rids, "begin tokens for")
         self._tx.ensure_none_open("begin a token transaction")
         plan = self._plan(records, counts)
         self._take_all(plan, one_each=False)
         try:
             slots = [
-                self._fresh_slots(group, plan, part, with_tables=False)
+                self._fresh_slots(group, plan, part)
                 for group, part in zip(self._groups, plan.groups, strict=True)
             ]
             return self._open(rids, plan, slots)
@@ -1421,27 +1413,36 @@ class PagedKVCache:
     def transaction_decode_inputs(
         self, tx: TokenTransactionView | int, *, group: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_tables, seq_lens + 1)`` of an open one-token transaction in ``group``, for
-        decoding over the new token. These are the cache's own device tensors (no copy): read
-        them, never write. The write path does not use them, so they cannot redirect a write."""
+        """``(block_tables, seq_lens after)`` of an open transaction in ``group``, for attending
+        over the new tokens (decode or extend). These are the cache's own device tensors (no
+        copy): read them, never write. The write path does not use them, so they cannot redirect
+        a write."""
         slots = self.transaction_slots(tx, group=group)
-        if slots.block_tables is None:
-            raise RuntimeError(
-                "decode inputs exist only for one-token transactions (begin_token), not for a "
-                "prompt import (begin_tokens)"
-            )
         batch = slots.batch
         return slots.block_tables[:batch], slots.seq_lens_after[:batch]
 
-    def commit_token(self, tx: TokenTransactionView | int) -> TokenTransactionView:
+    def commit_token(
+        self, tx: TokenTransactionView | int, accept: Sequence[int] | None = None
+    ) -> TokenTransactionView:
         """Publish the tokens: each request's seq_len grows by its reserved count, once; window
-        groups release the blocks now wholly before their window."""
+        groups release the blocks now wholly before their window.
+
+        ``accept[i]`` (``0..count[i]``; None keeps every token) keeps only the first tokens of
+        request ``i``: the slots of the others get their old bytes back (as an abort puts them
+        back; with ``restore_on_abort=False`` they are left as written, past the request's
+        length) and reserved blocks left without a committed token return to the pool. A bad
+        ``accept`` raises and leaves the transaction open, unchanged.
+        """
         open_tx = self._tx.resolve(tx)
         if open_tx.next_layer != self._num_layers:
             raise RuntimeError(
                 f"cannot commit token transaction {open_tx.transaction_id}: "
                 f"{open_tx.next_layer} of {self._num_layers} layers written"
             )
+        if accept is not None:
+            counts = check_accept_counts(accept, open_tx.counts)
+            if counts != open_tx.counts:
+                return self._commit_part(open_tx, counts)
         version = self._version + 1
         view = open_tx.view(
             TransactionState.COMMITTED, version, self._groups[0].width, self._device
@@ -1462,6 +1463,74 @@ class PagedKVCache:
             memo.advance([part.new for part in open_tx.parts], version, open_tx.transaction_id)
         else:
             self._memo = BatchMemo(records, len(self._groups), version, open_tx.transaction_id)
+        self._version = version
+        return view
+
+    def _commit_part(self, open_tx: OpenTransaction, accept: list[int]) -> TokenTransactionView:
+        """``commit_token`` keeping only ``accept[i]`` tokens of request ``i``."""
+        for group, part in zip(self._groups, open_tx.parts, strict=True):
+            if part.token_rows is not None:  # the kept tokens may be among the unstored ones
+                raise ValueError(
+                    f"transaction {open_tx.transaction_id} did not store every token in "
+                    f"sliding-window KV group {group.index} (more tokens than its window "
+                    f"{group.window} keeps): it commits whole or aborts"
+                )
+        records = [self._requests[rid] for rid in open_tx.request_ids]
+        kept = np.concatenate(
+            [np.arange(n) < a for n, a in zip(open_tx.counts, accept, strict=True)]
+        )  # [T] per token of the transaction: committed
+        if open_tx.backups is not None:  # every layer is written: each backup is whole
+            for group, backup, slots, part in zip(
+                self._groups, open_tx.backups, open_tx.group_slots, open_tx.parts, strict=True
+            ):
+                stored = kept if part.token_rows is None else kept[part.token_rows]
+                rejected = np.flatnonzero(~stored)
+                if not rejected.shape[0]:
+                    continue
+                heads = np.arange(group.num_kv_heads)
+                rows = (rejected[:, None] * group.num_kv_heads + heads).reshape(-1)
+                rows_t = torch.from_numpy(rows).to(self._device)
+                group.restore(
+                    slots.slot_rows.index_select(0, rows_t),
+                    backup.index_select(1, rows_t),
+                    len(group.layers),
+                )
+        # reserved blocks past the last accepted token go back; the rest are published
+        reserved, gone = [], []
+        for group, per_request, starts in zip(
+            self._groups, open_tx.reserved, open_tx.starts, strict=True
+        ):
+            keep_reserved, release = {}, []
+            for rec, a in zip(records, accept, strict=True):
+                blocks = per_request.get(rec.request_id)
+                if not blocks:
+                    continue
+                needed = -(-(rec.seq_len + a) // group.block_size) - starts[rec.request_id]
+                keep_reserved[rec.request_id] = blocks[: max(0, needed)]
+                if needed < len(blocks):
+                    release.append((rec.request_id, blocks[max(0, needed) :]))
+            reserved.append(keep_reserved)
+            gone.append((group, release))
+        version = self._version + 1
+        starts_host = open_tx.host["seq_lens"]
+        open_tx.host["seq_lens_after"] = starts_host + np.asarray(accept, dtype=starts_host.dtype)
+        table_rows = open_tx.table_rows() if callable(open_tx.table_rows) else open_tx.table_rows
+        first_kept = reserved[0]
+        open_tx.table_rows = [  # the committed view's tables show only the blocks kept
+            (row, first, end, first_kept.get(rid, ()) if taken else taken, start)
+            for rid, (row, first, end, taken, start) in zip(
+                open_tx.request_ids, table_rows, strict=True
+            )
+        ]
+        view = open_tx.view(
+            TransactionState.COMMITTED, version, self._groups[0].width, self._device
+        )
+        for group, release in gone:
+            for rid, blocks in release:
+                group.allocator.release(blocks, request_owner(rid))
+        self._publish(records, accept, reserved, open_tx.starts)
+        self._tx.close(TransactionState.COMMITTED, version)
+        self._memo = None  # lengths moved unevenly: the next step is planned afresh
         self._version = version
         return view
 

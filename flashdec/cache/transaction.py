@@ -143,6 +143,13 @@ class TokenTransactionView:
         return positions
 
     @property
+    def host_seq_lens(self) -> np.ndarray:
+        """``seq_lens`` as a read-only host array (no device copy)."""
+        lens = self._host["seq_lens"].view()
+        lens.flags.writeable = False
+        return lens
+
+    @property
     def num_tokens(self) -> int:
         return int(self._host["positions"].shape[0])
 

@@ -32,6 +32,7 @@ from flashdec._checks import (
     check_choice,
     check_request_id,
     check_tensor,
+    check_token_counts,
     resolve_sm_scale,
 )
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
@@ -41,6 +42,7 @@ from flashdec.engine.layer_ops import (
     DecodeState,
     Rope,
     check_step_inputs,
+    extend_attention,
     torch_paged_decode,
     write_plain_layer,
     write_rope_layer,
@@ -121,6 +123,7 @@ class _OpenStep:
         "outputs",
         "positions",
         "q_shape",
+        "query_lens",
         "request_ids",
         "seq_lens_after",
         "slots",
@@ -130,7 +133,9 @@ class _OpenStep:
     def __init__(
         self, kind: str, view: TokenTransactionView, slots, positions, lens_after, group_slots=()
     ):
-        self.kind = kind  # "decode" (one token each) or "prefill" (a prompt import)
+        # "decode" (one token each), "extend" (n >= 1 tokens each, attended in the step) or
+        # "prefill" (a prompt import of caller-built K/V)
+        self.kind = kind
         self.transaction_id = view.transaction_id
         self.request_ids = view.request_ids
         self.slots = slots  # group 0's
@@ -155,6 +160,7 @@ class _OpenStep:
         self.backups: tuple[torch.Tensor | None, ...] = ()
         # the single-group fast path's launch and the q, k, v strides it was bound to
         self.bound: tuple | None = None
+        self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
 
     @property
     def generations(self) -> tuple[int, ...]:
@@ -291,6 +297,13 @@ class DecodeEngine:
         """Each KV layer group's ``(block_size, window)`` as the scheduler counts blocks; empty
         for a cache of one full-attention group."""
         return self._group_shapes
+
+    @property
+    def max_tokens_per_request_step(self) -> int | None:
+        """The most tokens one request may bring to one step: ``window - 1`` of the smallest
+        sliding window (``begin_step``'s rule; one token always), None without a window."""
+        windows = [w for w in self._windows if w is not None]
+        return max(1, min(windows) - 1) if windows else None
 
     @property
     def rotary_dim(self) -> int:
@@ -646,14 +659,36 @@ class DecodeEngine:
             if rid in waiting or (type(rid) in (str, int) and rid in closed):
                 self._require_state(rid, EngineRequestState.ACTIVE, action)
 
-    def begin_step(self, request_ids: Sequence, *, pad_to: int | None = None):
-        """Open a step: the cache reserves one slot per request (all-or-nothing).
+    def begin_step(
+        self,
+        request_ids: Sequence,
+        pad_to: int | None = None,
+        *,
+        num_tokens: Sequence[int] | None = None,
+    ):
+        """Open a step: the cache reserves ``num_tokens[i]`` slots for request ``i`` (None: one
+        each), all or nothing.
 
-        ``pad_to`` pads the step's rows to a CUDA graph's captured batch: every layer then takes
-        ``q, k, v`` with ``pad_to`` rows (padding rows are neither stored nor attended).
+        One token each is the decode step: ``pad_to`` pads its rows to a CUDA graph's captured
+        batch (every layer then takes ``q, k, v`` with ``pad_to`` rows; padding rows are neither
+        stored nor attended). With more, every layer takes ``q, k, v`` packed
+        ``[sum(num_tokens), H, D]`` in ``request_ids`` order and returns the extend attention of
+        each new token over its request's context and the new tokens before it. A scheduled
+        request's tokens come out of its lifetime commitment; a sliding-window group takes at
+        most ``window - 1`` tokens of a request per step.
         """
         self._require_no_open_step("begin_step")
         _check_batch_type(request_ids)
+        if num_tokens is not None:
+            counts = check_token_counts("num_tokens", num_tokens, len(request_ids))
+            self._check_token_budget(request_ids, counts)
+            if any(n != 1 for n in counts):
+                if pad_to is not None:
+                    raise ValueError(
+                        "pad_to pads one-token (decode) steps; a step with num_tokens > 1 is "
+                        "not padded"
+                    )
+                return self._begin_extend(request_ids, counts)
         cache = self.cache
         # the fused append saves the old slot bytes for abort in its own launch
         by_writer = self._fused_triton
@@ -680,6 +715,48 @@ class DecodeEngine:
         self._open = step
         return view
 
+    def _check_token_budget(self, request_ids: Sequence, counts: list[int]) -> None:
+        """ValueError when a scheduled request would take more tokens than its lifetime
+        commitment has left, or a window group more than its window allows in one step."""
+        self._explain_batch(request_ids, "step")
+        specs, cache = self._specs, self.cache
+        for i, (rid, n) in enumerate(zip(request_ids, counts, strict=True)):
+            spec = specs.get(rid) if type(rid) in (str, int) else None
+            if spec is None or cache.request_state(rid) is not RequestState.ACTIVE:
+                continue  # unscheduled (no commitment) or not active: begin_token says why
+            left = spec.initial_context_tokens + spec.max_new_tokens - cache.seq_len(rid)
+            if n > left:
+                raise ValueError(
+                    f"num_tokens[{i}] = {n} for request {rid!r}, but its lifetime commitment "
+                    f"has only {left} token(s) left"
+                )
+        for g, window in enumerate(self._windows):
+            if window is not None and 1 < max(counts) >= window:
+                raise ValueError(
+                    f"num_tokens: a step brings at most window - 1 = {window - 1} tokens of a "
+                    f"request to sliding-window KV group {g} (window {window}), got "
+                    f"{max(counts)}"
+                )
+
+    def _begin_extend(self, request_ids: Sequence, counts: list[int]):
+        """``begin_step`` for a step with more than one token for some request."""
+        rids = self._check_batch(request_ids, "step")
+        cache = self.cache
+        view = cache.begin_tokens(list(rids), counts)
+        starts = view.host_seq_lens.tolist()
+        after = [s + n for s, n in zip(starts, counts, strict=True)]
+        step = _OpenStep(
+            "extend",
+            view,
+            cache.transaction_slots(view),
+            starts,
+            after,
+            self._all_group_slots(view),
+        )
+        step.query_lens = torch.tensor(counts, dtype=torch.int32, device=cache.device)
+        self._open = step
+        return view
+
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
         """Every group's slots of a transaction (empty for a one-group cache: ``slots``)."""
         if not self._multi:
@@ -695,8 +772,10 @@ class DecodeEngine:
         Returns the attention output ``[rows, Hq, D]`` of the rotated q over the cache including
         the new token. After an automatic abort, outputs of earlier layers must be discarded.
         """
-        step = self._require_open_step(tx, "decode")
+        step = self._require_open_step(tx)
         try:
+            if step.kind != "decode":
+                return self._extend_layer(step, layer_idx, q, k, v)
             if self._multi:
                 return self._group_layer(step, layer_idx, q, k, v)
             self._check_layer_inputs(step, q, k, v)
@@ -745,16 +824,59 @@ class DecodeEngine:
         )
         return self._decode_group_layer(step, layer_idx, g, q_rot)
 
-    def commit_step(self, tx) -> StepResult:
-        """Publish the step: every request's seq_len grows by its tokens, once."""
+    def _extend_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
+        """``step_layer`` of an extend step: RoPE + append of every new token, then each new
+        token attends to its request's context and the new tokens up to itself."""
+        if step.kind != "extend":
+            raise RuntimeError(
+                f"step {step.transaction_id} is a prefill transaction; use prefill_layer"
+            )
+        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
+            g = self._layer_groups[layer_idx]
+        else:
+            g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+        q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self._dtype)
+        slots = step.group_slots[g] if step.group_slots else step.slots
+        backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
+        q_rot = self.cache.write_token_layer_with(
+            step.transaction_id,
+            layer_idx,
+            lambda k_layer, v_layer, slots: write_rope_layer(
+                backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
+            ),
+        )
+        k_layer, v_layer = self._layer_views[layer_idx]
+        return extend_attention(
+            self.decode_backend,
+            q_rot,
+            k_layer,
+            v_layer,
+            slots.block_tables,
+            slots.seq_lens_after,
+            step.query_lens,
+            self._sm_scales[g],
+            self._windows[g],
+            k_scale,
+            v_scale,
+        )
+
+    def commit_step(self, tx, accept: Sequence[int] | None = None) -> StepResult:
+        """Publish the step: request ``i``'s seq_len grows by ``accept[i]`` of its new tokens
+        (None: all of them), once. The slots of rejected tokens get their old bytes back and
+        blocks left without a committed token return to the pool. A bad ``accept`` raises and
+        leaves the step open."""
         step = self._require_open_step(tx)
-        view = self.cache.commit_token(step.transaction_id)  # RuntimeError if layers are missing
+        # RuntimeError if layers are missing; TypeError / ValueError for a bad accept
+        view = self.cache.commit_token(step.transaction_id, accept)
         self._open = None
+        lens = step.seq_lens_after
+        if accept is not None:
+            lens = tuple(view.host_seq_lens.tolist())
         return StepResult(  # from host-side lengths: committing never waits for the GPU
             transaction_id=view.transaction_id,
             request_ids=step.request_ids,
             positions=step.positions,
-            seq_lens=step.seq_lens_after,
+            seq_lens=lens,
             num_layers=self._num_layers,
         )
 

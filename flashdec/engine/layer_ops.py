@@ -29,6 +29,7 @@ from flashdec.cache.paged_kv_cache import torch_scatter
 from flashdec.kernels import (
     BoundLayerAttention,
     DecodeWorkspace,
+    extend,
     launch_decode,
     launch_fused_rope_kv_append,
     launch_kv_append,
@@ -39,6 +40,7 @@ from flashdec.reference import (
     apply_rope_inv_freq,
     dense_decode_attention_ref,
     dequantize_fp8,
+    paged_extend_attention_ref,
     quantize_fp8,
 )
 
@@ -192,6 +194,37 @@ def torch_paged_decode(
         return dense_decode_attention_ref(q, k, v, seq_lens, sm_scale, window=window)
     k, v = dequantize_fp8(k.view(fp8), k_scale), dequantize_fp8(v.view(fp8), v_scale)
     out = dense_decode_attention_ref(q.float(), k, v, seq_lens, sm_scale, window=window)
+    return out.to(q.dtype)
+
+
+def extend_attention(
+    backend: str,
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    sm_scale: float | None,
+    window: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The new tokens' attention ``[T, Hq, D]`` over a layer's cache (their K/V stored): the
+    ``triton`` extend kernel, or the ``torch`` reference (float32 math) in q's dtype."""
+    attend = extend if backend == "triton" else paged_extend_attention_ref
+    out = attend(
+        q,
+        k_layer,
+        v_layer,
+        block_tables,
+        seq_lens,
+        query_lens,
+        sm_scale,
+        window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     return out.to(q.dtype)
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from flashdec._blocks import reserved_blocks
+from flashdec._checks import check_positive_int
 from flashdec.engine.engine import DecodeEngine, EngineRequestState
 from flashdec.scheduler import (
     BaseScheduler,
@@ -34,23 +35,39 @@ from flashdec.scheduler import (
 )
 
 
-class StepExecutor(Protocol):
-    """What the loop runs for its requests (the engine calls are the executor's to make)."""
+class StepExecutor:
+    """What the loop runs for its requests (the engine calls are the executor's to make).
+
+    An executor defines ``prefill`` and ``decode``; ``run`` is one loop step's work and by
+    default does them in turn (two engine steps). An executor that can put both in one
+    engine step (a mixed-token step, :class:`flashdec.LLM`'s) overrides ``run``.
+    """
 
     def prefill(self, requests: Sequence[tuple[object, int]]) -> Collection | None:
-        """Import ``(request_id, num_tokens)`` prompt tokens for newly admitted requests (all
-        or nothing per transaction); return the ids already done (e.g. a model whose first
-        token, from the prompt, is EOS): they finish without decoding. When it raises, the loop
-        takes the step's admissions back (imports included): it must record nothing then."""
+        """Import ``(request_id, num_tokens)`` prompt tokens at each request's length (a
+        prompt may come in several chunks, over several steps); return the ids already done
+        (e.g. a model whose first token, from the prompt, is EOS): they finish without
+        decoding. When it raises, the loop takes the step back: it must record nothing
+        then."""
+        raise NotImplementedError
 
     def decode(self, batch: Sequence) -> Collection:
         """Decode one token for every request of ``batch`` (one engine step); return the ids
         that finished early (e.g. produced EOS). When it raises, the engine step must not have
-        been committed (abort it): the loop then takes the step's admissions back.
+        been committed (abort it): the loop then takes the step back.
 
         An executor that keeps per-request state may also define ``revert_admission(ids)``:
         the loop calls it after taking those admissions back, to forget what ``prefill``
         recorded for them."""
+        raise NotImplementedError
+
+    def run(
+        self, batch: Sequence, chunks: Sequence[tuple[object, int]]
+    ) -> tuple[Collection, Collection]:
+        """One step: import ``chunks`` and decode one token for ``batch`` (disjoint); returns
+        ``(done at prefill, done early)`` as :meth:`prefill` and :meth:`decode` say."""
+        done = set(self.prefill(chunks) or ()) if chunks else set()
+        return done, (self.decode(batch) if batch else ())
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class LoopStep:
     rejected: tuple
     batch: tuple  # what the scheduler planned
     served: tuple  # what decoded a token
+    prefilled: tuple  # what imported prompt tokens (a chunk of its prompt, or all of it)
     stuck: tuple  # batch requests that found no block (baseline policies only)
     cancelled: tuple  # victims the policy cancelled to unblock others
     finished: tuple
@@ -70,14 +88,15 @@ class LoopStep:
     free_blocks: int
     max_service_wait: int  # longest any active request has now gone undecoded (steps)
     schedule_s: float  # snapshot + plan + apply
-    prefill_s: float
-    decode_s: float  # the executor's decode (0 when nothing was decoded)
+    run_s: float  # the executor's prompt chunks and decode
     rejection_reasons: tuple[str, ...] = ()  # why each of ``rejected`` can never run
 
     @property
     def changed(self) -> bool:
         """Whether the step moved anything (no change for long = a deadlock)."""
-        return bool(self.admitted or self.rejected or self.served or self.cancelled)
+        return bool(
+            self.admitted or self.rejected or self.served or self.prefilled or self.cancelled
+        )
 
 
 class ServingLoop:
@@ -91,6 +110,7 @@ class ServingLoop:
         *,
         check_invariants: bool = False,
         on_plan: Callable[[SchedulingSnapshot, SchedulerDecision], None] | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         if not isinstance(engine, DecodeEngine):
             raise TypeError(f"engine must be a DecodeEngine, got {type(engine).__name__}")
@@ -101,6 +121,13 @@ class ServingLoop:
         self.executor = executor
         self.check_invariants = check_invariants
         self.on_plan = on_plan  # sees every snapshot and the decision planned from it
+        # tokens one step brings at most, decode tokens first (None: whole prompts each step)
+        if max_step_tokens is not None:
+            check_positive_int("max_step_tokens", max_step_tokens)
+        self.max_step_tokens = max_step_tokens
+        # admitted requests whose prompt is not all imported yet -> tokens left, in admission
+        # order (they are active but do not decode until their prompt is in)
+        self._prompt_left: dict = {}
         self.step_index = 0
         self.generated: dict = {}  # request id -> tokens decoded so far
         self._live: set = set()  # submitted, not yet terminal
@@ -166,31 +193,33 @@ class ServingLoop:
         scheduled = time.perf_counter()
         victims: list = []
         try:
-            imports = []
+            # prompts still to import: earlier admissions first, then this step's
+            prompt_left = dict(self._prompt_left)
             for rid in decision.admit:
                 spec = engine.request_spec(rid)
                 missing = spec.initial_context_tokens - cache.seq_len(rid)  # a prefix covers all
                 if missing > 0:
-                    imports.append((rid, missing))
-            done_at_prefill = set(self.executor.prefill(imports) or ()) if imports else set()
-            prefilled = time.perf_counter()
-
-            batch = [rid for rid in decision.batch if rid not in done_at_prefill]
-            stuck, victims = self._unblock(batch, index)
+                    prompt_left[rid] = missing
+            batch = [rid for rid in decision.batch if rid not in prompt_left]
+            chunks = self._chunks(prompt_left, len(batch))
+            stuck, victims = self._unblock(batch, index, chunks)
             served = [rid for rid in batch if rid not in stuck and rid not in victims]
-            done_early: Collection = ()
-            decode_s = 0.0
-            if served:
-                t0 = time.perf_counter()
-                done_early = self.executor.decode(served)
-                decode_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            done_at_prefill, done_early = self.executor.run(served, chunks)
+            done_at_prefill = set(done_at_prefill)
+            run_s = time.perf_counter() - t0
         except BaseException:
             self._take_back(decision, victims)
             raise
 
+        for rid, n in chunks:
+            prompt_left[rid] -= n
+            if not prompt_left[rid]:
+                del prompt_left[rid]
+        self._prompt_left = prompt_left
         # the decode is committed: from here on the step only records what happened
         self._live.difference_update(decision.reject)
-        finished = [rid for rid in decision.admit if rid in done_at_prefill]
+        finished = [rid for rid, _ in chunks if rid in done_at_prefill]
         for rid in served:
             self.generated[rid] += 1
             if rid in done_early or self.generated[rid] >= engine.request_spec(rid).max_new_tokens:
@@ -205,7 +234,13 @@ class ServingLoop:
             engine.finish_request(rid)
         self._live.difference_update(finished)
         self._live.difference_update(victims)
-        engine.advance_fairness(decision, served=set(served), departed=[*finished, *victims])
+        for rid in victims:
+            self._prompt_left.pop(rid, None)
+        engine.advance_fairness(
+            decision,
+            served={*served, *(rid for rid, _ in chunks)},
+            departed=[*finished, *victims],
+        )
         if self.check_invariants:
             cache.validate_invariants()
         self.step_index += 1
@@ -218,6 +253,7 @@ class ServingLoop:
             rejected=decision.reject,
             batch=decision.batch,
             served=tuple(served),
+            prefilled=tuple(rid for rid, _ in chunks),
             stuck=tuple(stuck),
             cancelled=tuple(victims),
             finished=tuple(finished),
@@ -226,13 +262,31 @@ class ServingLoop:
             free_blocks=cache.num_free_blocks,
             max_service_wait=engine.max_service_wait(),
             schedule_s=scheduled - start,
-            prefill_s=prefilled - scheduled,
-            decode_s=decode_s,
+            run_s=run_s,
             rejection_reasons=tuple(
                 rejection_reason(waiting.get(rid), snapshot, config) or "it can never run"
                 for rid in decision.reject
             ),
         )
+
+    def _chunks(self, prompt_left: dict, num_decoding: int) -> list[tuple[object, int]]:
+        """This step's prompt chunks ``(request, tokens)``, in admission order: what
+        ``max_step_tokens`` leaves after the decode tokens (at least one prompt token, so a
+        full batch never starves the prompts), each within the engine's per-step limit."""
+        budget = self.max_step_tokens
+        budget = None if budget is None else max(1, budget - num_decoding)
+        limit = self.engine.max_tokens_per_request_step
+        chunks = []
+        for rid, left in prompt_left.items():
+            take = left if limit is None else min(left, limit)
+            if budget is not None:
+                take = min(take, budget)
+                budget -= take
+            if take:
+                chunks.append((rid, take))
+            if budget == 0:
+                break
+        return chunks
 
     def _take_back(self, decision: SchedulerDecision, victims: list) -> None:
         """Undo a step that failed before its decode committed (the executor aborted its
@@ -243,39 +297,34 @@ class ServingLoop:
         if forget is not None and decision.admit:
             forget(decision.admit)
         self._live.difference_update(victims)  # cancelled for good
+        for rid in victims:
+            self._prompt_left.pop(rid, None)
 
-    def _unblock(self, batch: list, step: int) -> tuple[list, list]:
-        """Requests of ``batch`` that cannot get their next block, after the policy's victims.
+    def _unblock(self, batch: list, step: int, chunks: list) -> tuple[list, list]:
+        """Requests of ``batch`` that cannot get their next block once the prompt ``chunks``
+        have theirs, after the policy's victims; a request is stuck when some KV group has no
+        block for it (each group's pool serves the batch in batch order).
 
         Under the lifetime policy every admitted request's blocks are set aside, so this never
         finds one; the greedy and cancel baselines can run dry at a block boundary.
         """
         engine, cache = self.engine, self.engine.cache
-        shapes = engine.group_shapes
-        if shapes:
-            return self._unblock_groups(batch, step, shapes)
-        bs = cache.block_size
-        needing = [rid for rid in batch if cache.seq_len(rid) % bs == 0]
-        if len(needing) <= cache.num_free_blocks:
-            return [], []
-        victims = list(self.scheduler.select_victims(engine.scheduling_snapshot(step), needing))
-        for rid in victims:
-            engine.cancel_request(rid)
-        needing = [rid for rid in needing if rid not in victims]
-        return needing[cache.num_free_blocks :], victims
-
-    def _unblock_groups(self, batch: list, step: int, shapes) -> tuple[list, list]:
-        """``_unblock`` with KV layer groups: a request is stuck when some group has no block
-        for it (each group's pool serves the batch in batch order)."""
-        engine, cache = self.engine, self.engine.cache
+        shapes = engine.group_shapes or ((cache.block_size, None),)
+        groups = range(len(shapes))
+        taken = [  # by the prompt chunks, in each group
+            sum(reserved_blocks(cache.seq_len(rid), n, *shapes[g]) for rid, n in chunks)
+            for g in groups
+        ]
         lens = {rid: cache.seq_len(rid) for rid in batch}
+
+        def free(g: int) -> int:  # read live: cancelling a victim frees blocks
+            return max(0, cache.group_free_blocks(g) - taken[g])
 
         def needing_in(g: int, ids: list) -> list:
             bs, window = shapes[g]
             return [rid for rid in ids if needs_new_block(lens[rid], bs, window)]
 
-        groups = range(len(shapes))
-        if all(len(needing_in(g, batch)) <= cache.group_free_blocks(g) for g in groups):
+        if all(len(needing_in(g, batch)) <= free(g) for g in groups):
             return [], []
         needing = [rid for rid in batch if any(needing_in(g, [rid]) for g in groups)]
         victims = list(self.scheduler.select_victims(engine.scheduling_snapshot(step), needing))
@@ -284,18 +333,18 @@ class ServingLoop:
         left = [rid for rid in batch if rid not in victims]
         stuck = set()
         for g in groups:
-            stuck.update(needing_in(g, left)[cache.group_free_blocks(g) :])
+            stuck.update(needing_in(g, left)[free(g) :])
         return [rid for rid in left if rid in stuck], victims
 
     # ------------------------------------------------------------------ running and stopping
     def cancel(self, request_id: object) -> None:
-        """Cancel one waiting or running request between steps (a client went away): a running
-        one's blocks return to the pool at once. ValueError unless it is live; RuntimeError
-        inside an open engine step (nothing changes then)."""
+        """Cancel a live request, waiting or running (mid-prompt too): its blocks are free when
+        this returns. ValueError for a request that is not live."""
         if not self.is_live(request_id):
-            raise ValueError(f"request {request_id!r} is not waiting or running")
+            raise ValueError(f"request {request_id!r} is not live (unknown or already ended)")
         self.engine.cancel_request(request_id)
         self._live.discard(request_id)
+        self._prompt_left.pop(request_id, None)
 
     def close(self) -> tuple[tuple, tuple]:
         """Cancel every request still running or waiting (an early stop, a deadlock); returns
@@ -312,6 +361,7 @@ class ServingLoop:
         for rid in (*active, *waiting):
             self.engine.cancel_request(rid)
         self._live.clear()
+        self._prompt_left.clear()
         return tuple(active), tuple(waiting)
 
 

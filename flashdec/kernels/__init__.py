@@ -1,4 +1,4 @@
-"""Triton kernels: paged decode attention (split-KV) and (fused RoPE +) KV append."""
+"""Triton kernels: paged decode and extend attention (split-KV) and (fused RoPE +) KV append."""
 
 from flashdec.kernels._runtime import triton_runs_on
 from flashdec.kernels.append import (
@@ -9,6 +9,7 @@ from flashdec.kernels.append import (
     launch_kv_append,
 )
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, KernelConfig, plan_decode
+from flashdec.kernels.extend_plan import ExtendPlan, ExtendWorkspace, plan_extend
 from flashdec.kernels.layer_attention import BoundLayerAttention
 from flashdec.kernels.paged_decode import (
     BoundDecode,
@@ -16,6 +17,7 @@ from flashdec.kernels.paged_decode import (
     launch_decode,
     paged_decode_attention,
 )
+from flashdec.kernels.paged_extend import extend, launch_extend, paged_extend_attention
 from flashdec.kernels.validation import clear_validation_cache
 
 __all__ = [
@@ -24,15 +26,21 @@ __all__ = [
     "BoundLayerAttention",
     "DecodePlan",
     "DecodeWorkspace",
+    "ExtendPlan",
+    "ExtendWorkspace",
     "KernelConfig",
     "clear_validation_cache",
     "decode",
+    "extend",
     "fused_rope_kv_append",
     "kv_append",
     "launch_decode",
+    "launch_extend",
     "launch_fused_rope_kv_append",
     "launch_kv_append",
     "paged_decode_attention",
+    "paged_extend_attention",
     "plan_decode",
+    "plan_extend",
     "triton_runs_on",
 ]

@@ -626,7 +626,8 @@ def _check_plan_matches(
     kv_layout: str,
     window: int | None,
 ) -> None:
-    """Structural agreement between a workspace's plan and this call (no host sync)."""
+    """Structural agreement between a workspace's plan and this call (no host sync). Also the
+    check of an :class:`~flashdec.kernels.extend_plan.ExtendPlan`, which has the same fields."""
     if (
         dims.num_q_heads == plan.num_q_heads
         and dims.num_kv_heads == plan.num_kv_heads
@@ -653,7 +654,7 @@ def _check_plan_matches(
     if kv_dtype != plan.cache_dtype:
         raise TypeError(
             f"workspace was planned for a {plan.cache_dtype} cache, got {kv_dtype} (pass "
-            "kv_dtype= to plan_decode)"
+            "kv_dtype= to the plan)"
         )
     if kv_layout != plan.kv_layout:
         raise ValueError(
@@ -664,7 +665,7 @@ def _check_plan_matches(
     if window != plan.window:
         raise ValueError(
             f"workspace was planned for window={plan.window}, got window={window} (pass "
-            "window= to plan_decode)"
+            "window= to the plan)"
         )
 
 

@@ -1,13 +1,14 @@
 """Range checks of paged metadata on the device, read back in one small transfer, and a cache of
 what they established.
 
-The public eager calls (``decode`` without a workspace, ``kv_append``, ``fused_rope_kv_append``)
-must reject out-of-range ids before a kernel reads or writes through them. Copying a block table
-to the host for that costs more than the attention itself, so one tiny kernel reduces the
-metadata to a few numbers per program (min/max/sum of the lengths, min/max of the *used* block
-ids; or min/max of ids, offsets and positions and a count of rows sharing a slot) and the host
-reads those back at once. :func:`flashdec._checks.check_paged_decode_stats` /
-:func:`~flashdec._checks.check_append_stats` then judge them.
+The public eager calls (``decode`` and ``extend`` without a workspace, ``kv_append``,
+``fused_rope_kv_append``) must reject out-of-range ids before a kernel reads or writes through
+them. Copying a block table to the host for that costs more than the attention itself, so one
+tiny kernel reduces the metadata to a few numbers per program (min/max/sum of the lengths, of
+the query lengths, min/max of the *used* block ids; or min/max of ids, offsets and positions and
+a count of rows sharing a slot) and the host reads those back at once.
+:func:`flashdec._checks.check_paged_decode_stats` / :func:`~flashdec._checks.check_append_stats`
+then judge them.
 
 What a read established is cached per metadata *identity*: the tensor object (held by weak
 reference), its data pointer, shape, strides, dtype, device and PyTorch version counter, plus the
@@ -27,12 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdec._checks import AppendStats, PagedDecodeDims, PagedDecodeStats
+from flashdec._checks import AppendStats, PagedDecodeDims, PagedDecodeStats, QueryLenStats
 from flashdec.kernels._runtime import Launcher, next_power_of_2
 
 # stands for "no value" in the min/max reductions (ids and lengths are far smaller)
 _BIG = tl.constexpr(2**62)
-_STATS_WIDTH = tl.constexpr(8)  # int64 slots per program in the stats output
+_STATS_WIDTH = tl.constexpr(16)  # int64 slots per program in the stats output
 _MAX_PROGRAMS = 16  # enough to spread a large table; few rows to read back and reduce
 _DECODE_TILE = 1024  # table entries per loop step of one program
 _APPEND_COLS = 64
@@ -42,6 +43,7 @@ _APPEND_COLS = 64
 def _decode_metadata_kernel(
     tables_ptr,
     lens_ptr,
+    qlens_ptr,  # read only with QUERIES
     out_ptr,
     batch,
     max_blocks,
@@ -49,13 +51,16 @@ def _decode_metadata_kernel(
     stride_tb,
     stride_tn,
     stride_l,
+    stride_q,
     window,
     WINDOWED: tl.constexpr,
+    QUERIES: tl.constexpr,  # extend: query_lens given (min/max/sum, excess over seq_lens)
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
     # per program: min/max of seq_lens, the sum of the attended lengths, and min/max of the
-    # table entries its rows read
+    # table entries its rows read; with QUERIES also min/max/sum of query_lens and the largest
+    # query_len - seq_len
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     offs_r0 = tl.arange(0, ROWS)
@@ -65,6 +70,10 @@ def _decode_metadata_kernel(
     len_sum = tl.zeros([ROWS], tl.int64)
     id_min = tl.full([ROWS, COLS], _BIG, tl.int64)
     id_max = tl.full([ROWS, COLS], -_BIG, tl.int64)
+    q_min = tl.full([ROWS], _BIG, tl.int64)
+    q_max = tl.full([ROWS], -_BIG, tl.int64)
+    q_excess = tl.full([ROWS], -_BIG, tl.int64)
+    q_sum = tl.zeros([ROWS], tl.int64)
     for r0 in range(pid * ROWS, batch, num_programs * ROWS):
         offs_r = r0 + offs_r0
         valid_r = offs_r < batch
@@ -74,10 +83,20 @@ def _decode_metadata_kernel(
         # entries past a request's used blocks are unspecified: never read
         used = tl.minimum((tl.maximum(lens, 0) + block_size - 1) // block_size, max_blocks)
         rows = tables_ptr + offs_r.to(tl.int64)[:, None] * stride_tb
+        if QUERIES:
+            qls = tl.load(qlens_ptr + offs_r * stride_q, mask=valid_r, other=0).to(tl.int64)
+            q_min = tl.minimum(q_min, tl.where(valid_r, qls, _BIG))
+            q_max = tl.maximum(q_max, tl.where(valid_r, qls, -_BIG))
+            q_excess = tl.maximum(q_excess, tl.where(valid_r, qls - lens, -_BIG))
+            q_sum += tl.where(valid_r, qls, 0)
+            # the first new token's window reaches query_len - 1 tokens further back
+            reach = window + qls - 1
+        else:
+            reach = window
         if WINDOWED:
             # nor are those of blocks wholly before the window (a cache may have released them)
-            len_sum += tl.minimum(lens, window)
-            first = tl.maximum(lens - window, 0) // block_size
+            len_sum += tl.minimum(lens, reach)
+            first = tl.maximum(lens - reach, 0) // block_size
             first = tl.where(valid_r, first, max_blocks)
             c_lo = (tl.min(first, 0) // COLS * COLS).to(tl.int32)
         else:
@@ -98,6 +117,11 @@ def _decode_metadata_kernel(
     tl.store(out + 2, tl.sum(len_sum, 0))
     tl.store(out + 3, tl.min(tl.min(id_min, 1), 0))
     tl.store(out + 4, tl.max(tl.max(id_max, 1), 0))
+    if QUERIES:
+        tl.store(out + 5, tl.min(q_min, 0))
+        tl.store(out + 6, tl.max(q_max, 0))
+        tl.store(out + 7, tl.max(q_excess, 0))
+        tl.store(out + 8, tl.sum(q_sum, 0))
 
 
 @triton.jit
@@ -175,12 +199,39 @@ def decode_metadata_stats(
     (the same as :func:`flashdec._checks.paged_decode_stats`)."""
     if dims.batch == 0:
         return PagedDecodeStats(0, 0, 0, None, None)
+    return _decode_stats(_metadata_columns(block_tables, seq_lens, None, dims, window))
+
+
+def extend_metadata_stats(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    dims: PagedDecodeDims,
+    window: int | None = None,
+) -> tuple[PagedDecodeStats, QueryLenStats]:
+    """:func:`decode_metadata_stats` of an extend call (batch > 0), and its
+    :class:`QueryLenStats`, in the same launch and read. With a ``window`` a row's entries count
+    from its first new token's window on (``paged_decode_stats(..., query_lens=)``)."""
+    cols = _metadata_columns(block_tables, seq_lens, query_lens, dims, window)
+    queries = QueryLenStats(min(cols[5]), max(cols[6]), max(cols[7]), sum(cols[8]))
+    return _decode_stats(cols), queries
+
+
+def _metadata_columns(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    dims: PagedDecodeDims,
+    window: int | None,
+) -> list[tuple[int, ...]]:
+    """The stats kernel's output, one tuple per slot over its programs (the one read)."""
     rows = _rows_per_program(dims.batch, 16)
     programs = min(triton.cdiv(dims.batch, rows), _MAX_PROGRAMS)
     out = torch.empty(programs, _STATS_WIDTH.value, dtype=torch.int64, device=seq_lens.device)
+    qlens = seq_lens if query_lens is None else query_lens  # a stand-in pointer, never read
     _DECODE_METADATA(
         programs,
-        (block_tables, seq_lens, out),
+        (block_tables, seq_lens, qlens, out),
         (
             dims.batch,
             dims.max_blocks_per_seq,
@@ -188,12 +239,16 @@ def decode_metadata_stats(
             block_tables.stride(0),
             block_tables.stride(1),
             seq_lens.stride(0),
+            qlens.stride(0),
             0 if window is None else window,
         ),
-        (window is not None, rows, _DECODE_TILE // rows),
+        (window is not None, query_lens is not None, rows, _DECODE_TILE // rows),
         num_warps=4,
     )
-    cols = list(zip(*out.tolist(), strict=True))  # the one device -> host transfer
+    return list(zip(*out.tolist(), strict=True))  # the one device -> host transfer
+
+
+def _decode_stats(cols: list[tuple[int, ...]]) -> PagedDecodeStats:
     min_id = min(cols[3])
     used = min_id != _BIG.value
     return PagedDecodeStats(
@@ -287,7 +342,7 @@ def remember(
 
 
 def clear_validation_cache() -> None:
-    """Forget every validated metadata tensor: the next eager ``decode`` / ``kv_append`` /
-    ``fused_rope_kv_append`` checks its metadata again. Needed only after writing a metadata
-    tensor behind PyTorch's back (see :mod:`flashdec.kernels.validation`)."""
+    """Forget every validated metadata tensor: the next eager ``decode`` / ``extend`` /
+    ``kv_append`` / ``fused_rope_kv_append`` checks its metadata again. Needed only after
+    writing a metadata tensor behind PyTorch's back (see :mod:`flashdec.kernels.validation`)."""
     _VALIDATED.clear()

@@ -1,22 +1,42 @@
 """Models by name: a local transformers directory (weights and, if present, its tokenizer) or a
-built-in random-weight shape. Nothing is downloaded: every load is ``local_files_only``."""
+built-in random-weight shape. Nothing is downloaded: every load is ``local_files_only``, and no
+code from a model directory ever runs: every load passes ``trust_remote_code=False``, and a
+config that asks for the directory's own code (``auto_map``) is refused before transformers
+reads it."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 from flashdec._checks import FLOAT_DTYPES
 from flashdec.models.shapes import BUILTIN_SHAPES, build_random_model, default_device
-from flashdec.models.spec import check_supported, config_problems
+from flashdec.models.spec import FAMILIES, check_supported, config_problems
 
 # any of these marks a saved tokenizer (fast, sentencepiece or BPE vocab files)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# the weight files transformers' from_pretrained reads from a local directory
+_WEIGHT_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+# never transformers' interactive prompt, never the directory's own Python files
+_LOCAL_ONLY = {"local_files_only": True, "trust_remote_code": False}
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -38,6 +58,65 @@ def _check_dtype(dtype: object) -> None:
         raise TypeError(f"dtype must be None or one of float32, float16, bfloat16, got {dtype}")
 
 
+def check_model_dir(path: str | os.PathLike) -> PretrainedConfig:
+    """The config of a local model directory, checked before any weight is read and without
+    running any code the directory holds.
+
+    Raises:
+        TypeError: ``path`` is not a path.
+        ValueError: each naming the directory: it is missing, has no ``config.json``, or one that
+            is not a JSON object; the config asks for the directory's own code (``auto_map``);
+            an architecture or feature FlashDec does not run; no weight files.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    directory = Path(path)
+    where = repr(str(directory))
+    try:
+        exists = directory.is_dir()
+    except OSError:  # e.g. a name too long for a path
+        exists = False
+    if not exists:
+        raise ValueError(f"model directory {where} does not exist")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{where} has no config.json: not a transformers model directory")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the config.json in {where} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"the config.json in {where} must hold a JSON object")
+    supported = f"supported architectures: {', '.join(FAMILIES)}"
+    # checked here, not by transformers: it would ask on stdin whether to run the code, or
+    # answer an unknown model_type with a pip hint
+    if "auto_map" in raw:
+        classes = raw["auto_map"]
+        named = ", ".join(map(str, classes.values())) if isinstance(classes, dict) else classes
+        raise ValueError(
+            f"FlashDec cannot run the model in {where}: its config.json asks to run code from "
+            f"the directory (auto_map: {named}), and FlashDec never does; {supported}"
+        )
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"FlashDec cannot run the model in {where}: model_type={model_type!r}; {supported}"
+        )
+    try:
+        config = AutoConfig.from_pretrained(directory, **_LOCAL_ONLY)
+    except Exception as exc:  # config classes raise anything (hub's validators: Exception)
+        reason = " ".join(str(exc).split())
+        raise ValueError(f"could not read the config.json in {where}: {reason}") from None
+    problems = config_problems(config)
+    if problems:
+        raise ValueError(
+            f"FlashDec cannot run the model in {where}: unsupported " + "; ".join(problems)
+        )
+    if not any((directory / name).is_file() for name in _WEIGHT_FILES):
+        raise ValueError(f"{where} holds no weights: none of {', '.join(_WEIGHT_FILES)} is there")
+    return config
+
+
 def load_model(
     path: str | os.PathLike,
     *,
@@ -47,35 +126,22 @@ def load_model(
     """Load a model directory written by ``save_pretrained`` (and its tokenizer, if saved).
 
     ``dtype`` defaults to the checkpoint's own, ``device`` to the GPU when there is one.
-    The config is checked before any weight is read.
+    The directory is checked by :func:`check_model_dir` before any weight is read; none of its
+    code runs.
 
     Raises:
         TypeError: ``path`` is not a path, or ``dtype`` is not a float dtype.
-        ValueError: a missing directory, no ``config.json`` or no weights in it (each naming the
-            directory), or an unsupported architecture or feature (each one named).
+        ValueError: what :func:`check_model_dir` refuses, weights or a tokenizer transformers
+            cannot read (each naming the directory), or an unsupported module (each one named).
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     _check_dtype(dtype)
+    config = check_model_dir(path)
     directory = Path(path)
-    if not directory.is_dir():
-        raise ValueError(f"model directory {str(directory)!r} does not exist")
-    if not (directory / "config.json").is_file():
-        raise ValueError(
-            f"{str(directory)!r} has no config.json: not a transformers model directory"
-        )
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    problems = config_problems(config)
-    if problems:
-        raise ValueError(
-            f"FlashDec cannot run the model in {str(directory)!r}: unsupported "
-            + "; ".join(problems)
-        )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            directory, config=config, local_files_only=True, dtype=dtype or "auto"
+            directory, config=config, dtype=dtype or "auto", **_LOCAL_ONLY
         )
-    except OSError as exc:  # transformers' error for a directory without weight files
+    except OSError as exc:  # transformers' error for unreadable weight files
         raise ValueError(f"could not load weights from {str(directory)!r}: {exc}") from exc
     # transformers places weights on a device at load time only through accelerate (not a
     # dependency): load on the CPU, then move
@@ -83,7 +149,12 @@ def load_model(
     check_supported(model)
     tokenizer = None
     if has_tokenizer(directory):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, **_LOCAL_ONLY)
+        except (OSError, ValueError) as exc:  # e.g. a tokenizer that needs the folder's code
+            raise ValueError(
+                f"could not load the tokenizer in {str(directory)!r}: {' '.join(str(exc).split())}"
+            ) from None
     return LoadedModel(model, tokenizer, str(directory))
 
 

@@ -1,8 +1,10 @@
-"""Reference single-token decode attention, dense and paged.
+"""Reference attention over a KV cache: single-token decode (dense and paged) and paged extend.
 
-The two are written differently on purpose (batched masked softmax vs a per-request gather and
-explicit max-subtracted exponentials) so that each is the other's check. Both compute in float32
-and return q's dtype. A request with seq_len 0 gets an all-zero row.
+The two decode references are written differently on purpose (batched masked softmax vs a
+per-request gather and explicit max-subtracted exponentials) so that each is the other's check;
+the extend reference (several new tokens per request, causal among themselves) shares only the
+paged gather with the second and is checked against it with one new token per request. All
+compute in float32 and return q's dtype. A decode request with seq_len 0 gets an all-zero row.
 
 ``window`` (sliding-window layers, SPEC §8.2): a request of length ``L`` attends only to its last
 ``window`` positions, ``[max(0, L - window), L)`` — the current token and ``window - 1`` before it,
@@ -15,12 +17,16 @@ import torch
 
 from flashdec._checks import (
     FLOAT_DTYPES,
+    KVScale,
     check_int_tensor,
     check_kv_scales,
     check_paged_decode_inputs,
     check_paged_decode_values,
+    check_paged_extend_inputs,
+    check_query_len_stats,
     check_tensor,
     check_window,
+    query_len_stats,
     resolve_sm_scale,
 )
 from flashdec.reference.quant import dequantize_fp8
@@ -118,20 +124,98 @@ def paged_decode_attention_ref(
         if seq_len == 0:
             continue
         first = 0 if window is None else max(0, seq_len - window)
-        tokens = torch.arange(first, seq_len)
-        blocks = torch.tensor(tables[b], dtype=torch.long)[tokens // dims.block_size]
-        offsets = tokens % dims.block_size
-        index = (blocks.to(q.device), slice(None), offsets.to(q.device))
-        if k_scale is None:
-            k = k_cache[index].float().cpu()  # [L, Hkv, D]
-            v = v_cache[index].float().cpu()
-        else:  # gathered as bytes: indexing kernels need not support float8
-            k = k_cache.view(torch.uint8)[index].cpu().view(k_cache.dtype)
-            v = v_cache.view(torch.uint8)[index].cpu().view(v_cache.dtype)
-            k, v = dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)
+        k, v = _gather_kv(k_cache, v_cache, tables[b], first, seq_len, k_scale, v_scale)
         for h in range(dims.num_q_heads):
             kv_head = h // group
             logits = (k[:, kv_head, :] @ q[b, h].float().cpu()) * scale  # [L]
             weights = torch.exp(logits - logits.max())
             out[b, h] = (weights @ v[:, kv_head, :]) / weights.sum()
     return out.to(device=q.device, dtype=q.dtype)
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    kv_layout: str = "token_major",
+    window: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of several new tokens per request over one layer's paged cache (SPEC §8.6).
+
+    ``q [total_q, Hq, D]`` holds the new tokens' queries packed request by request;
+    ``query_lens [B]`` (each >= 1, summing to ``total_q``) says how many belong to each request,
+    and ``seq_lens [B]`` counts them too (their K/V are already in the cache). Query ``i`` of
+    request ``b`` sits at position ``p = seq_lens[b] - query_lens[b] + i`` and attends to the
+    positions ``<= p`` — with a ``window``, only those ``> p - window``. Returns ``[total_q, Hq,
+    D]`` in q's dtype; with every query_len 1 it is :func:`paged_decode_attention_ref`. Cache
+    layouts, FP8 scales and errors as there; a query_len of 0, one above its seq_len or a sum
+    other than ``total_q`` is a ValueError. Table entries of blocks wholly before the first new
+    token's window are never read.
+    """
+    window = check_window(window)
+    dims, total_q = check_paged_extend_inputs(
+        q, k_cache, v_cache, block_tables, seq_lens, query_lens, kv_layout
+    )
+    k_scale, v_scale = check_kv_scales(k_cache.dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
+    if dims.batch:
+        check_query_len_stats(query_len_stats(query_lens, seq_lens), total_q)
+    check_paged_decode_values(block_tables, seq_lens, dims, window, query_lens)
+    scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    hkv, group = dims.num_kv_heads, dims.num_q_heads // dims.num_kv_heads
+    if kv_layout == "dim_major":  # view as token-major: [N, Hkv, block_size, D]
+        k_cache = k_cache.transpose(2, 3)
+        v_cache = v_cache.transpose(2, 3)
+
+    out = torch.empty(total_q, dims.num_q_heads, dims.head_dim, dtype=torch.float32)
+    tables = block_tables.to("cpu").tolist()
+    row = 0
+    for b, (seq_len, query_len) in enumerate(
+        zip(seq_lens.tolist(), query_lens.tolist(), strict=True)
+    ):
+        context = seq_len - query_len  # tokens before the new ones
+        first = 0 if window is None else max(0, context - window + 1)
+        k, v = _gather_kv(k_cache, v_cache, tables[b], first, seq_len, k_scale, v_scale)
+        keys = torch.arange(first, seq_len)[None, :]  # [1, L] positions
+        positions = context + torch.arange(query_len)[:, None]  # [n, 1]
+        allowed = keys <= positions  # [n, L]: causal over the new tokens
+        if window is not None:
+            allowed &= keys > positions - window
+        qb = q[row : row + query_len].float().cpu().view(query_len, hkv, group, dims.head_dim)
+        logits = torch.einsum("nhgd,lhd->nhgl", qb, k) * scale
+        logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # every query attends at least to itself
+        attn = torch.einsum("nhgl,lhd->nhgd", probs, v)
+        out[row : row + query_len] = attn.reshape(query_len, dims.num_q_heads, dims.head_dim)
+        row += query_len
+    return out.to(device=q.device, dtype=q.dtype)
+
+
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: list[int],
+    first: int,
+    last: int,
+    k_scale: KVScale | None,
+    v_scale: KVScale | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 CPU K and V ``[last - first, Hkv, D]`` of positions ``[first, last)`` of one
+    request (token-major ``[N, Hkv, block_size, D]`` caches; FP8 ones dequantised). Only the
+    table entries of those positions' blocks are read."""
+    block_size = k_cache.shape[2]
+    tokens = torch.arange(first, last)
+    blocks = torch.tensor(table, dtype=torch.long)[tokens // block_size]
+    offsets = tokens % block_size
+    index = (blocks.to(k_cache.device), slice(None), offsets.to(k_cache.device))
+    if k_scale is None:
+        return k_cache[index].float().cpu(), v_cache[index].float().cpu()
+    # gathered as bytes: indexing kernels need not support float8
+    k = k_cache.view(torch.uint8)[index].cpu().view(k_cache.dtype)
+    v = v_cache.view(torch.uint8)[index].cpu().view(v_cache.dtype)
+    return dequantize_fp8(k, k_scale), dequantize_fp8(v, v_scale)

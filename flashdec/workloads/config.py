@@ -9,13 +9,20 @@ will hold, so a caller can refuse what cannot fit before starting it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from flashdec._checks import check_choice, check_positive_int
-from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec, parse_kv_spec
+from flashdec._checks import (
+    FLOAT_DTYPES,
+    FP8_COMPUTE_DTYPES,
+    INT32_MAX,
+    check_choice,
+    check_positive_int,
+)
+from flashdec.cache.kv_spec import KVGroupSpec, check_storable, format_kv_spec, parse_kv_spec
 from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS
 from flashdec.runtime import triton_mode
 from flashdec.scheduler import SchedulerConfig
@@ -25,7 +32,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEVICES = ("auto", "cpu", "cuda")
 TRITON_BACKENDS = ("triton", "fused")  # backends that launch Triton kernels
 
-INT32_MAX = 2**31 - 1  # block ids and sequence lengths live in int32 tensors
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 # Far above any real model: they catch typos and keep every product of sizes small.
 MAX_LAYERS = 1024
@@ -46,13 +52,17 @@ def _knob(
     help_text: str,
     *,
     minimum: float | None = None,
+    above: float | None = None,
     maximum: float | None = None,
     why: str = "",
     choices: tuple[str, ...] | None = None,
 ):
-    """A config field; ``minimum``/``maximum`` (inclusive) and ``choices`` are checked in
-    ``__post_init__`` and shown by the CLI; ``why`` explains the maximum in error messages."""
+    """A config field; ``minimum``/``maximum`` (inclusive), ``above`` (exclusive, for reals) and
+    ``choices`` are checked in ``__post_init__`` and shown by the CLI; ``why`` explains the
+    maximum in error messages."""
     metadata = {"help": help_text, "minimum": minimum, "maximum": maximum, "why": why}
+    if above is not None:
+        metadata["above"] = above
     if choices is not None:
         metadata["choices"] = choices
     return field(default=default, metadata=metadata)
@@ -87,6 +97,8 @@ def _check_fields(config) -> None:
             _check_real(name, value)
             if meta["minimum"] is not None and value < meta["minimum"]:
                 raise ValueError(f"{name} must be >= {meta['minimum']}, got {value}")
+            if "above" in meta and not value > meta["above"]:
+                raise ValueError(f"{name} must be > {meta['above']:g}, got {value}")
         if maximum is not None and value > maximum:
             why = f" ({meta['why']})" if meta["why"] else ""
             raise ValueError(f"{name} must be <= {maximum}{why}, got {value}")
@@ -155,6 +167,7 @@ class MemoryEstimate:
     kv_cache_bytes: int
     device_bytes: int
     host_bytes: int
+    weight_bytes: int = 0  # a model's weights (in device_bytes); the workloads have none
 
 
 @dataclass(frozen=True)
@@ -177,7 +190,7 @@ class SyntheticWorkloadConfig:
     aging_threshold: int = _knob(
         8, "overtakes before a waiting request blocks later ones", minimum=0
     )
-    arrivals_per_step: float = _knob(0.5, "mean request arrivals per step (> 0)")
+    arrivals_per_step: float = _knob(0.5, "mean request arrivals per step (> 0)", above=0.0)
     min_context: int = _knob(4, "shortest prompt (tokens)", minimum=0)
     max_context: int = _knob(40, "longest prompt (tokens)", minimum=0)
     min_new_tokens: int = _knob(4, "fewest tokens to generate", minimum=1)
@@ -230,8 +243,6 @@ class SyntheticWorkloadConfig:
                 f"max_context + max_new_tokens must be <= {INT32_MAX} (sequence lengths are "
                 f"int32), got {self.max_context + self.max_new_tokens}"
             )
-        if not self.arrivals_per_step > 0:
-            raise ValueError(f"arrivals_per_step must be > 0, got {self.arrivals_per_step}")
         self.scheduler_config()  # its own rules, checked once, in one place
         self.placement()
 
@@ -247,16 +258,10 @@ class SyntheticWorkloadConfig:
             raise ValueError(
                 f"kv_spec sets the KV geometry, pool and dtype: leave {flags} at the default"
             )
+        check_storable(groups)
         for g, group in enumerate(groups):
-            if group.kv_size != 2:
-                raise ValueError(f"kv_spec group {g}: kv_size must be 2 (K and V)")
             if group.dtype == torch.float8_e4m3fn:
                 raise ValueError(f"kv_spec group {g}: the engine does not run FP8 groups yet")
-            if group.head_dim % 2:
-                raise ValueError(
-                    f"kv_spec group {g}: head_dim must be even (RoPE rotates pairs of dims), "
-                    f"got {group.head_dim}"
-                )
             if group.head_dim > MAX_HEAD_DIM:
                 raise ValueError(
                     f"kv_spec group {g}: head_dim must be <= {MAX_HEAD_DIM} (the kernels' "
@@ -502,12 +507,14 @@ class WindowWorkloadConfig:
         groups = parse_kv_spec(self.kv_spec)
         if all(g.window is None for g in groups):
             raise ValueError("kv_spec needs at least one window group (':window=N')")
+        check_storable(groups)
         for g, group in enumerate(groups):
             if group.dtype == torch.float8_e4m3fn:
                 raise ValueError(f"kv_spec group {g}: the engine does not run FP8 groups yet")
-            if group.kv_size != 2 or group.head_dim % 2 or group.head_dim > MAX_HEAD_DIM:
+            if group.head_dim > MAX_HEAD_DIM:
                 raise ValueError(
-                    f"kv_spec group {g}: needs kv_size 2 and an even head_dim <= {MAX_HEAD_DIM}"
+                    f"kv_spec group {g}: head_dim must be <= {MAX_HEAD_DIM} (the kernels' "
+                    f"limit), got {group.head_dim}"
                 )
             if self.num_q_heads % group.num_kv_heads:
                 raise ValueError(
@@ -565,15 +572,20 @@ class ModelRunConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.kv_cache_dtype == "fp8" and self.dtype == "float32":
-            raise ValueError("kv_cache_dtype fp8 needs dtype float16 or bfloat16, got float32")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "device 'cuda' was requested, but torch sees no CUDA device; use 'cpu' or 'auto'"
             )
         if self.cuda_graphs == "on" and not self.on_gpu:
             raise ValueError("cuda_graphs 'on' needs a GPU (use 'auto' or 'off')")
-        self.check_model()
+        config = self.model_config()
+        dtype = self.model_dtype(config)
+        if self.kv_cache_dtype == "fp8" and dtype not in FP8_COMPUTE_DTYPES:
+            where = "--dtype float32" if self.dtype != "auto" else f"the dtype of {self.model!r}"
+            raise ValueError(
+                f"kv_cache_dtype fp8 needs a float16 or bfloat16 model; this one would run in "
+                f"{str(dtype).removeprefix('torch.')} ({where}): add --dtype bfloat16"
+            )
 
     @property
     def on_gpu(self) -> bool:
@@ -588,30 +600,77 @@ class ModelRunConfig:
     def graphs(self) -> bool | None:
         return {"auto": None, "on": True, "off": False}[self.cuda_graphs]
 
-    def check_model(self) -> int:
-        """The model's own limits, read from its config alone (no weights): a known built-in
-        shape or a directory holding a supported config. Returns its max positions."""
+    def model_config(self):
+        """The model's transformers config, read alone (no weights, none of a directory's
+        code): a built-in shape's, or a directory's that ``check_model_dir`` accepts."""
         from pathlib import Path
 
-        from flashdec.models import BUILTIN_SHAPES, config_problems
+        from flashdec.models import BUILTIN_SHAPES
+        from flashdec.models.loading import check_model_dir
 
         if self.model in BUILTIN_SHAPES:
-            config = BUILTIN_SHAPES[self.model].make_config()
-        elif Path(self.model).is_dir():
-            from transformers import AutoConfig
+            return BUILTIN_SHAPES[self.model].make_config()
+        try:
+            is_dir = bool(self.model) and Path(self.model).is_dir()  # Path("") is "."
+        except OSError:  # e.g. a name too long for a path
+            is_dir = False
+        if is_dir:
+            return check_model_dir(self.model)
+        raise ValueError(
+            f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) "
+            "nor a local model directory"
+        )
 
-            if not (Path(self.model) / "config.json").is_file():
-                raise ValueError(f"model directory {self.model!r} has no config.json")
-            config = AutoConfig.from_pretrained(self.model, local_files_only=True)
-            problems = config_problems(config)
-            if problems:
-                raise ValueError(f"model {self.model!r}: unsupported " + "; ".join(problems))
+    def check_model(self) -> int:
+        """The model's max positions, from its config alone (see ``model_config``)."""
+        return int(self.model_config().max_position_embeddings)
+
+    def model_dtype(self, config) -> torch.dtype:
+        """What the model runs in: ``dtype``, else the built-in shape's, else the checkpoint's
+        (float32, transformers' default, when its config names none)."""
+        from flashdec.models import BUILTIN_SHAPES
+
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.model in BUILTIN_SHAPES:
+            return BUILTIN_SHAPES[self.model].dtype
+        saved = getattr(config, "dtype", None)
+        saved = getattr(torch, saved, None) if isinstance(saved, str) else saved
+        return saved if saved in FLOAT_DTYPES else torch.float32
+
+    def kv_description(self) -> str:
+        """What the estimated KV cache is made of, for messages."""
+        return f"one request of {self.longest_request():,} tokens, the least the pool must hold"
+
+    def memory_estimate(self) -> MemoryEstimate:
+        """What the run needs at least, on its device: the weights (every parameter once, in
+        the run's dtype), a KV pool that holds the longest request (``flashdec.LLM`` sizes its
+        pool to what is free: more requests run at once when memory allows) and the LLM's
+        activation reserve. A directory's weights load on the host first; a built-in shape's
+        are made in place."""
+        from transformers import AutoModelForCausalLM
+
+        from flashdec.llm import _ACTIVATION_RESERVE, LLM  # what LLM reserves, one definition
+        from flashdec.models import BUILTIN_SHAPES
+
+        block_size = inspect.signature(LLM).parameters["block_size"].default  # load_llm keeps it
+
+        config = self.model_config()
+        dtype = self.model_dtype(config)
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        head_dim = model.model.layers[0].self_attn.head_dim
+        kv_itemsize = 1 if self.kv_cache_dtype == "fp8" else dtype.itemsize
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+        kv_cache = -(-self.longest_request() // block_size) * block_size * per_token * kv_itemsize
+        device_bytes = weights + kv_cache + _ACTIVATION_RESERVE
+        device = self.torch_device()
+        if device.type == "cpu":
+            host = device_bytes
         else:
-            raise ValueError(
-                f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}) "
-                "nor a local model directory"
-            )
-        return int(config.max_position_embeddings)
+            host = 0 if self.model in BUILTIN_SHAPES else weights
+        return MemoryEstimate(device, kv_cache, device_bytes, host, weight_bytes=weights)
 
 
 @dataclass(frozen=True)
@@ -624,7 +683,9 @@ class GenerateConfig(ModelRunConfig):
     max_new_tokens: int = _knob(32, "tokens to generate per prompt", minimum=1, maximum=131072)
     temperature: float = _knob(0.0, "sampling temperature (0: greedy)", minimum=0.0, maximum=100.0)
     top_k: int = _knob(0, "sample among the k most likely tokens (0: all)", minimum=0)
-    top_p: float = _knob(1.0, "sample within this probability nucleus", minimum=0.0, maximum=1.0)
+    top_p: float = _knob(
+        1.0, "sample within this probability nucleus, in (0, 1]", above=0.0, maximum=1.0
+    )
     ignore_eos: bool = _knob(False, "generate max-new-tokens even after EOS")
     compare: bool = _knob(False, "also run transformers' greedy generate: report agreement")
     warmup_run: bool = _knob(
@@ -635,12 +696,12 @@ class GenerateConfig(ModelRunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_p <= 0:
-            raise ValueError(f"top_p must be > 0, got {self.top_p}")
         if self.compare and self.temperature > 0:
             raise ValueError("compare needs greedy decoding (temperature 0)")
         if self.prompt and self.batch != 1 and self.batch != GenerateConfig.batch:
             raise ValueError("a text prompt is one request: drop --batch")
+        if self.prompt and self.prompt_len != GenerateConfig.prompt_len:
+            raise ValueError("a text prompt sets its own length: drop --prompt-len")
         from flashdec.models.loading import has_tokenizer
 
         if self.prompt and not has_tokenizer(self.model):
@@ -655,6 +716,13 @@ class GenerateConfig(ModelRunConfig):
                 f"prompt_len + max_new_tokens ({length}) exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
+
+    def longest_request(self) -> int:
+        """Tokens the longest request holds: prompt and output."""
+        if self.prompt:
+            # a token is at least one byte; room for special tokens and a chat template
+            return len(self.prompt.encode()) + 64 + self.max_new_tokens
+        return self.prompt_len + self.max_new_tokens
 
     @classmethod
     def demo_defaults(cls, seed: int = 0) -> GenerateConfig:
@@ -703,3 +771,7 @@ class ServeConfig(ModelRunConfig):
                 f"max_prompt_len + max_new_tokens ({self.max_prompt_len + self.max_new_tokens}) "
                 f"exceeds the model's max_position_embeddings ({limit})"
             )
+
+    def longest_request(self) -> int:
+        """Tokens the longest request holds: prompt and output."""
+        return self.max_prompt_len + self.max_new_tokens

@@ -21,7 +21,7 @@ import torch
 
 from flashdec.cache import PagedKVCache
 from flashdec.engine import DecodeEngine
-from flashdec.engine.loop import LoopStep, ServingLoop, run_loop
+from flashdec.engine.loop import LoopStep, ServingLoop, StepExecutor, run_loop
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 from flashdec.workloads.config import IntegratedWorkloadConfig, SyntheticWorkloadConfig
 from flashdec.workloads.stats import LatencyStats, jain_index, ratio, safe_rate
@@ -109,7 +109,7 @@ def _build_requests(config, rng: random.Random, prefix_ids, prefix_tokens):
     return specs, arrivals
 
 
-class RandomKVExecutor:
+class RandomKVExecutor(StepExecutor):
     """The loop's executor for synthetic workloads: seeded random Q/K/V for every layer.
 
     Prompts are imported in one transaction per step; decode steps are timed end to end (begin,

@@ -26,7 +26,7 @@ import torch
 from flashdec._checks import check_positive_int
 from flashdec.cache import PagedKVCache
 from flashdec.engine import DecodeEngine
-from flashdec.engine.loop import ServingLoop, run_loop
+from flashdec.engine.loop import ServingLoop, StepExecutor, run_loop
 from flashdec.scheduler import (
     POLICIES,
     PrefixId,
@@ -284,7 +284,7 @@ def without_prefix_sharing(trace: WorkloadTrace) -> WorkloadTrace:
 # ---------------------------------------------------------------------------- the runner
 
 
-class _TinyKVExecutor:
+class _TinyKVExecutor(StepExecutor):
     """K/V content is irrelevant to scheduling: one layer, one tiny head, seeded values."""
 
     def __init__(self, engine: DecodeEngine, seed: int) -> None:
@@ -370,7 +370,7 @@ def _run_policy(
         if result_of.get(rid) != "rejected" and arrived < steps:
             in_system = left_at.get(rid, steps - 1) - arrived + 1
             rates.append(decoded.get(rid, 0) / in_system)
-    latencies = [r.schedule_s + r.prefill_s + r.decode_s for r in outcome.steps]
+    latencies = [r.schedule_s + r.run_s for r in outcome.steps]
     elapsed = sum(latencies)
     tokens = sum(decoded.values())
     n = len(trace.requests)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdec.cache import PagedKVCache, rope_paged_kv_append
+from flashdec.cache import PagedKVCache
+from flashdec.engine.layer_ops import rope_paged_kv_append
 from tests.cache.snapshot import assert_rejected
 from tests.cache.util import commit_token, make_cache, prefix_blocks, tokens
 

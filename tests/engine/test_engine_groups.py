@@ -10,6 +10,7 @@ import torch
 
 from flashdec import PagedKVCache, apply_rope, dense_decode_attention_ref
 from flashdec.engine import DecodeEngine
+from flashdec.engine.loop import StepExecutor
 from flashdec.engine.snapshot import snapshot_from_cache
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 
@@ -236,7 +237,7 @@ def _scheduled(spec, layer_groups, requests, config):
     return engine, BlockAwareScheduler(config)
 
 
-class RandomExecutor:
+class RandomExecutor(StepExecutor):
     """A serving loop's executor on random tensors: prefills every layer of each imported request
     and steps one token per layer (K = V; no sampling, the loop only schedules)."""
 

@@ -88,13 +88,6 @@ def plain_writer(backend, k, v):
     return lambda kl, vl, slots: write_plain_layer(backend, k, v, kl, vl, slots)
 
 
-def test_cache_keeps_the_old_import_path():
-    from flashdec import cache as cache_module
-
-    assert cache_module.rope_paged_kv_append is rope_paged_kv_append
-    assert cache_module.RopeAppendResult is RopeAppendResult
-
-
 def test_transaction_rope_write_matches_reference(cache):
     for rid in ("a", "b"):
         cache.add_request(rid)

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from flashdec.engine.loop import ServingLoop, run_loop
+from flashdec.engine.loop import ServingLoop, StepExecutor, run_loop
 from flashdec.scheduler import BlockAwareScheduler, GreedyScheduler, RequestSpec, SchedulerConfig
 from tests.engine.conftest import HKV, HQ, D, make_engine
 
 CONFIG = SchedulerConfig(max_active_requests=4, max_batch_size=3)
 
 
-class Recorder:
+class Recorder(StepExecutor):
     """Zero K/V; finishes the ids in ``eos`` after their first token."""
 
     def __init__(self, engine, eos=()):
@@ -49,14 +49,15 @@ def test_a_step_admits_imports_decodes_and_finishes():
     for spec in specs((5, 1), (0, 2)):
         loop.submit(spec)
     record = loop.step()
-    assert record.admitted == ("r0", "r1") and record.served == ("r0", "r1")
+    # r0 imports its prompt (it decodes from the next step on); r1 has none and decodes now
+    assert record.admitted == ("r0", "r1") and record.served == ("r1",)
+    assert record.prefilled == ("r0",)
     assert executor.prefills == [[("r0", 5)]]  # a 0-token context needs no import
-    assert record.finished == ("r0",) and engine.request_state("r0") == "finished"
-    assert (record.waiting, record.active) == (0, 1)
-    assert engine.cache.seq_len("r1") == 1 and loop.generated == {"r0": 1, "r1": 1}
-    assert not loop.idle
+    assert record.finished == () and (record.waiting, record.active) == (0, 2)
+    assert engine.cache.seq_len("r0") == 5 and engine.cache.seq_len("r1") == 1
+    assert loop.generated == {"r0": 0, "r1": 1}
     record = loop.step()
-    assert record.finished == ("r1",) and loop.idle
+    assert record.served == ("r0", "r1") and record.finished == ("r0", "r1") and loop.idle
     assert engine.cache.metrics()["num_used_blocks"] == 0
 
 
@@ -89,7 +90,8 @@ def test_greedy_deadlock_is_detected_and_cleaned_up():
     run = run_loop(loop, [(0, s) for s in specs((4, 2), (4, 2))], max_steps=100, patience=3)
     assert run.deadlock and not run.stopped_early
     assert run.unfinished_active == ("r0", "r1")
-    assert all(r.stuck == ("r0", "r1") for r in run.steps)
+    assert run.steps[0].prefilled == ("r0", "r1")  # the prompts go in, then nothing moves
+    assert all(r.stuck == ("r0", "r1") for r in run.steps[1:])
     assert engine.cache.num_free_blocks == 2
 
 
@@ -103,7 +105,7 @@ def test_plan_hook_sees_every_snapshot_and_decision():
         on_plan=lambda snap, decision: seen.append((snap.step, decision.admit)),
     )
     run_loop(loop, [(0, s) for s in specs((1, 2))], max_steps=10)
-    assert seen == [(0, ("r0",)), (1, ())]
+    assert seen == [(0, ("r0",)), (1, ()), (2, ())]  # import, then two decodes
 
 
 def test_constructor_checks_its_arguments():
@@ -164,7 +166,7 @@ def _scenario(executor, fail):
         with pytest.raises((KeyboardInterrupt, RuntimeError)):
             loop.step()
         assert _observed(engine, loop) == before
-        assert loop.generated == {"r0": 1, "r1": 0, "r2": 0, "r3": 0} and loop.step_index == 1
+        assert loop.generated == {"r0": 0, "r1": 0, "r2": 0, "r3": 0} and loop.step_index == 1
         assert executor.forgotten == [("r1", "r2")]
         executor.prefill_fails_at, executor.decode_fails = None, False
     while not loop.idle:
@@ -184,7 +186,7 @@ def _scenario(executor, fail):
 )
 def test_a_failed_step_is_taken_back_whole(fail):
     expected, _ = _scenario(Failing(make_engine(max_blocks=8)), None)
-    assert expected[1] == (("r1", "r2"), ("r3",), ("r0", "r1", "r2"), ("r0", "r1", "r2"), ())
+    assert expected[1] == (("r1", "r2"), ("r3",), ("r0", "r1", "r2"), ("r0",), ())
     records, loop = _scenario(Failing(make_engine(max_blocks=8)), fail)
     assert records == expected
     assert loop.generated == {"r0": 3, "r1": 2, "r2": 2, "r3": 0}
@@ -201,7 +203,7 @@ def test_revert_decision_takes_back_only_the_last_step_before_it_ends():
     loop.step()  # applied, then the step ended (the fairness counters moved)
     with pytest.raises(RuntimeError, match="applied last"):
         engine.revert_decision(decision)
-    assert engine.request_state("r0") == "active" and engine.cache.seq_len("r0") == 5
+    assert engine.request_state("r0") == "active" and engine.cache.seq_len("r0") == 4
 
 
 def test_rejections_say_why():
@@ -217,3 +219,42 @@ def test_rejections_say_why():
     record = loop.step()
     assert record.rejected == ("big",)
     assert record.rejection_reasons == (loop.rejection_reason(big),)
+
+
+def test_a_step_budget_splits_prompts_and_decodes_first():
+    """With ``max_step_tokens`` a step brings the running requests' decode tokens first, then
+    prompt chunks in admission order; a long prompt spans several steps and every step takes
+    at least one prompt token."""
+    engine = make_engine(max_blocks=32)
+    executor = Recorder(engine)
+    loop = ServingLoop(engine, BlockAwareScheduler(CONFIG), executor, max_step_tokens=6)
+    loop.submit(RequestSpec("r0", 4, 5, 0))
+    assert loop.step().prefilled == ("r0",)  # 4 tokens
+    loop.submit(RequestSpec("r1", 9, 1, 1))
+    loop.submit(RequestSpec("r2", 3, 1, 2))
+    record = loop.step()
+    assert record.served == ("r0",) and record.prefilled == ("r1",)
+    assert executor.prefills[-1] == [("r1", 5)]  # 6 - one decode token
+    record = loop.step()
+    assert record.served == ("r0",) and executor.prefills[-1] == [("r1", 4), ("r2", 1)]
+    record = loop.step()
+    assert record.served == ("r0", "r1") and executor.prefills[-1] == [("r2", 2)]
+    assert engine.cache.seq_len("r1") == 10 and engine.cache.seq_len("r2") == 3
+    run = run_loop(loop, [], max_steps=20)
+    assert run.unfinished == () and engine.cache.num_free_blocks == engine.cache.max_blocks
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        ServingLoop(engine, BlockAwareScheduler(CONFIG), executor, max_step_tokens=0)
+
+
+def test_cancel_mid_prompt_frees_the_blocks():
+    engine = make_engine(max_blocks=32)
+    loop = ServingLoop(engine, BlockAwareScheduler(CONFIG), Recorder(engine), max_step_tokens=4)
+    loop.submit(RequestSpec("r0", 10, 2, 0))
+    loop.step()
+    assert engine.cache.seq_len("r0") == 4
+    loop.cancel("r0")
+    assert engine.request_state("r0") == "cancelled" and loop.idle
+    assert engine.cache.num_free_blocks == engine.cache.max_blocks
+    with pytest.raises(ValueError, match="not live"):
+        loop.cancel("r0")
+    assert loop.step().prefilled == ()

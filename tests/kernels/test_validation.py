@@ -13,6 +13,7 @@ from flashdec._checks import (
     AppendStats,
     PagedDecodeDims,
     paged_decode_stats,
+    query_len_stats,
 )
 from flashdec.kernels import (
     append,
@@ -88,6 +89,27 @@ def test_decode_stats_of_strided_metadata_and_long_lengths(device):
     got = validation.decode_metadata_stats(strided.to(device), strided_lens.to(device), dims)
     assert got == paged_decode_stats(strided, strided_lens, dims)
     assert got.max_len == 10**6
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 1000])
+@pytest.mark.parametrize(("batch", "width", "block_size"), [(1, 3, 8), (17, 9, 4), (40, 3, 32)])
+def test_extend_stats_kernel_matches_torch(window, batch, width, block_size, device, monkeypatch):
+    """The query-length stats (including bad values: 0, negative, above seq_len) and, with a
+    window, the entries read from each row's first new token's window on."""
+    monkeypatch.setattr(validation, "_MAX_PROGRAMS", 2)
+    gen = torch.Generator().manual_seed(batch * 5 + (window or 0))
+    tables, lens = _random_metadata(batch, width, block_size, gen)
+    qlens = torch.randint(-1, 7, (batch,), generator=gen).to(torch.int32)
+    if window is not None:
+        first = (lens - window - qlens + 1).clamp(min=0) // block_size
+        tables[torch.arange(width)[None, :] < first[:, None]] = -(2**30)  # never read
+    dims = _dims(tables, lens, 50, block_size)
+    stats, queries = validation.extend_metadata_stats(
+        tables.to(device), lens.to(device), qlens.to(device), dims, window
+    )
+    assert stats == paged_decode_stats(tables, lens, dims, window, qlens)
+    assert queries == query_len_stats(qlens, lens)
+    assert queries.total == int(qlens.sum()) and queries.min_len == int(qlens.min())
 
 
 def _append_stats_torch(ids, offsets, positions) -> AppendStats:

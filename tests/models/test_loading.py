@@ -18,6 +18,7 @@ from flashdec.models import (
     load_model,
     resolve_model,
 )
+from flashdec.models.loading import check_model_dir
 from tests.models.greedy import flashdec_greedy, hf_greedy
 
 WORDS = ["[UNK]", "<s>", "</s>", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far"]
@@ -144,7 +145,7 @@ class TestLoadModel:
 
     def test_directory_without_weights(self, tmp_path):
         build_random_model("tiny-llama", device="cpu").config.save_pretrained(tmp_path)
-        with pytest.raises(ValueError, match="could not load weights from"):
+        with pytest.raises(ValueError, match="holds no weights"):
             load_model(tmp_path, device="cpu")
 
     def test_unsupported_config_fails_before_reading_weights(self, tmp_path):
@@ -191,3 +192,104 @@ class TestResolveModel:
         )
         assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float16"
         assert resolve_model(str(tmp_path), device="cpu").model.dtype == torch.float16
+
+
+# A config that asks transformers to import the directory's own Python file: the file writes a
+# marker when imported, so whether it ran is a file on disk.
+EVIL_CODE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def write_remote_code_model(directory, marker, model_type: str = "evil") -> None:
+    """A model directory whose config.json names code in the directory (``auto_map``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "evil.py").write_text(EVIL_CODE.format(marker=str(marker)))
+    config = {
+        "model_type": model_type,
+        "architectures": ["EvilForCausalLM"],
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def says_yes(monkeypatch, tmp_path):
+    """Whoever asks on stdin gets "y"; transformers' dynamic modules go to a scratch folder."""
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+
+
+class TestNoCodeFromTheDirectory:
+    @pytest.mark.parametrize("model_type", ["evil", "llama"])
+    def test_a_config_asking_for_its_own_code_is_refused(self, tmp_path, says_yes, model_type):
+        marker = tmp_path / "RAN"
+        write_remote_code_model(tmp_path / "model", marker, model_type)
+        with pytest.raises(ValueError) as info:
+            load_model(tmp_path / "model", device="cpu")
+        message = str(info.value)
+        assert "asks to run code from the directory (auto_map: evil.EvilConfig" in message
+        assert "FlashDec never does; supported architectures: llama, qwen2" in message
+        assert not marker.exists()
+
+    def test_a_tokenizer_asking_for_its_own_code_is_refused(self, tmp_path, says_yes):
+        directory = tmp_path / "model"
+        build_random_model("tiny-llama", device="cpu", seed=3).save_pretrained(directory)
+        marker = tmp_path / "RAN"
+        (directory / "evil.py").write_text(EVIL_CODE.format(marker=str(marker)))
+        tokenizer_config = {
+            "tokenizer_class": "EvilTokenizer",
+            "auto_map": {"AutoTokenizer": [None, "evil.EvilTokenizer"]},
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        with pytest.raises(ValueError, match="could not load the tokenizer in"):
+            load_model(directory, device="cpu")
+        assert not marker.exists()
+
+
+class TestBrokenDirectories:
+    def test_config_that_is_not_json(self, tmp_path):
+        (tmp_path / "config.json").write_text('{"model_type": "llama",')
+        with pytest.raises(ValueError, match=r"config\.json in .* is not valid JSON: Expecting"):
+            load_model(tmp_path)
+
+    def test_config_that_is_not_an_object(self, tmp_path):
+        (tmp_path / "config.json").write_text("[1, 2]")
+        with pytest.raises(ValueError, match="must hold a JSON object"):
+            load_model(tmp_path)
+
+    @pytest.mark.parametrize("model_type", ["gpt_oss_99", None])
+    def test_unknown_model_type_names_the_supported_architectures(self, tmp_path, model_type):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        with pytest.raises(ValueError) as info:
+            load_model(tmp_path)
+        message = str(info.value)
+        assert message == (
+            f"FlashDec cannot run the model in '{tmp_path}': model_type={model_type!r}; "
+            "supported architectures: llama, qwen2, mistral, qwen3"
+        )
+        assert "pip" not in message
+
+    def test_a_config_transformers_cannot_read(self, tmp_path):
+        config = build_random_model("tiny-llama", device="cpu").config.to_dict()
+        config["rope_parameters"] = "fast"
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(
+            ValueError, match=r"could not read the config\.json in .*rope_parameters"
+        ):
+            load_model(tmp_path)
+
+    def test_no_weights_is_found_before_loading(self, tmp_path):
+        build_random_model("tiny-llama", device="cpu").config.save_pretrained(tmp_path)
+        with pytest.raises(ValueError, match=r"holds no weights: none of model\.safetensors"):
+            check_model_dir(tmp_path)

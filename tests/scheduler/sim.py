@@ -14,7 +14,7 @@ import torch
 
 from flashdec.cache import PagedKVCache
 from flashdec.engine import DecodeEngine
-from flashdec.engine.loop import ServingLoop, run_loop
+from flashdec.engine.loop import ServingLoop, StepExecutor, run_loop
 from flashdec.scheduler import PrefixInfo, RequestSpec, SchedulerConfig, make_scheduler
 
 HEAD_DIM = 2
@@ -34,7 +34,7 @@ class SimResult:
     steps: int = 0
 
 
-class _ZeroKV:
+class _ZeroKV(StepExecutor):
     """K/V content is irrelevant here: zeros, one layer, one head."""
 
     def __init__(self, engine: DecodeEngine) -> None:

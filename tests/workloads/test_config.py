@@ -12,7 +12,12 @@ from flashdec.workloads import (
     SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
 )
-from flashdec.workloads.config import HOST_BYTES_PER_REQUEST, HOST_BYTES_PER_STEP
+from flashdec.workloads.config import (
+    HOST_BYTES_PER_REQUEST,
+    HOST_BYTES_PER_STEP,
+    GenerateConfig,
+    ServeConfig,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -202,3 +207,88 @@ def test_prefix_staging_counts_only_when_prefixes_are_registered():
     staged = 2 * hits.num_layers * hits.prefix_blocks * hits.block_size
     staged *= hits.num_kv_heads * hits.head_dim * (4 + 4)
     assert hits.memory_estimate().device_bytes - none.memory_estimate().device_bytes == staged
+
+
+# --------------------------------------------------------------------------------------------
+# generate / bench-serve configs
+# --------------------------------------------------------------------------------------------
+def test_kv_spec_the_cache_cannot_store_is_refused_with_the_cache_message():
+    """One check (kv_spec.check_storable) for the cache and the workloads, one message."""
+    from flashdec.cache import PagedKVCache
+    from flashdec.workloads import WindowWorkloadConfig
+
+    for spec in ("(1,48,8,2,32):float32:1", "(2,48,8,2,7):float32:1"):
+        with pytest.raises(ValueError) as cache_error:
+            PagedKVCache(kv_spec=spec, device="cpu")
+        with pytest.raises(ValueError) as config_error:
+            SyntheticWorkloadConfig(kv_spec=spec)
+        assert str(config_error.value) == str(cache_error.value)
+        window = f"{spec};(2,48,8,2,32):float32:1:window=8"
+        with pytest.raises(ValueError) as window_error:
+            WindowWorkloadConfig(kv_spec=window)
+        assert str(window_error.value) == str(cache_error.value)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the tiny shape's CPU placement")
+def test_fp8_kv_cache_on_a_float32_model_is_refused_naming_the_flag():
+    # auto dtype: the tiny shape is float32; the hint is the CLI flag, not a Python argument
+    for overrides in ({}, {"dtype": "float32"}):
+        with pytest.raises(ValueError) as exc:
+            GenerateConfig(kv_cache_dtype="fp8", **overrides)
+        message = str(exc.value)
+        assert "needs a float16 or bfloat16 model" in message and "float32" in message
+        assert message.endswith("add --dtype bfloat16") and "torch." not in message
+        with pytest.raises(ValueError, match="add --dtype bfloat16"):
+            ServeConfig(kv_cache_dtype="fp8", **overrides)
+    assert GenerateConfig(kv_cache_dtype="fp8", dtype="bfloat16").kv_cache_dtype == "fp8"
+    # a built-in shape in bfloat16 needs no flag
+    assert GenerateConfig(model="llama3-8b-shape", kv_cache_dtype="fp8").dtype == "auto"
+
+
+def test_fp8_kv_cache_reads_a_directory_checkpoint_dtype(tmp_path):
+    from flashdec.models import build_random_model
+
+    build_random_model("tiny-llama", dtype=torch.float16, device="cpu").save_pretrained(tmp_path)
+    assert GenerateConfig(model=str(tmp_path), kv_cache_dtype="fp8").model == str(tmp_path)
+    with pytest.raises(ValueError, match=r"run in float32 \(--dtype float32\)"):
+        GenerateConfig(model=str(tmp_path), kv_cache_dtype="fp8", dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"top_p": -0.5}, "top_p must be > 0, got -0.5"),
+        ({"top_p": 0.0}, "top_p must be > 0, got 0.0"),
+        ({"top_p": 1.5}, "top_p must be <= 1.0"),
+        ({"top_p": math.inf}, "top_p must be finite"),
+        ({"prompt": "hi", "prompt_len": 8}, "a text prompt sets its own length"),
+        ({"model": ""}, "neither a built-in shape"),
+    ],
+)
+def test_generate_config_rejects(overrides, message):
+    with pytest.raises(ValueError) as exc:
+        GenerateConfig(**overrides)
+    assert message in str(exc.value)
+
+
+def test_model_memory_estimate_is_weights_plus_the_longest_request():
+    from flashdec.llm import _ACTIVATION_RESERVE
+    from flashdec.models import build_random_model
+
+    model = build_random_model("tiny", device="cpu")  # float32: 4 bytes
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    config = GenerateConfig(device="cpu", prompt_len=20, max_new_tokens=13)  # 33 tokens: 3 blocks
+    est = config.memory_estimate()
+    assert est.weight_bytes == weights
+    assert est.kv_cache_bytes == 3 * 16 * per_token
+    assert est.device_bytes == weights + 3 * 16 * per_token + _ACTIVATION_RESERVE
+    assert est.host_bytes == est.device_bytes  # on the CPU
+    half = dataclasses.replace(config, dtype="bfloat16").memory_estimate()
+    assert (half.weight_bytes, half.kv_cache_bytes) == (weights // 2, est.kv_cache_bytes // 2)
+    fp8 = dataclasses.replace(config, dtype="bfloat16", kv_cache_dtype="fp8").memory_estimate()
+    assert fp8.kv_cache_bytes == est.kv_cache_bytes // 4
+    serve = ServeConfig(device="cpu", max_prompt_len=40, max_new_tokens=9)  # 49 tokens: 4 blocks
+    assert serve.memory_estimate().kv_cache_bytes == 4 * 16 * per_token
+    assert "one request of 49 tokens" in serve.kv_description()

@@ -97,11 +97,12 @@ def test_custom_trace_step_by_step():
     specs = (RequestSpec("x", 0, 3, 0), RequestSpec("y", 5, 2, 1), RequestSpec("z", 20, 1, 2))
     trace = WorkloadTrace("tiny", specs, (0, 2, 2), 4, 4, SchedulerConfig(2, 2))
     r = run_scheduler_workload(trace, policies=["greedy"], seed=1, check_invariants=True).runs[0]
-    # x decodes at steps 0-2; y (arrives at 2) decodes at 2-3; z can never fit: rejected
-    assert (r.finished, r.rejected, r.tokens_decoded, r.steps) == (2, 1, 5, 4)
-    assert r.batch_trajectory == (1, 1, 2, 1)
-    assert r.active_trajectory == (1, 1, 1, 0)
-    assert r.free_blocks_trajectory == (3, 3, 2, 4)
+    # x decodes at steps 0-2; y (arrives at 2) imports its prompt at 2 and decodes at 3-4;
+    # z can never fit: rejected
+    assert (r.finished, r.rejected, r.tokens_decoded, r.steps) == (2, 1, 5, 5)
+    assert r.batch_trajectory == (1, 1, 1, 1, 1)
+    assert r.active_trajectory == (1, 1, 1, 1, 0)
+    assert r.free_blocks_trajectory == (3, 3, 2, 2, 4)
     assert dict(r.waiting_steps_by_request) == {"x": 0, "y": 0, "z": 0}
 
 
