@@ -58,9 +58,9 @@ def make_llm(tokenizer=True, **kw) -> flashdec.LLM:
     return flashdec.LLM(tiny_model(), tokenizer=word_tokenizer() if tokenizer else None, **kw)
 
 
-def in_context_text(prompt_ids, output_ids) -> str:
+def in_context_text(prompt_ids, output_ids, tokenizer=None) -> str:
     """The output's text as it reads after the prompt (what a server streams)."""
-    tok = word_tokenizer()
+    tok = tokenizer or word_tokenizer()
     before = tok.decode(list(prompt_ids), skip_special_tokens=True)
     after = tok.decode(list(prompt_ids) + list(output_ids), skip_special_tokens=True)
     assert after.startswith(before)
