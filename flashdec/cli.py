@@ -1,5 +1,5 @@
-"""The ``flashdec`` command line: ``generate``, ``bench-serve``, ``env``, ``spec``, ``demo`` and
-``workload NAME``.
+"""The ``flashdec`` command line: ``generate``, ``serve``, ``bench-serve``, ``env``, ``spec``,
+``demo`` and ``workload NAME``.
 
 Workload knobs are generated from the fields of each workload's frozen config dataclass (their
 help, bounds and choices), so the CLI and the Python API cannot drift apart.
@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_arguments(serve, ServeConfig)
     serve.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    from flashdec.server.config import ServerConfig
+
+    server = sub.add_parser(
+        "serve",
+        parents=[verbose],
+        help="an OpenAI-compatible HTTP server (completions, chat completions, streaming, "
+        "/metrics) until Ctrl-C or SIGTERM",
+        description="Serve a model over HTTP with OpenAI's API: POST /v1/completions and "
+        "/v1/chat/completions (stream: server-sent events), GET /v1/models, /health, /metrics. "
+        "The first Ctrl-C or SIGTERM lets requests in flight finish (--drain-timeout), a "
+        "second one cancels them; the exit status is 0.",
+    )
+    _add_config_arguments(server, ServerConfig)
     sub.add_parser(
         "env",
         parents=[verbose],
@@ -435,6 +448,39 @@ def _demo_verdict(chat, workload) -> str:
     return f"verdict: {outcome}; {speed}; {done}"
 
 
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace, console: Console) -> int:
+    """``flashdec serve``: check the knobs, bind the port, load the model, serve until a signal."""
+    from flashdec.server.config import ServerConfig
+    from flashdec.server.run import bind_socket, require_http_stack, serve
+    from flashdec.workloads.generation import load_llm
+
+    values = _config_values(args, ServerConfig)
+    config = _checked_config(parser, lambda: ServerConfig(**values))
+    try:
+        require_http_stack()
+        sock = bind_socket(config.host, config.port)  # a busy port fails before the model loads
+    except (ImportError, OSError) as exc:
+        parser.error(f"serve: {exc}")
+    with sock:
+        console.print(f"[bold]serve[/bold] {config.model}: loading")
+        llm = load_llm(config)
+        host, port = sock.getsockname()[:2]
+        console.print(
+            f"serving {config.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)",
+            markup=False,
+            highlight=False,
+        )
+        serve(
+            llm,
+            sock,
+            model_name=config.model_name,
+            default_max_tokens=config.default_max_tokens,
+            drain_timeout=config.drain_timeout,
+        )
+    console.print("serve: stopped")
+    return 0
+
+
 def _checked_config(parser: argparse.ArgumentParser, make):
     try:
         return make()
@@ -462,6 +508,8 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         _check_json_path(parser, args.json)
         _check_memory(parser, config)
         return _run_model(console, args.command, config, args.json)
+    if args.command == "serve":
+        return _serve(parser, args, console)
     if args.command == "demo":
         return _run_demo(parser, args, console)
     if args.command == "workload":

@@ -73,6 +73,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_GREEDY = SamplingParams()
+
+
 @dataclass(frozen=True)
 class GenerationStats:
     """What the last :meth:`LLM.generate` call measured (wall clock, synchronised)."""
@@ -106,17 +109,29 @@ class _Request:
         "error",
         "finished_at",
         "first_token_at",
+        "generator",
         "ignore_eos",
         "max_new_tokens",
         "prompt",
+        "sampling",
         "submitted_at",
         "tokens",
     )
 
-    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, ignore_eos: bool, now: float):
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        ignore_eos: bool,
+        now: float,
+        sampling: SamplingParams | None = None,  # None: greedy
+        generator: torch.Generator | None = None,  # None when greedy
+    ):
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.ignore_eos = ignore_eos
+        self.sampling = sampling or _GREEDY
+        self.generator = generator
         self.tokens: list[int] = []
         self.submitted_at = now
         self.first_token_at: float | None = None
@@ -400,27 +415,81 @@ class LLM:
             )
         return ids
 
-    def _queue(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> int:
+    def _queue(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        ignore_eos: bool,
+        sampling: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> int:
         rid = self._next_id
         prompt = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
-        self._runner.requests[rid] = _Request(prompt, max_new_tokens, ignore_eos, _now())
+        request = _Request(prompt, max_new_tokens, ignore_eos, _now(), sampling, generator)
+        self._runner.requests[rid] = request
         try:
             self.loop.submit(self._spec(rid, len(ids), max_new_tokens))
         except BaseException:
-            del self._runner.requests[rid]
+            self._runner.forget(rid)
             raise
+        if sampling is not None and not sampling.greedy:
+            self._runner.sampled.add(rid)
         self._next_id += 1
         return rid
 
-    def add_request(self, prompt, max_new_tokens: int = 32, *, ignore_eos: bool = False):
+    def add_request(
+        self,
+        prompt,
+        max_new_tokens: int = 32,
+        *,
+        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+    ):
         """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
 
         It is admitted as the pool allows and joins the running batch at the next
         :meth:`step`. All checks happen before anything is queued, including that the KV
         cache can ever hold it (ValueError naming the blocks it needs and the blocks there are).
+        ``sampling`` is this request's own (default: greedy); with a ``seed`` its samples do not
+        depend on the other requests of the batch.
         """
+        if sampling is None:
+            sampling = SamplingParams()
+        elif not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type_name(sampling)}")
         ids = self._check_request(prompt, max_new_tokens, ignore_eos)
-        return self._queue(ids, max_new_tokens, ignore_eos)
+        generator = None
+        if not sampling.greedy:
+            generator = self._runner.request_generator(sampling)
+        return self._queue(ids, max_new_tokens, ignore_eos, sampling, generator)
+
+    def abort_request(self, request_id) -> list[int]:
+        """Stop ``request_id`` and forget it; returns the tokens of it that reached the host
+        (never waits for the device: a token still on its way is dropped). A waiting or running
+        request is cancelled between steps: its KV blocks return to the pool at once (the next
+        step can admit others into them). A finished request is just forgotten, like
+        :meth:`release`. ValueError for an unknown id."""
+        try:
+            req = self._runner.requests[request_id]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown request id {request_id!r}") from None
+        if self.loop.is_live(request_id):
+            self.loop.cancel(request_id)
+        self._runner.forget(request_id)
+        return req.tokens
+
+    def poll(self, request_id, start: int = 0) -> tuple[list[int], bool]:
+        """What has reached the host for ``request_id``, without waiting for the device: its
+        tokens from index ``start`` on, and whether it has finished (every token is in). For a
+        server streaming tokens as the steps produce them. RuntimeError for a request the
+        scheduler rejected, ValueError for an unknown id."""
+        try:
+            req = self._runner.requests[request_id]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown request id {request_id!r}") from None
+        if req.error is not None:
+            raise RuntimeError(f"request {request_id!r} did not run: {req.error}")
+        return req.tokens[start:], req.finished_at is not None
 
     def step(self) -> LoopStep | None:
         """One serving-loop step: admit, import prompts, decode one token for the batch. When
@@ -461,7 +530,7 @@ class LLM:
         req = self._request(request_id)
         if self.loop.is_live(request_id):
             raise RuntimeError(f"request {request_id!r} is still running")
-        del self._runner.requests[request_id]
+        self._runner.forget(request_id)
         return req.tokens
 
     def _request(self, request_id) -> _Request:
@@ -521,14 +590,15 @@ class LLM:
         runner = self._runner
         runner.collect()  # the last tokens of requests added with add_request: theirs to keep
         runner.ended.clear()
-        runner.set_sampling(sampling)
+        # one generator for the call: its rows are sampled together, reproducibly under seed
+        generator = None if sampling.greedy else _generator(self.adapter.spec.device, sampling.seed)
         start = _now(self.adapter.spec.device)
         rids: list[int] = []
         replays_before = runner.graph_replays
         steps = 0
         try:
             for ids in checked:
-                rids.append(self._queue(ids, max_new_tokens, ignore_eos))
+                rids.append(self._queue(ids, max_new_tokens, ignore_eos, sampling, generator))
             total = max_new_tokens * len(rids)
             while not self.loop.idle:
                 self._step()
@@ -544,9 +614,8 @@ class LLM:
             self.loop.close()  # an error mid-way cancels what is left: the pool stays clean
             runner.pending = None
             runner.ended.clear()
-            runner.set_sampling(SamplingParams())
             for rid in rids:  # the caller never sees these ids: forget them, whatever happened
-                runner.requests.pop(rid, None)
+                runner.forget(rid)
         elapsed = _now(self.adapter.spec.device) - start
         self.last_stats = GenerationStats(
             num_requests=len(requests),
@@ -573,6 +642,30 @@ def _tpot(request: _Request) -> float:
     if len(request.tokens) < 2 or request.first_token_at is None:
         return 0.0
     return (request.finished_at - request.first_token_at) / (len(request.tokens) - 1)
+
+
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits [B, V]``: softmax at ``s.temperature`` over the ``top_k``
+    most likely tokens and the ``top_p`` nucleus."""
+    scores = logits.float() / s.temperature
+    if s.top_k:
+        kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if s.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix reaching top_p
+        sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
+        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).flatten()
 
 
 def _now(device: torch.device | None = None) -> float:
@@ -602,8 +695,8 @@ class _ModelRunner(StepExecutor):
         device = self.spec.device
         self.eos = frozenset(self.spec.eos_token_ids)
         self.requests: dict[int, _Request] = {}
-        self.sampling = SamplingParams()
-        self.generator: torch.Generator | None = None
+        self.sampled: set = set()  # requests that sample (the others take the argmax)
+        self._shared_generator: torch.Generator | None = None  # of unseeded add_request calls
         self.graph_replays = 0
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)
         self._ensure_slots()
@@ -631,32 +724,44 @@ class _ModelRunner(StepExecutor):
             self.last_tokens = grown
             self.graphs = {}
 
-    def set_sampling(self, sampling: SamplingParams) -> None:
-        self.sampling = sampling
-        self.generator = None
-        if not sampling.greedy:
-            self.generator = torch.Generator(device=self.spec.device)
-            if sampling.seed is not None:
-                self.generator.manual_seed(sampling.seed)
+    def request_generator(self, sampling: SamplingParams) -> torch.Generator:
+        """A seeded request's own generator (its samples then do not depend on the batch);
+        unseeded requests share one, seeded from the operating system's entropy."""
+        if sampling.seed is not None:
+            return _generator(self.spec.device, sampling.seed)
+        if self._shared_generator is None:
+            self._shared_generator = torch.Generator(device=self.spec.device)
+            self._shared_generator.seed()
+        return self._shared_generator
+
+    def forget(self, rid) -> None:
+        self.requests.pop(rid, None)
+        self.sampled.discard(rid)
 
     # -- tokens -------------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Next token per row of ``logits [B, V]``, on the device."""
-        s = self.sampling
-        if s.greedy:
-            return greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
-        scores = logits.float() / s.temperature
-        if s.top_k:
-            kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if s.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-            probs = torch.softmax(sorted_scores, dim=-1)
-            drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix reaching top_p
-            sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
-            scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).flatten()
+    def _choose(
+        self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None, batch: Sequence = ()
+    ) -> torch.Tensor:
+        """Next token per row of ``logits [B, V]`` (row ``i`` is request ``batch[i]``), on the
+        device: the argmax (``greedy_ids``, when the CUDA graph computed it) for greedy requests,
+        a sample for the others. Rows that share sampling params and a generator are sampled
+        together, in batch order; an all-greedy batch costs nothing more than the argmax."""
+        tokens = greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
+        if not self.sampled:
+            return tokens
+        groups: dict = {}
+        for row, rid in enumerate(batch):
+            if rid in self.sampled:
+                req = self.requests[rid]
+                groups.setdefault((req.sampling, id(req.generator)), (req, []))[1].append(row)
+        if not groups:
+            return tokens
+        tokens = tokens.clone()  # greedy_ids may be a CUDA graph's output: never written
+        for req, rows in groups.values():
+            index = torch.tensor(rows, device=logits.device)
+            sampled = _sample(logits.index_select(0, index), req.sampling, req.generator)
+            tokens.index_copy_(0, index, sampled)
+        return tokens
 
     def _record(self, rid, token: int, now: float) -> bool:
         """Append a generated token (ignored once the request has ended); True when it ends."""
@@ -722,7 +827,7 @@ class _ModelRunner(StepExecutor):
                 logits = self.adapter.prefill(
                     prompt, lambda layer, k, v, tx=tx: engine.prefill_layer(tx, layer, k, v)
                 )
-                token = self._choose(logits[None])
+                token = self._choose(logits[None], batch=[rid])
                 self.last_tokens.index_copy_(
                     0, engine.cache.transaction_slots(tx).request_slots, token
                 )
@@ -749,7 +854,7 @@ class _ModelRunner(StepExecutor):
                 logits, greedy_ids = self._decode_graphed(tx, batch, bucket, slots)
             else:
                 logits, greedy_ids = self._forward(tx, slots)
-            tokens = self._choose(logits[:rows], greedy_ids[:rows])
+            tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
             engine.commit_step(tx)
         except BaseException:  # nothing decoded: the inputs and the pending tokens stay
             if engine.has_open_step:

@@ -3,7 +3,7 @@
 - ``reference`` and ``kernels`` import nothing of the package but the shared checks;
 - ``cache`` imports neither ``kernels`` nor ``scheduler``; ``scheduler`` neither ``cache`` nor
   ``kernels`` (both only the shared checks and block accounting besides themselves);
-- ``engine`` joins them; ``workloads``, ``models``, ``llm`` and ``cli`` sit above it.
+- ``engine`` joins them; ``workloads``, ``models``, ``llm``, ``server`` and ``cli`` sit above it.
 A failing contract is a failing build.
 """
 
@@ -71,6 +71,20 @@ ALLOWED = {
         "models",
         "llm",
         "workloads",
+        "server",
+    },
+    "server": {  # flashdec serve: the LLM behind HTTP, with generate's model knobs
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "engine",
+        "models",
+        "llm",
+        "workloads",
     },
     "__main__": {"cli"},
     "vllm_plugin": {"_checks", "kernels"},  # optional: imported by vLLM, never by the package
@@ -127,7 +141,7 @@ def test_module_respects_the_import_contract(path):
             continue
         if layer == "__init__" and module == "flashdec":
             # `import flashdec` / `from flashdec import __version__`: only the root and the cli
-            assert own in ("cli", "runtime", "__main__", "workloads", "llm"), (
+            assert own in ("cli", "runtime", "__main__", "workloads", "llm", "server"), (
                 f"{rel} imports the package root"
             )
             continue

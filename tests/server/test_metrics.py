@@ -1,0 +1,85 @@
+"""``GET /metrics``: valid Prometheus text (every sample declared, histogram buckets cumulative
+and ending at the count), counting requests, tokens and KV blocks; the prefix-cache families
+appear once the LLM has a prefix cache (``prefix_cache_stats``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from flashdec.server.metrics import Histogram
+from tests.server.conftest import make_llm, metric
+
+httpx = pytest.importorskip("httpx")
+
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-z_]+=\"[^\"]*\"\})? (\S+)$")
+
+
+def _parse(text: str) -> dict[str, str]:
+    """Family name -> type; asserts every sample line is well formed and declared first."""
+    types: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+            continue
+        if line.startswith("# HELP "):
+            continue
+        match = SAMPLE.match(line)
+        assert match, line
+        name = match.group(1)
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or (family in types and types[family] == "histogram"), line
+        float(match.group(3))
+    return types
+
+
+def _buckets(text: str, family: str) -> list[float]:
+    return [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(family + "_bucket")
+    ]
+
+
+def test_histogram_buckets_are_cumulative():
+    hist = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        hist.observe(value)
+    lines = hist.lines("x")
+    assert lines[:3] == ['x_bucket{le="0.1"} 2', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4']
+    assert lines[3:] == [f"x_sum {0.05 + 0.1 + 0.5 + 3.0!r}", "x_count 4"]
+
+
+def test_metrics_endpoint(server_for):
+    llm = make_llm()
+    server = server_for(llm)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for n in (3, 5):
+            body = {"prompt": [9, 10, 11, 12], "max_tokens": n, "ignore_eos": True}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": 1}).status_code == 400
+        response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = response.text
+    types = _parse(text)
+    assert types["flashdec_time_to_first_token_seconds"] == "histogram"
+    assert types["flashdec_kv_blocks_used"] == "gauge"
+    assert metric(text, "flashdec_requests_received_total") == 2
+    assert metric(text, "flashdec_requests_rejected_total") == 1
+    assert metric(text, "flashdec_generation_tokens_total") == 8
+    assert metric(text, "flashdec_prompt_tokens_total") == 8
+    assert metric(text, "flashdec_kv_blocks_total") == llm.engine.cache.metrics()["num_blocks"]
+    for family, count in (("time_to_first_token", 2), ("time_per_output_token", 2)):
+        buckets = _buckets(text, f"flashdec_{family}_seconds")
+        assert buckets == sorted(buckets) and buckets[-1] == count
+    assert "prefix_cache" not in text  # no prefix cache in flashdec.LLM yet
+
+
+def test_prefix_cache_families_when_the_llm_has_one(server_for):
+    llm = make_llm()
+    llm.prefix_cache_stats = lambda: {"queried_tokens": 40, "hit_tokens": 16}  # SPEC §8.7's
+    server = server_for(llm)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    _parse(text)
+    assert metric(text, "flashdec_prefix_cache_queried_tokens_total") == 40
+    assert metric(text, "flashdec_prefix_cache_hit_tokens_total") == 16
