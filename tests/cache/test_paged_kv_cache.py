@@ -21,10 +21,12 @@ def test_public_names_resolve_from_the_package():
         "PrefixState",
         "TokenTransaction",
         "TokenTransactionView",
-        "rope_paged_kv_append",
-        "RopeAppendResult",
     ):
         assert getattr(flashdec, name) is getattr(flashdec.cache, name)
+    from flashdec.engine import layer_ops  # the engine joins the cache and the kernels
+
+    for name in ("rope_paged_kv_append", "RopeAppendResult"):
+        assert getattr(flashdec, name) is getattr(layer_ops, name)
 
 
 def test_storage_geometry_and_layer_views():
