@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from flashdec.models import real_model_problem
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
@@ -21,6 +23,8 @@ def test_the_readme_has_python_examples():
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_readme_example_runs_as_written(index):
+    if '"smollm2"' in EXAMPLES[index] and (problem := real_model_problem("smollm2")) is not None:
+        pytest.skip(problem)  # the pinned set installs it; a bare torch environment may not
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", EXAMPLES[index]],
