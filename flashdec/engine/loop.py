@@ -91,8 +91,10 @@ class ServingLoop:
         self.check_invariants = check_invariants
         self.on_plan = on_plan  # sees every snapshot and the decision planned from it
         self.step_index = 0
+        # per live request (submitted, not yet terminal): nothing stays once it is terminal, so
+        # a loop that serves without end keeps what is live (LoopStep says who decoded a token)
         self.generated: dict = {}  # request id -> tokens decoded so far
-        self._live: set = set()  # submitted, not yet terminal
+        self._live: set = set()
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: RequestSpec) -> None:
@@ -124,7 +126,7 @@ class ServingLoop:
         if self.on_plan is not None:
             self.on_plan(snapshot, decision)
         engine.apply_trusted_decision(decision)
-        self._live.difference_update(decision.reject)
+        self._forget(decision.reject)
         scheduled = time.perf_counter()
 
         imports = []
@@ -159,8 +161,8 @@ class ServingLoop:
         ]
         for rid in finished:
             engine.finish_request(rid)
-        self._live.difference_update(finished)
-        self._live.difference_update(victims)
+        self._forget(finished)
+        self._forget(victims)
         engine.advance_fairness(decision, served=set(served), departed=[*finished, *victims])
         if self.check_invariants:
             cache.validate_invariants()
@@ -183,6 +185,12 @@ class ServingLoop:
             prefill_s=prefilled - scheduled,
             decode_s=decode_s,
         )
+
+    def _forget(self, rids: Iterable) -> None:
+        """Drop what the loop keeps of requests that became terminal."""
+        for rid in rids:
+            self._live.discard(rid)
+            self.generated.pop(rid, None)
 
     def _unblock(self, batch: list, step: int) -> tuple[list, list]:
         """Requests of ``batch`` that cannot get their next block, after the policy's victims.
@@ -243,6 +251,7 @@ class ServingLoop:
         for rid in (*active, *waiting):
             self.engine.cancel_request(rid)
         self._live.clear()
+        self.generated.clear()
         return tuple(active), tuple(waiting)
 
 
