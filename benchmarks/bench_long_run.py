@@ -47,6 +47,7 @@ from benchmarks._common import (
     environment,
     environment_markdown,
     import_flashdec,
+    line_events,
     markdown_table,
     write_results,
 )
@@ -56,6 +57,7 @@ POOL_BLOCKS = 2048
 TABLE_WIDTH = 128  # blocks per request (2,048 tokens)
 RUNNING = 64
 HEADS, DIM = 1, 2
+TRACED_STEPS = 20  # of every --check-every soak steps: Python lines counted, not timed
 
 
 def rss_mib() -> float:
@@ -185,6 +187,13 @@ class ZeroKV:
         return ()
 
 
+def traced_step(loop):
+    """One loop step and the Python lines it executed."""
+    out = []
+    lines = line_events(lambda: out.append(loop.step()))
+    return out[0], lines
+
+
 def soak(
     fd, total: int, backlog: int, check_every: int, seed: int, progress_every: int, ids: str
 ) -> dict:
@@ -198,6 +207,7 @@ def soak(
     rng = random.Random(seed)
     submitted = finished = 0
     step_s, step_cpu_s, schedule_s, samples, checks = [], [], [], [], []
+    traced: list[tuple[int, int]] = []  # (lines, admitted) of the traced steps since a sample
     start = time.perf_counter()
     rss0 = rss_mib()
     while finished < total:
@@ -207,11 +217,15 @@ def soak(
             rid = submitted if ids == "int" else f"req-{submitted}"
             loop.submit(fd.RequestSpec(rid, ctx, new, submitted))
             submitted += 1
-        t0, c0 = time.perf_counter(), time.thread_time()
-        record = loop.step()
-        step_s.append(time.perf_counter() - t0)
-        step_cpu_s.append(time.thread_time() - c0)  # not counting time other processes took
-        schedule_s.append(record.schedule_s)
+        if loop.step_index % check_every < TRACED_STEPS:  # counted, not timed
+            record, lines = traced_step(loop)
+            traced.append((lines, len(record.admitted)))
+        else:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            record = loop.step()
+            step_s.append(time.perf_counter() - t0)
+            step_cpu_s.append(time.thread_time() - c0)  # not counting time other processes took
+            schedule_s.append(record.schedule_s)
         finished += len(record.finished)
         if record.rejected or record.cancelled:
             raise RuntimeError(f"soak step {record.step} rejected/cancelled: {record}")
@@ -226,8 +240,11 @@ def soak(
                     "rss_mib": rss_mib(),
                     "validate_ms": checks[-1] * 1e3,
                     "step_p50_ms": statistics.median(step_s[-check_every:]) * 1e3,
+                    "lines_per_step": statistics.mean(n for n, _ in traced),
+                    "admitted_per_step": statistics.mean(a for _, a in traced),
                 }
             )
+            traced.clear()
         if loop.step_index % progress_every == 0:
             print(
                 f"  soak step {loop.step_index:>6}: {finished:>7} finished, step p50 "
@@ -244,6 +261,7 @@ def soak(
         "ids": ids,
         "steps": n,
         "backlog": backlog,
+        "check_every": check_every,
         "wall_s": time.perf_counter() - start,
         "step_p50_first_tenth_ms": statistics.median(step_s[first]) * 1e3,
         "step_p50_last_tenth_ms": statistics.median(step_s[last]) * 1e3,
@@ -253,6 +271,8 @@ def soak(
         "round_p50_last_tenth_ms": statistics.median(schedule_s[last]) * 1e3,
         "validate_first_ms": checks[0] * 1e3 if checks else None,
         "validate_last_ms": checks[-1] * 1e3 if checks else None,
+        "lines_per_step_first": samples[0]["lines_per_step"] if samples else None,
+        "lines_per_step_last": samples[-1]["lines_per_step"] if samples else None,
         "rss_start_mib": rss0,
         "rss_end_mib": rss_mib(),
         "samples": samples,
@@ -313,7 +333,8 @@ def report(payload: dict, before: dict | None) -> str:
             f"## (b) Soak: {s['requests']:,} requests through ServingLoop",
             "",
             f"{s['steps']:,} steps, {s.get('ids', 'int')} ids, 64 running + {s['backlog']} "
-            "waiting kept, contexts 1–32 and 1–8 new tokens, invariants every 1,000 steps; the "
+            f"waiting kept, contexts 1–32 and 1–8 new tokens, invariants every "
+            f"{s['check_every']:,} steps; the "
             "executor appends zero K/V through the cache (no attention); wall "
             f"{s['wall_s']:.0f} s.",
             "",
@@ -326,6 +347,8 @@ def report(payload: dict, before: dict | None) -> str:
             ("step CPU time p50, last tenth (ms)", "step_cpu_p50_last_tenth_ms", 3),
             ("round p50, first tenth (ms)", "round_p50_first_tenth_ms", 3),
             ("round p50, last tenth (ms)", "round_p50_last_tenth_ms", 3),
+            ("Python lines per step, first sample", "lines_per_step_first", 0),
+            ("Python lines per step, last sample", "lines_per_step_last", 0),
             ("validate_invariants, first check (ms)", "validate_first_ms", 2),
             ("validate_invariants, last check (ms)", "validate_last_ms", 2),
             ("RSS at start (MiB)", "rss_start_mib", 1),
@@ -355,13 +378,28 @@ def report(payload: dict, before: dict | None) -> str:
             "Last tenth / first tenth p50: "
             + ratios(s)
             + (f" (before: {ratios(bs)})" if bs else "")
-            + ". Wall times on this shared machine move with other processes' load; the step's "
-            "CPU time (`time.thread_time`) does not.",
+            + ". Wall times on this shared machine move with other processes' load, CPU times "
+            "(`time.thread_time`) less; the Python lines a step executes (counted with "
+            f"`sys.settrace` over {TRACED_STEPS} steps of every {s['check_every']:,}, which are "
+            "left out of the timings) not at all.",
             "",
-            "RSS over time (every 1,000 steps; MiB):",
+            "Python lines per step over time (mean of each sample; admitted per step in "
+            "brackets, the load that moves them):",
             "",
         ]
         series = [("after" if bs else "this run", s)] + ([("before", bs)] if bs else [])
+        for name, run in series:
+            picks = [p for p in run["samples"] if "lines_per_step" in p]
+            picks = picks[:: max(1, len(picks) // 12)]
+            lines.append(
+                f"- {name}: "
+                + ", ".join(
+                    f"{p['finished'] // 1000}k → {p['lines_per_step']:,.0f} "
+                    f"({p['admitted_per_step']:.1f})"
+                    for p in picks
+                )
+            )
+        lines += ["", f"RSS over time (every {s['check_every']:,} steps; MiB):", ""]
         for name, run in series:
             picks = run["samples"][:: max(1, len(run["samples"]) // 12)]
             lines.append(

@@ -5,12 +5,12 @@ full record only among the newest ``TERMINAL_HISTORY_LIMIT``, so neither memory 
 from __future__ import annotations
 
 import gc
-import sys
 import tracemalloc
 
 import pytest
 import torch
 
+from benchmarks._common import line_events
 from flashdec.cache import PagedKVCache, RequestState
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, IdSet, TerminalHistory
 from tests.cache.snapshot import assert_same_state, snapshot
@@ -39,26 +39,6 @@ def serve(cache: PagedKVCache, ids, tokens: int = 0, cancel_every: int = 0) -> N
             cache.cancel_request(rid)
         else:
             cache.finish_request(rid)
-
-
-def line_events(fn) -> int:
-    """Python lines executed by ``fn()`` (loop iterations included): an operation count that
-    does not depend on the machine's speed."""
-    count = 0
-
-    def tracer(frame, event, arg):
-        nonlocal count
-        if event == "line":
-            count += 1
-        return tracer
-
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        fn()
-    finally:
-        sys.settrace(previous)
-    return count
 
 
 # ---------------------------------------------------------------------------- IdSet

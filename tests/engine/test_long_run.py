@@ -10,11 +10,11 @@ import tracemalloc
 import pytest
 import torch
 
+from benchmarks._common import line_events
 from flashdec import BlockAwareScheduler, DecodeEngine, PagedKVCache, RequestSpec, SchedulerConfig
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT
 from flashdec.engine import EngineRequestState
 from flashdec.engine.loop import ServingLoop
-from tests.cache.test_history import line_events
 
 RUNNING = 8
 
