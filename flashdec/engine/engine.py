@@ -583,11 +583,16 @@ class DecodeEngine:
         request still waiting waits one step more and counts a skip if a later submission was
         admitted; a served active request's service wait resets, any other's grows. O(log n +
         active). The serving loop calls this; manual scheduling leaves the counters at zero."""
-        # the admitted may be terminal already (done at their prompt): their specs are the
-        # snapshot's
-        waiting = decision.snapshot.waiting_view
-        orders = (waiting.get(rid).spec.submission_order for rid in decision.admit)
-        newest = max(orders, default=None)
+        # an admitted request may be terminal already (done at its prompt): its spec is then
+        # the snapshot's
+        specs, waiting = self._specs, decision.snapshot.waiting_view
+        newest = max(
+            (
+                (specs[rid] if rid in specs else waiting.get(rid).spec).submission_order
+                for rid in decision.admit
+            ),
+            default=None,
+        )
         self._queue.advance(newest)
         service = self._service_wait
         for rid in departed:
