@@ -383,8 +383,9 @@ def report(payload: dict, before: dict | None) -> str:
             f"`sys.settrace` over {TRACED_STEPS} steps of every {s['check_every']:,}, which are "
             "left out of the timings) not at all.",
             "",
-            "Python lines per step over time (mean of each sample; admitted per step in "
-            "brackets, the load that moves them):",
+            "Python lines per step over time (mean of the counted steps of each block, labelled "
+            "by the requests finished at the block's end; admitted per step in brackets, the "
+            "load that moves them):",
             "",
         ]
         series = [("after" if bs else "this run", s)] + ([("before", bs)] if bs else [])
