@@ -232,6 +232,26 @@ def host_us_per_call(
     return statistics.median(times) / 1000.0
 
 
+def line_events(fn: Callable[[], Any]) -> int:
+    """Python lines ``fn()`` executes (loop iterations included): an operation count that the
+    machine's speed and load do not move (a traced call runs several times slower)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
 def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median device time of ``fn`` in microseconds (``triton.testing.do_bench``; the L2 is
     flushed before every timed call, so data is read from HBM as in a real decode step)."""

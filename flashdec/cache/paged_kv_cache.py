@@ -39,6 +39,7 @@ from flashdec._checks import (
     check_token_counts,
 )
 from flashdec.cache.batch_memo import BatchMemo
+from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import (
@@ -57,6 +58,7 @@ from flashdec.cache.state import (
     RequestId,
     RequestRecord,
     RequestState,
+    RetiredRequest,
 )
 from flashdec.cache.transaction import (
     HISTORY_LIMIT,
@@ -320,7 +322,13 @@ class PagedKVCache:
         self._prefixes = first.prefixes
         self._tables = first.tables
         self._tx = TransactionLog(HISTORY_LIMIT)
-        self._requests: dict[RequestId, RequestRecord] = {}  # insertion order, never shrinks
+        # records of the active requests and of the newest terminal ones, in insertion order;
+        # the active ones also by themselves (a round costs what is live), and every terminal
+        # request's state compactly (ids are never reused): see flashdec.cache.history
+        self._requests: dict[RequestId, RequestRecord] = {}
+        self._active: dict[RequestId, RequestRecord] = {}
+        self._terminal = TerminalHistory(RequestState.FINISHED, TERMINAL_HISTORY_LIMIT)
+        self._num_added = 0
         self._version = 0
         self._appended = False  # a legacy append wrote tokens (scales are fixed then)
         self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
@@ -508,15 +516,18 @@ class PagedKVCache:
             raise ValueError(f"layer_idx must be in [0, {self._num_layers}), got {layer_idx}")
         return layer_idx
 
-    def _record(self, request_id: object) -> RequestRecord:
+    def _record(self, request_id: object) -> RequestRecord | RetiredRequest:
         record = self._requests.get(request_id) if type(request_id) in (str, int) else None
         if record is None:
             rid = check_request_id("request_id", request_id)
-            raise ValueError(f"unknown request id {rid!r}")
+            state = self._terminal.state(rid)
+            if state is None:
+                raise ValueError(f"unknown request id {rid!r}")
+            return RetiredRequest(rid, state)  # terminal, its record no longer kept
         return record
 
     @staticmethod
-    def _require_active(record: RequestRecord, action: str) -> None:
+    def _require_active(record: RequestRecord | RetiredRequest, action: str) -> None:
         if record.state is not RequestState.ACTIVE:
             raise RuntimeError(
                 f"cannot {action} request {record.request_id!r}: it is {record.state.value}, "
@@ -529,11 +540,11 @@ class PagedKVCache:
                 f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
             )
         rids = list(request_ids)
-        known = self._requests
+        active = self._active
         for rid in rids:
-            if type(rid) not in (str, int) or rid not in known:  # fast path first
+            if type(rid) not in (str, int) or rid not in active:  # fast path first
                 check_request_id("request id", rid)
-                if rid not in known:
+                if rid not in self._requests and self._terminal.state(rid) is None:
                     raise ValueError(f"unknown request id {rid!r}")
         if nonempty and not rids:
             raise ValueError("request_ids must not be empty")
@@ -543,12 +554,11 @@ class PagedKVCache:
         return rids
 
     def _active_records(self, rids: list[RequestId], action: str) -> list[RequestRecord]:
-        records = [self._requests[rid] for rid in rids]
-        active = RequestState.ACTIVE
-        for record in records:
-            if record.state is not active:
-                self._require_active(record, action)
-        return records
+        active = self._active
+        for rid in rids:
+            if rid not in active:
+                self._require_active(self._record(rid), action)
+        return [active[rid] for rid in rids]
 
     def _check_token_kv(
         self, name: str, value: object, num_tokens: int, group: LayerGroup
@@ -564,16 +574,21 @@ class PagedKVCache:
     def add_request(self, request_id: RequestId) -> None:
         """Register a new, empty, active request (ids are never reused)."""
         rid = check_request_id("request_id", request_id)
-        if rid in self._requests:
-            state = self._requests[rid].state.value
-            raise ValueError(f"request id {rid!r} already exists ({state}); ids are not reused")
+        known = self._requests.get(rid)
+        state = known.state if known is not None else self._terminal.state(rid)
+        if state is not None:
+            raise ValueError(
+                f"request id {rid!r} already exists ({state.value}); ids are not reused"
+            )
         self._tx.ensure_none_open("add a request")
         row = self._tables.acquire()
         for group in self._groups[1:]:  # every group's tables hand out rows in lockstep
             if group.tables.acquire() != row:
                 raise RuntimeError("device-table rows of the KV groups went out of step")
         others = [group.width for group in self._groups[1:]]
-        self._requests[rid] = RequestRecord(rid, self._groups[0].width, row, others)
+        record = RequestRecord(rid, self._groups[0].width, row, others)
+        self._requests[rid] = self._active[rid] = record
+        self._num_added += 1
         self._version += 1
 
     def finish_request(self, request_id: RequestId) -> None:
@@ -593,6 +608,7 @@ class PagedKVCache:
         self._require_active(record, "discard")
         self._release_record(record)
         del self._requests[record.request_id]
+        del self._active[record.request_id]
         self._version += 1
 
     def _terminate(self, request_id: RequestId, state: RequestState) -> None:
@@ -601,8 +617,12 @@ class PagedKVCache:
         self._tx.ensure_none_open(f"{verb} a request")
         self._require_active(record, verb)
         self._release_record(record)
-        record.state = state
-        record.row = -1
+        record.retire(state)
+        rid = record.request_id
+        del self._active[rid]
+        dropped = self._terminal.add(rid, state)
+        if dropped is not None:  # the oldest terminal record leaves the bounded history
+            del self._requests[dropped]
         self._version += 1
 
     def _release_record(self, record: RequestRecord) -> None:
@@ -614,13 +634,14 @@ class PagedKVCache:
         if record.prefix_id is not None:
             for group in self._groups:
                 group.prefixes.detach(record.prefix_id)
-        record.clear()
 
     def request_state(self, request_id: RequestId) -> RequestState:
         return self._record(request_id).state
 
     def request_ids(self, state: RequestState | str | None = None) -> list[RequestId]:
-        """Known request ids in insertion order, optionally only those in ``state``."""
+        """Request ids in insertion order, optionally only those in ``state``: every active
+        request and the newest ``TERMINAL_HISTORY_LIMIT`` terminal ones (an older terminal id
+        keeps its state — ``request_state`` — but is no longer listed). O(what is listed)."""
         if state is None:
             return list(self._requests)
         if not isinstance(state, str):
@@ -632,13 +653,16 @@ class PagedKVCache:
         except ValueError as err:
             values = [s.value for s in RequestState]
             raise ValueError(f"state must be one of {values}, got {state!r}") from err
+        if wanted is RequestState.ACTIVE:
+            return list(self._active)
         return [rid for rid, rec in self._requests.items() if rec.state is wanted]
 
     def request_prefix(self, request_id: RequestId) -> PrefixId | None:
         return self._record(request_id).prefix_id
 
     def seq_len(self, request_id: RequestId) -> int:
-        """Committed tokens (a finished/cancelled request keeps its final length)."""
+        """Committed tokens (a finished/cancelled request keeps its final length while it is
+        among the newest ``TERMINAL_HISTORY_LIMIT`` terminal requests; ValueError after)."""
         return self._record(request_id).seq_len
 
     def request_block_ids(self, request_id: RequestId, *, group: int = 0) -> list[int]:
@@ -1661,7 +1685,7 @@ class PagedKVCache:
     # ---- observability -------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
-        states = Counter(rec.state for rec in self._requests.values())
+        terminal = self._terminal
         open_tx = self._tx.open
         groups = [self._group_metrics(group, open_tx) for group in self._groups]
         num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
@@ -1675,10 +1699,12 @@ class PagedKVCache:
             "num_prefix_blocks": num_prefix_blocks,
             "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in groups),
             "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
-            "num_requests": len(self._requests),
-            "num_active_requests": states[RequestState.ACTIVE],
-            "num_finished_requests": states[RequestState.FINISHED],
-            "num_cancelled_requests": states[RequestState.CANCELLED],
+            "num_requests": self._num_added,
+            "num_active_requests": len(self._active),
+            "num_finished_requests": terminal.count(RequestState.FINISHED),
+            "num_cancelled_requests": terminal.count(RequestState.CANCELLED),
+            "terminal_request_history_count": terminal.num_recent,
+            "terminal_request_history_limit": terminal.limit,
             "num_prefixes": len(self._prefixes),
             "prefix_refcount_total": self._prefixes.refcount_total(),
             "num_prefix_evictions": self._prefixes.num_evictions,
@@ -1695,8 +1721,7 @@ class PagedKVCache:
         reserved = {} if open_tx is None else open_tx.reserved[index]
         held = [
             rec.run(index).num_held + len(reserved.get(rid, ()))
-            for rid, rec in self._requests.items()
-            if rec.state is RequestState.ACTIVE
+            for rid, rec in self._active.items()
         ]
         used = group.allocator.num_used
         prefix = group.prefixes.num_blocks
@@ -1724,16 +1749,19 @@ class PagedKVCache:
 
     def validate_invariants(self) -> None:
         """RuntimeError on any inconsistency between requests, prefixes, blocks and the open
-        transaction, in every group. O(blocks + requests * table width)."""
+        transaction, in every group. O(blocks + active requests * table width): a terminal
+        request holds nothing, so a block the allocator still gives one is reported as owned
+        by neither an active request nor a prefix."""
         open_tx = self._tx.open
+        active = self._active
         attached: Counter[PrefixId] = Counter()
-        for rec in self._requests.values():
-            if rec.state is RequestState.ACTIVE and rec.prefix_id is not None:
+        for rec in active.values():
+            if rec.prefix_id is not None:
                 attached[rec.prefix_id] += 1
         for group in self._groups:
             self._validate_group(group, open_tx)
             group.prefixes.check_integrity(attached)
-        rows = [rec.row for rec in self._requests.values() if rec.state is RequestState.ACTIVE]
+        rows = [rec.row for rec in active.values()]
         if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
             raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
         if any(g.tables.num_rows != self._tables.num_rows for g in self._groups):
@@ -1742,7 +1770,7 @@ class PagedKVCache:
             if not 0 <= open_tx.next_layer <= self._num_layers:
                 raise RuntimeError(f"open transaction at impossible layer {open_tx.next_layer}")
             for rid in open_tx.request_ids:
-                rec = self._requests.get(rid)
+                rec = active.get(rid)
                 if rec is None or rec.state is not RequestState.ACTIVE:
                     raise RuntimeError(f"open transaction lists non-active request {rid!r}")
             for per_group in open_tx.reserved:
@@ -1750,6 +1778,14 @@ class PagedKVCache:
                     raise RuntimeError("open transaction reserved a block for a foreign request")
         if len(self._tx.history) > self._tx.history_limit:
             raise RuntimeError("terminal transaction history exceeds its limit")
+        terminal = self._terminal
+        if len(self._requests) != len(active) + terminal.num_recent:
+            raise RuntimeError(
+                f"{len(self._requests)} request records kept, expected {len(active)} active + "
+                f"{terminal.num_recent} recent terminal"
+            )
+        if terminal.num_recent > terminal.limit:
+            raise RuntimeError("terminal request history exceeds its limit")
 
     def _validate_group(self, group: LayerGroup, open_tx: OpenTransaction | None) -> None:
         index, bs, window = group.index, group.block_size, group.window
@@ -1759,15 +1795,11 @@ class PagedKVCache:
         owned = allocator.owned_blocks()
         reserved = open_tx.reserved[index] if open_tx is not None else {}
         num_private = 0
-        for rid, rec in self._requests.items():
+        for rid, rec in self._active.items():
+            if rec.state is not RequestState.ACTIVE:
+                raise RuntimeError(f"{where}{rec.state.value} request {rid!r} is listed active")
             run = rec.run(index)
             held = owned.pop(request_owner(rid), [])
-            if rec.state is not RequestState.ACTIVE:
-                if held or run.num_held or rec.prefix_id is not None or rid in reserved:
-                    raise RuntimeError(
-                        f"{where}{rec.state.value} request {rid!r} still holds blocks"
-                    )
-                continue
             first, end = held_range(rec.seq_len, bs, window)
             ok = (run.first_block, run.num_blocks) == (first, end)
             if not ok or run.num_blocks > run.table.shape[0]:
@@ -1801,7 +1833,7 @@ class PagedKVCache:
         for owner, ids in owned.items():
             if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
                 raise RuntimeError(
-                    f"{where}blocks {ids} owned by {owner!r}, not a request nor a prefix"
+                    f"{where}blocks {ids} owned by {owner!r}, not an active request nor a prefix"
                 )
             if sorted(prefixes.block_ids(owner[1])) != ids:
                 raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")

@@ -71,16 +71,6 @@ class BlockRun:
         self.table[self.num_blocks] = block_id
         self.num_blocks += 1
 
-    def clear_blocks(self) -> None:
-        """Forget every block (after release).
-
-        The table gets a fresh array: transaction views built earlier keep reading the old one.
-        """
-        self.table = np.zeros_like(self.table)
-        self.num_blocks = 0
-        self.first_block = 0
-        self.num_prefix_blocks = 0
-
 
 class RequestRecord(BlockRun):
     """Mutable per-request bookkeeping, owned by the cache.
@@ -106,9 +96,42 @@ class RequestRecord(BlockRun):
     def run(self, group: int) -> BlockRun:
         return self if group == 0 else self.others[group - 1]
 
-    def clear(self) -> None:
-        """Forget every block of every group; the committed length is kept for reporting."""
-        self.clear_blocks()
-        for run in self.others:
-            run.clear_blocks()
+    def retire(self, state: RequestState) -> None:
+        """Become terminal: forget every block of every group and the device-table row, keep
+        the committed length for reporting. The tables become one shared empty array (earlier
+        transaction views keep reading the old ones), so a terminal record holds no table."""
+        self.table = _NO_TABLE
+        self.num_blocks = self.first_block = self.num_prefix_blocks = 0
+        self.others = (_NO_BLOCKS,) * len(self.others)
         self.prefix_id = None
+        self.row = -1
+        self.state = state
+
+
+class RetiredRequest:
+    """A terminal request whose record left the cache's bounded history: its state is known
+    for ever (ids are not reused) and it holds nothing; its final length is no longer kept."""
+
+    __slots__ = ("request_id", "state")
+    prefix_id = None
+    row = -1
+
+    def __init__(self, request_id: RequestId, state: RequestState) -> None:
+        self.request_id = request_id
+        self.state = state
+
+    def run(self, group: int) -> BlockRun:
+        return _NO_BLOCKS
+
+    @property
+    def seq_len(self) -> int:
+        raise ValueError(
+            f"request {self.request_id!r} is {self.state.value} and its final seq_len is no "
+            "longer kept (only the newest terminal requests' are)"
+        )
+
+
+_NO_TABLE = np.zeros(0, dtype=np.int32)
+_NO_TABLE.flags.writeable = False
+_NO_BLOCKS = BlockRun(0)  # what a terminal request holds in any group (never written)
+_NO_BLOCKS.table = _NO_TABLE

@@ -36,6 +36,7 @@ from flashdec._checks import (
     resolve_sm_scale,
 )
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
+from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, IdSet, TerminalHistory
 from flashdec.engine.layer_ops import (
     APPEND_BACKENDS,
     DECODE_BACKENDS,
@@ -277,12 +278,14 @@ class DecodeEngine:
         self._open: _OpenStep | None = None
         self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
-        # the lifecycle before and beside the cache
+        # the lifecycle before and beside the cache; what stays of a terminal request is
+        # bounded (flashdec.cache.history): a server runs without end
         self._waiting: dict[Any, RequestSpec | None] = {}  # insertion order
-        self._closed: dict[Any, EngineRequestState] = {}  # rejected / cancelled while waiting
-        self._specs: dict[Any, RequestSpec] = {}  # every scheduler-managed request
+        # rejected / cancelled while waiting: every state, and the newest ids listed
+        self._closed = TerminalHistory(EngineRequestState.REJECTED, TERMINAL_HISTORY_LIMIT)
+        self._specs: dict[Any, RequestSpec] = {}  # scheduler-managed, waiting or active
         self._mode: str | None = None  # "unscheduled" or "scheduled", fixed by the first request
-        self._orders: set[int] = set()  # submission orders ever used (never reused, like ids)
+        self._orders = IdSet()  # submission orders ever used (never reused, like ids)
         # scheduler-managed waiting requests with their wait/skip counters (a persistent
         # structure: a snapshot takes an O(1) view) and the active ones' service-wait counters;
         # both stay zero unless a ServingLoop advances them (advance_fairness)
@@ -317,20 +320,23 @@ class DecodeEngine:
     def request_state(self, request_id: object) -> EngineRequestState:
         if request_id in self._waiting:
             return EngineRequestState.WAITING
-        closed = self._closed.get(request_id) if type(request_id) in (str, int) else None
+        closed = self._closed.state(request_id) if type(request_id) in (str, int) else None
         if closed is not None:
             return closed
         check_request_id("request id", request_id)
         return _FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
 
     def request_ids(self, state: EngineRequestState | None = None) -> list:
-        """Every request this engine knows, optionally only those in ``state``."""
-        ids = [*self._waiting, *self._closed, *self.cache.request_ids()]
+        """The requests this engine knows, optionally only those in ``state``: every waiting
+        and active one, and the newest terminal ones (``TERMINAL_HISTORY_LIMIT`` closed before
+        admission, as many of the cache's); an older terminal id keeps its
+        ``request_state`` but is no longer listed."""
+        ids = [*self._waiting, *self._closed.recent(), *self.cache.request_ids()]
         return [rid for rid in ids if state is None or self.request_state(rid) is state]
 
     def _check_new_id(self, request_id: object, mode: str) -> None:
         check_request_id("request id", request_id)
-        if request_id in self._waiting or request_id in self._closed:
+        if request_id in self._waiting or self._closed.state(request_id) is not None:
             raise ValueError(f"request id {request_id!r} already exists (ids are not reused)")
         try:
             self.cache.request_state(request_id)
@@ -373,8 +379,7 @@ class DecodeEngine:
         self._require_no_open_step("finish_request")
         self._require_state(request_id, EngineRequestState.ACTIVE, "finish")
         self.cache.finish_request(request_id)
-        self._service_wait.pop(request_id, None)
-        self._active_rows.pop(request_id, None)
+        self._forget(request_id)
 
     def cancel_request(self, request_id: object) -> None:
         """Cancel a waiting or active request."""
@@ -382,8 +387,7 @@ class DecodeEngine:
         state = self.request_state(request_id)
         if state is EngineRequestState.ACTIVE:
             self.cache.cancel_request(request_id)
-            self._service_wait.pop(request_id, None)
-            self._active_rows.pop(request_id, None)
+            self._forget(request_id)
         elif state is EngineRequestState.WAITING:
             self._leave_queue(request_id, EngineRequestState.CANCELLED)
         else:
@@ -392,12 +396,19 @@ class DecodeEngine:
                 "can be cancelled"
             )
 
+    def _forget(self, request_id) -> None:
+        """Drop what the engine keeps of a request that just became terminal."""
+        self._specs.pop(request_id, None)
+        self._service_wait.pop(request_id, None)
+        self._active_rows.pop(request_id, None)
+
     def _leave_queue(self, request_id, state: EngineRequestState | None) -> None:
         spec = self._waiting.pop(request_id)
         if spec is not None:
             self._queue.remove(request_id)
         if state is not None:
-            self._closed[request_id] = state
+            self._closed.add(request_id, state)
+            self._forget(request_id)
 
     # ------------------------------------------------------------------ scheduler-managed
     def submit_request(self, spec: RequestSpec) -> None:
@@ -436,11 +447,18 @@ class DecodeEngine:
         self._waiting[spec.request_id] = spec
 
     def request_spec(self, request_id: object) -> RequestSpec:
-        self.request_state(request_id)
-        try:
-            return self._specs[request_id]
-        except KeyError:
-            raise ValueError(f"request {request_id!r} is not scheduler-managed") from None
+        """The spec of a waiting or active scheduler-managed request (a terminal request's
+        is not kept)."""
+        state = self.request_state(request_id)
+        spec = self._specs.get(request_id)
+        if spec is None:
+            if self._mode == "scheduled":  # every request is then: this one is terminal
+                raise ValueError(
+                    f"request {request_id!r} is {state.value}: only a waiting or active "
+                    "request's spec is kept"
+                )
+            raise ValueError(f"request {request_id!r} is not scheduler-managed")
+        return spec
 
     def scheduling_snapshot(
         self,
@@ -602,8 +620,10 @@ class DecodeEngine:
             cache.discard_request(rid)
             self._service_wait.pop(rid, None)
             self._active_rows.pop(rid, None)
-        for rid in decision.reject:
-            del self._closed[rid]
+        waiting = decision.snapshot.waiting_view
+        for rid in decision.reject:  # rejecting forgot the spec: the snapshot still has it
+            self._closed.discard(rid)
+            specs[rid] = waiting.get(rid).spec
         for rid in removed:
             self._waiting[rid] = specs[rid]
 
@@ -616,7 +636,16 @@ class DecodeEngine:
         active). The serving loop calls this; manual scheduling leaves the counters at zero."""
         self._applied = None  # the step is over: its decision can no longer be reverted
         admitted = decision.admit
-        newest = max((self._specs[rid].submission_order for rid in admitted), default=None)
+        # an admitted request may be terminal already (done at its prompt): its spec is then
+        # the snapshot's
+        specs, waiting = self._specs, decision.snapshot.waiting_view
+        newest = max(
+            (
+                (specs[rid] if rid in specs else waiting.get(rid).spec).submission_order
+                for rid in admitted
+            ),
+            default=None,
+        )
         self._queue.advance(newest)
         service = self._service_wait
         for rid in departed:
@@ -656,7 +685,7 @@ class DecodeEngine:
         before admission): the cache checks every other id itself."""
         waiting, closed = self._waiting, self._closed
         for rid in rids:
-            if rid in waiting or (type(rid) in (str, int) and rid in closed):
+            if rid in waiting or (type(rid) in (str, int) and closed.state(rid) is not None):
                 self._require_state(rid, EngineRequestState.ACTIVE, action)
 
     def begin_step(

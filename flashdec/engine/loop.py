@@ -130,8 +130,10 @@ class ServingLoop:
         # order (they are active but do not decode until their prompt is in)
         self._prompt_left: dict = {}
         self.step_index = 0
+        # per live request (submitted, not yet terminal): nothing stays once it is terminal, so
+        # a loop that serves without end keeps what is live (LoopStep says who decoded a token)
         self.generated: dict = {}  # request id -> tokens decoded so far
-        self._live: set = set()  # submitted, not yet terminal
+        self._live: set = set()
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: RequestSpec) -> None:
@@ -219,7 +221,7 @@ class ServingLoop:
                 del prompt_left[rid]
         self._prompt_left = prompt_left
         # the decode is committed: from here on the step only records what happened
-        self._live.difference_update(decision.reject)
+        self._forget(decision.reject)
         finished = [rid for rid, _ in chunks if rid in done_at_prefill]
         for rid in served:
             self.generated[rid] += 1
@@ -233,10 +235,8 @@ class ServingLoop:
         ]
         for rid in finished:
             engine.finish_request(rid)
-        self._live.difference_update(finished)
-        self._live.difference_update(victims)
-        for rid in victims:
-            self._prompt_left.pop(rid, None)
+        self._forget(finished)
+        self._forget(victims)
         engine.advance_fairness(
             decision,
             served={*served, *(rid for rid, _ in chunks)},
@@ -270,6 +270,13 @@ class ServingLoop:
             ),
         )
 
+    def _forget(self, rids: Iterable) -> None:
+        """Drop what the loop keeps of requests that became terminal."""
+        for rid in rids:
+            self._live.discard(rid)
+            self.generated.pop(rid, None)
+            self._prompt_left.pop(rid, None)
+
     def _chunks(self, prompt_left: dict, num_decoding: int) -> list[tuple[object, int]]:
         """This step's prompt chunks ``(request, tokens)``, in admission order: without a
         ``max_step_tokens`` budget every prompt whole; with one, what it leaves after the decode
@@ -297,9 +304,7 @@ class ServingLoop:
         forget = getattr(self.executor, "revert_admission", None)
         if forget is not None and decision.admit:
             forget(decision.admit)
-        self._live.difference_update(victims)  # cancelled for good
-        for rid in victims:
-            self._prompt_left.pop(rid, None)
+        self._forget(victims)  # cancelled for good
 
     def _unblock(self, batch: list, step: int, chunks: list) -> tuple[list, list]:
         """Requests of ``batch`` that cannot get their next block once the prompt ``chunks``
@@ -344,8 +349,7 @@ class ServingLoop:
         if not self.is_live(request_id):
             raise ValueError(f"request {request_id!r} is not live (unknown or already ended)")
         self.engine.cancel_request(request_id)
-        self._live.discard(request_id)
-        self._prompt_left.pop(request_id, None)
+        self._forget([request_id])
 
     def close(self) -> tuple[tuple, tuple]:
         """Cancel every request still running or waiting (an early stop, a deadlock); returns
@@ -363,6 +367,7 @@ class ServingLoop:
             self.engine.cancel_request(rid)
         self._live.clear()
         self._prompt_left.clear()
+        self.generated.clear()
         return tuple(active), tuple(waiting)
 
 

@@ -56,6 +56,15 @@ def _counters(
     return dict(value)
 
 
+def _known_to(cache: PagedKVCache, request_id: RequestId) -> bool:
+    """Whether the cache knows ``request_id`` (active or terminal, however long ago)."""
+    try:
+        cache.request_state(request_id)
+    except ValueError:
+        return False
+    return True
+
+
 def cache_group_shapes(cache: PagedKVCache) -> tuple[tuple[int, int | None], ...]:
     """Each group's ``(block_size, window)`` as a scheduler derives needs from them; empty for
     a cache of one full-attention group (the plain snapshot)."""
@@ -184,8 +193,7 @@ def snapshot_from_cache(
             "active_ids must be exactly the cache's active requests: "
             f"missing {missing!r}, not active in the cache {extra!r}"
         )
-    known = set(cache.request_ids())
-    seen = [rid for rid in waiting if rid in known]
+    seen = [rid for rid in waiting if _known_to(cache, rid)]
     if seen:
         raise ValueError(f"waiting ids are already known to the cache: {seen!r}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -274,6 +275,7 @@ class _EngineRun:
         arrival = {s.request_id: a for s, a in zip(self.specs, self.arrivals, strict=True)}
         admitted_at: dict = {}
         left_at: dict = {}
+        decoded: Counter = Counter()  # tokens per request (the loop keeps only live ones)
         trajectory: list[StepRecord] = []
         done = 0
         peak_used = max_service_wait = peak_bytes = 0
@@ -287,6 +289,7 @@ class _EngineRun:
                 admitted_at[rid] = record.step
             for rid in (*record.rejected, *record.finished):
                 left_at[rid] = record.step
+            decoded.update(record.served)
             done += len(record.rejected) + len(record.finished)
             used = cache.max_blocks - record.free_blocks
             peak_used = max(peak_used, used)
@@ -324,15 +327,14 @@ class _EngineRun:
         steps = outcome.num_steps
         states = {s.request_id: self._final_state(s.request_id) for s in self.specs}
         finished = sum(state == "finished" for state in states.values())
-        generated = self.loop.generated
         rates = [
-            generated[rid] / (left_at.get(rid, steps) - arrival[rid] + 1)
-            for rid in generated
-            if states[rid] != "rejected"
+            decoded[rid] / (left_at.get(rid, steps) - arrival[rid] + 1)
+            for rid in states
+            if states[rid] not in ("rejected", "not submitted")
         ]
         waits = [admitted_at[rid] - arrival[rid] for rid in admitted_at]
         elapsed = sum(latencies)
-        tokens = sum(generated.values())
+        tokens = sum(decoded.values())
         return dict(
             config=config,
             device=str(self.device),

@@ -17,6 +17,7 @@ numbers: the scheduling outcome depends only on the trace.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -360,7 +361,7 @@ def _run_policy(
         for o in ("finished", "cancelled", "rejected")
     }
     waits, rates = [], []
-    decoded = loop.generated
+    decoded = Counter(rid for record in outcome.steps for rid in record.served)
     for request in trace.requests:
         rid = request.request_id
         arrived = arrival[rid]

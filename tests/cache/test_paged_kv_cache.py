@@ -327,7 +327,7 @@ def test_metrics_report_the_agreed_keys(cache):
         (lambda c: c._requests["a"].table.__setitem__(1, 7), "private blocks"),
         (lambda c: c._requests["a"].table.__setitem__(5, 1), "padding"),
         (lambda c: c._allocator.allocate(1, ("request", "b")), "private blocks"),
-        (lambda c: c._allocator.allocate(1, "stray"), "not a request nor a prefix"),
+        (lambda c: c._allocator.allocate(1, "stray"), "not an active request nor a prefix"),
         (lambda c: setattr(c._prefixes._prefixes["p"], "refcount", 2), "refcount 2 but 1"),
         (lambda c: setattr(c._requests["b"], "num_prefix_blocks", 0), "prefix"),
         (lambda c: c._allocator.release([c._requests["a"].table[0].item()]), "private blocks"),
