@@ -195,3 +195,29 @@ def test_memory_per_finished_request_is_bounded(make_id, bound):
         tracemalloc.stop()
     assert per_request < bound, f"{per_request:.0f} B per finished request"
     cache.validate_invariants()
+
+
+def test_id_set_discard_splits_a_run_and_ignores_absent_ids():
+    ids = IdSet()
+    for i in range(10):
+        ids.add(i)
+    ids.add("x")
+    for gone in (4, 0, 9, 42, "x", "y"):
+        ids.discard(gone)
+    assert [i for i in range(12) if i in ids] == [1, 2, 3, 5, 6, 7, 8]
+    assert "x" not in ids and ids.num_runs == 2 and len(ids) == 7
+    ids.add(4)
+    assert ids.num_runs == 1
+
+
+def test_terminal_history_takes_back_a_just_added_id():
+    """A serving step taken back un-rejects its requests: they were never terminal."""
+    history = TerminalHistory("finished", limit=3)
+    for rid in range(3):
+        history.add(rid, "finished")
+    history.add(3, "rejected")
+    history.discard(3)
+    assert history.state(3) is None and history.count("rejected") == 0
+    assert list(history.recent()) == [1, 2] and history.state(2) == "finished"
+    history.discard(99)  # never terminal: nothing to take back
+    assert history.count("finished") == 3
