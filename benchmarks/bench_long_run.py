@@ -186,6 +186,12 @@ class ZeroKV:
         self._append(self.cache.begin_token(list(batch)), len(batch))
         return ()
 
+    def run(self, batch, chunks) -> tuple:
+        # the loop's one call per step (StepExecutor.run), written out: the "before" run imports
+        # a flashdec that has no StepExecutor to inherit it from
+        done = set(self.prefill(chunks) or ()) if chunks else set()
+        return done, (self.decode(batch) if batch else ())
+
 
 def traced_step(loop):
     """One loop step and the Python lines it executed."""

@@ -14,12 +14,12 @@ from benchmarks._common import line_events
 from flashdec import BlockAwareScheduler, DecodeEngine, PagedKVCache, RequestSpec, SchedulerConfig
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT
 from flashdec.engine import EngineRequestState
-from flashdec.engine.loop import ServingLoop
+from flashdec.engine.loop import ServingLoop, StepExecutor
 
 RUNNING = 8
 
 
-class CacheOnly:
+class CacheOnly(StepExecutor):
     """The cheapest executor: zero K/V through the cache's transactions, no attention."""
 
     def __init__(self, engine: DecodeEngine) -> None:

@@ -193,7 +193,7 @@ def test_a_failed_step_is_taken_back_whole(fail):
     assert expected[1] == (("r1", "r2"), ("r3",), ("r0", "r1", "r2"), ("r0",), ())
     records, loop = _scenario(Failing(make_engine(max_blocks=8)), fail)
     assert records == expected
-    assert loop.generated == {"r0": 3, "r1": 2, "r2": 2, "r3": 0}
+    assert loop.generated == {}  # counts are kept while a request is live
 
 
 def test_revert_decision_takes_back_only_the_last_step_before_it_ends():
