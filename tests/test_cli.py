@@ -744,5 +744,7 @@ def test_ctrl_c_during_start_up_as_a_user_sees_it():
     time.sleep(1.0)  # importing torch, or loading, or generating: each ends the same way
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    # 130, or death by SIGINT after the message (rarely, under load, the interpreter re-raises
+    # the signal on its way out): a shell reports both as exit status 130
+    assert proc.returncode in (130, -signal.SIGINT), err
     assert _assert_one_error_line(out, err) == "flashdec: error: interrupted"
