@@ -3,7 +3,7 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
+#   phases: tests (or its halves tests1, tests2: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
 #   launch e2e extendtests extend extendsweep
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
@@ -45,6 +45,14 @@ for phase in $PHASES; do
   case $phase in
     tests)
       python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    tests1)  # the whole gpu suite takes over one device call's 10 minutes: two halves
+      python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider 2>&1 \
+        | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    tests2)
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider --ignore=tests/kernels \
+        --ignore=tests/reference 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     quicktests)
       python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
