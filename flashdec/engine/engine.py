@@ -815,14 +815,7 @@ class DecodeEngine:
                 )
             if self._fused_triton:
                 return self._fast_layer(step, layer_idx, q, k, v)
-            backend, rope, (k_scale, v_scale) = self.append_backend, self.rope, self._scales[0]
-            q_rot = self.cache.write_token_layer_with(
-                step.transaction_id,
-                layer_idx,
-                lambda k_layer, v_layer, slots: write_rope_layer(
-                    backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
-                ),
-            )
+            q_rot = self._write_rope(step, layer_idx, 0, q, k, v)
             return self._decode_layer(step, layer_idx, q_rot)
         except BaseException:
             self._abort_open_step()
@@ -831,10 +824,7 @@ class DecodeEngine:
     def _group_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
         """``step_layer`` on a cache with several KV layer groups: the layer's group's
         storage, slots, geometry and window."""
-        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
-            g = self._layer_groups[layer_idx]
-        else:
-            g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+        g = self._group_of(layer_idx)
         self._check_group_layer_inputs(step, g, q, k, v)
         if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -843,15 +833,26 @@ class DecodeEngine:
             )
         if self._fused_triton:
             return self._fast_group_layer(step, layer_idx, g, q, k, v)
+        q_rot = self._write_rope(step, layer_idx, g, q, k, v)
+        return self._decode_group_layer(step, layer_idx, g, q_rot)
+
+    def _group_of(self, layer_idx: object) -> int:
+        """The KV group of a layer (TypeError / ValueError for a bad index)."""
+        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
+            return self._layer_groups[layer_idx]
+        return self.cache.layer_group(layer_idx)
+
+    def _write_rope(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+        """RoPE + append of one layer through the cache with the append backend, unbound (the
+        decode step's fast path binds its launches instead); returns the rotated q."""
         backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
-        q_rot = self.cache.write_token_layer_with(
+        return self.cache.write_token_layer_with(
             step.transaction_id,
             layer_idx,
             lambda k_layer, v_layer, slots: write_rope_layer(
                 backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
             ),
         )
-        return self._decode_group_layer(step, layer_idx, g, q_rot)
 
     def _extend_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
         """``step_layer`` of an extend step: RoPE + append of every new token, then each new
@@ -860,20 +861,10 @@ class DecodeEngine:
             raise RuntimeError(
                 f"step {step.transaction_id} is a prefill transaction; use prefill_layer"
             )
-        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
-            g = self._layer_groups[layer_idx]
-        else:
-            g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+        g = self._group_of(layer_idx)
         q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self._dtype)
         slots = step.group_slots[g] if step.group_slots else step.slots
-        backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
-        q_rot = self.cache.write_token_layer_with(
-            step.transaction_id,
-            layer_idx,
-            lambda k_layer, v_layer, slots: write_rope_layer(
-                backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
-            ),
-        )
+        q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
         return extend_attention(
             self.decode_backend,
@@ -885,8 +876,7 @@ class DecodeEngine:
             step.query_lens,
             self._sm_scales[g],
             self._windows[g],
-            k_scale,
-            v_scale,
+            *self._scales[g],
         )
 
     def commit_step(self, tx, accept: Sequence[int] | None = None) -> StepResult:
