@@ -229,3 +229,22 @@ def test_a_window_group_takes_fewer_tokens_than_its_window_per_step():
                 )
         cache.validate_invariants()
     assert cache.seq_len("a") == 15
+
+
+def test_every_backend_writes_the_same_whole_cache_in_mixed_steps():
+    """Steps mixing one-token rows and prompt-sized rows write exactly the same bytes (within
+    RoPE rounding) on every backend, and nothing outside the reserved slots."""
+    caches = []
+    for append_backend, decode_backend in BACKENDS:
+        engine = make_engine(append_backend, decode_backend, max_blocks=40)
+        rids = admitted(engine, ["a", "b", "c", "d"])
+        for seed, counts in enumerate(([7, 13, 1, 2], [1, 1, 1, 1], [1, 9, 1, 17])):
+            _step(engine, rids, _inputs(sum(counts), seed=seed), num_tokens=counts)
+        engine.cache.validate_invariants()
+        caches.append(engine.cache)
+    for other in caches[1:]:
+        torch.testing.assert_close(other.k_cache, caches[0].k_cache, rtol=1e-5, atol=1e-5)
+        assert torch.equal(other.v_cache, caches[0].v_cache)
+    used = {b for rid in "abcd" for b in caches[0].request_block_ids(rid)}
+    unused = [b for b in range(caches[0].max_blocks) if b not in used]
+    assert not caches[0].k_cache[:, unused].any() and not caches[-1].v_cache[:, unused].any()
