@@ -67,11 +67,11 @@ def in_context_text(prompt_ids, output_ids, tokenizer=None) -> str:
     return after[len(before) :]
 
 
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 512) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
     # ids from 6 on: no special token inside a prompt
-    return [torch.randint(6, 512, (k,), generator=gen).tolist() for k in lens]
+    return [torch.randint(6, vocab, (k,), generator=gen).tolist() for k in lens]
 
 
 def wait_for(condition, timeout: float = 10.0, interval: float = 0.02):

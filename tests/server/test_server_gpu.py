@@ -36,7 +36,7 @@ def test_graphed_server_mixes_greedy_and_sampled_rows(server_for):
     model = build_random_model("tiny-llama", dtype=torch.float32, device="cuda", seed=0)
     llm = flashdec.LLM(model, max_batch_size=16, max_model_len=256)
     assert llm.cuda_graphs
-    work = prompts(12, seed=7, hi=60)
+    work = prompts(12, seed=7, hi=60, vocab=model.config.vocab_size)
     alone = [llm.generate([p], NEW, ignore_eos=True)[0] for p in work[:8]]
     server = server_for(llm, model_name="tiny-llama")
     base = {"max_tokens": NEW, "ignore_eos": True, "return_token_ids": True}
