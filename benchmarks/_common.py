@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from flashdec.runtime import own_blas_workspace
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
@@ -268,7 +270,7 @@ def cuda_graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with own_blas_workspace(), torch.cuda.graph(graph):
         fn()
     return graph
 
@@ -425,7 +427,7 @@ def cuda_graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGra
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with own_blas_workspace(), torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     return graph

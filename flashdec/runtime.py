@@ -6,9 +6,11 @@ tests/conftest.py) call :func:`prepare_triton` early. Library code never sets it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +122,27 @@ def environment_report() -> EnvironmentReport:
         gpu_memory_gib=round(props.total_memory / 2**30, 1) if props else None,
         triton_mode=triton_mode(),
     )
+
+
+@contextlib.contextmanager
+def own_blas_workspace() -> Iterator[None]:
+    """Wrap a CUDA graph capture so the cuBLAS workspace its GEMMs use lives in its own pool.
+
+    PyTorch keeps one cuBLAS workspace per (handle, stream) and a captured GEMM bakes in its
+    address. Captured with a workspace allocated elsewhere (an earlier graph's pool, or eager
+    memory), the graph is left pointing at freed memory as soon as anything clears the
+    workspaces — torch.compile's CUDA graph trees do, around every warm-up and recording — and
+    its replays then scribble on reused memory or fault on unmapped memory (seen on the H200:
+    an illegal memory access replaying a decode graph after transformers' compiled generate).
+    Clearing before the capture makes the capture allocate a fresh workspace inside the
+    graph's private pool (kept while the graph lives); clearing after keeps later work out of
+    that pool. The same as torch._inductor's ``clear_cublas_manager``.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear()

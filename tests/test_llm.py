@@ -385,6 +385,46 @@ def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
     assert graphed._runner.graph_replays > 0
 
 
+_WORKSPACE_SCRIPT = """
+import torch, flashdec
+from flashdec.models import BUILTIN_SHAPES
+from flashdec.models.shapes import random_model
+config = BUILTIN_SHAPES["llama3-8b-shape"].make_config()
+config.num_hidden_layers = 2  # the 8B GEMM shapes (cuBLAS picks workspace kernels) at 2 layers
+model = random_model(config, dtype=torch.bfloat16, device="cuda", seed=0)
+gen = torch.Generator().manual_seed(5)
+prompts = [torch.randint(0, 1000, (40 + i,), generator=gen).tolist() for i in range(2)]
+graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=256)
+graphed.generate(prompts[:1], 8, ignore_eos=True)  # the process's first capture: bucket 1
+before = graphed.generate(prompts, 8, ignore_eos=True)  # bucket 2's graph
+graphed._runner.graphs.pop(1)  # the first graph goes, with its private pool
+torch._C._cuda_clearCublasWorkspaces()  # as torch.compile's CUDA graph trees do
+torch.cuda.empty_cache()
+again = graphed.generate(prompts, 8, ignore_eos=True)  # replays bucket 2's graph
+torch.cuda.synchronize()
+eager = flashdec.LLM(model, max_batch_size=4, max_model_len=256, cuda_graphs=False)
+assert again == before == eager.generate(prompts, 8, ignore_eos=True), (again, before)
+assert graphed._runner.graph_replays > 0
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_graphs_survive_cleared_blas_workspaces_and_a_dropped_first_graph():
+    """A captured GEMM bakes in the cuBLAS workspace's address: each graph must own its
+    workspace (in its private pool), or clearing the workspaces — torch.compile's CUDA graph
+    trees do — leaves later graphs replaying into freed, then unmapped, memory (an illegal
+    memory access on the H200 after transformers' compiled generate). A subprocess: such a
+    fault poisons the CUDA context of the whole process."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _WORKSPACE_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
 def test_bad_arguments_fail_before_anything_runs():
     model = _model("tiny-llama")
     llm = flashdec.LLM(model, max_model_len=64)

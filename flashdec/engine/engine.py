@@ -56,6 +56,7 @@ from flashdec.engine.snapshot import (
     snapshot_from_cache,
 )
 from flashdec.kernels import triton_runs_on
+from flashdec.runtime import own_blas_workspace
 from flashdec.scheduler import (
     ActiveRequest,
     BlockAwareScheduler,
@@ -927,7 +928,7 @@ class DecodeEngine:
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with own_blas_workspace(), torch.cuda.graph(graph, pool=pool):
                 output = body()
             written = self.cache.layers_written(step.transaction_id)
             if written != self.cache.num_layers:
