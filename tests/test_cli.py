@@ -439,10 +439,14 @@ def test_bench_serve_reports_latency_percentiles(capsys):
         "20",
         "--max-new-tokens",
         "4",
+        "--compare",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "TTFT p50 / p99" in out and "TPOT p50 / p99" in out and "4/4 requests done" in out
+    assert "TTFT p50 / p90 / p99" in out and "TPOT p50 / p90 / p99" in out
+    assert "4/4 requests done" in out
+    # every request token-exact against transformers' greedy generate (issue 21's CPU target)
+    assert "4/4 requests identical" in out
 
 
 def test_demo_runs_as_a_module():

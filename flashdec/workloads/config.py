@@ -778,6 +778,9 @@ class ServeConfig(ModelRunConfig):
     min_prompt_len: int = _knob(16, "shortest prompt (tokens)", minimum=1, maximum=131072)
     max_prompt_len: int = _knob(128, "longest prompt (tokens)", minimum=1, maximum=131072)
     max_new_tokens: int = _knob(32, "tokens per request (EOS ignored)", minimum=1, maximum=131072)
+    compare: bool = _knob(
+        False, "check every request's tokens against transformers' greedy generate afterwards"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -210,7 +210,7 @@ def run_generate(
     matches = equal = divergence = None
     if config.compare:
         ids = [p if isinstance(p, list) else list(llm.tokenizer(p)["input_ids"]) for p in prompts]
-        expected = _transformers_greedy(llm.model, ids, config.max_new_tokens, config.ignore_eos)
+        expected = transformers_greedy(llm.model, ids, config.max_new_tokens, config.ignore_eos)
         pairs = list(zip(generated, expected, strict=True))
         matches = sum(g == e for g, e in pairs)
         equal = sum(a == b for g, e in pairs for a, b in zip(g, e, strict=False))
@@ -301,7 +301,7 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
     return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
-def _transformers_greedy(model, prompts: list[list[int]], new: int, ignore_eos: bool):
+def transformers_greedy(model, prompts: list[list[int]], new: int, ignore_eos: bool):
     """transformers' own greedy generate, one prompt at a time (no padding effects)."""
     out = []
     for prompt in prompts:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashdec.workloads.config import ServeConfig
+from flashdec.workloads.generation import transformers_greedy
 from flashdec.workloads.stats import LatencyStats
 
 
@@ -26,6 +27,8 @@ class ServeBenchResult:
     output_tokens: int
     steps: int
     max_batch: int  # largest batch one step decoded
+    # with ``config.compare``: requests whose tokens equal transformers' greedy ones (else None)
+    matches_transformers: int | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -34,24 +37,56 @@ class ServeBenchResult:
     def rows(self) -> list[tuple[str, str]]:
         return [
             ("requests", f"{self.config.num_requests} at {self.config.request_rate}/s (Poisson)"),
-            ("TTFT p50 / p99", f"{self.ttft.p50_ms:.1f} / {self.ttft.p99_ms:.1f} ms"),
-            ("TPOT p50 / p99", f"{self.tpot.p50_ms:.2f} / {self.tpot.p99_ms:.2f} ms"),
+            ("TTFT p50 / p90 / p99", _p50_p90_p99(self.ttft, 1)),
+            ("TPOT p50 / p90 / p99", _p50_p90_p99(self.tpot, 2)),
             ("output tokens/s", f"{self.output_tok_s:,.0f}"),
             ("steps, largest batch", f"{self.steps}, {self.max_batch}"),
-        ]
+        ] + (
+            []
+            if self.matches_transformers is None
+            else [
+                (
+                    "agreement with transformers",
+                    f"{self.matches_transformers}/{self.config.num_requests} requests identical",
+                )
+            ]
+        )
 
     def as_dict(self) -> dict:
         return {
             "ttft_p50_ms": self.ttft.p50_ms,
+            "ttft_p90_ms": self.ttft.p90_ms,
             "ttft_p99_ms": self.ttft.p99_ms,
             "tpot_p50_ms": self.tpot.p50_ms,
+            "tpot_p90_ms": self.tpot.p90_ms,
             "tpot_p99_ms": self.tpot.p99_ms,
             "elapsed_s": self.elapsed_s,
             "output_tokens": self.output_tokens,
             "output_tok_s": self.output_tok_s,
             "steps": self.steps,
             "max_batch": self.max_batch,
+            "matches_transformers": self.matches_transformers,
         }
+
+
+def _p50_p90_p99(stats: LatencyStats, digits: int) -> str:
+    return " / ".join(f"{v:.{digits}f}" for v in (stats.p50_ms, stats.p90_ms, stats.p99_ms)) + " ms"
+
+
+def poisson_trace(config: ServeConfig, vocab_size: int) -> list[tuple[float, list[int]]]:
+    """The arrivals of ``config``: (seconds after the start, prompt token ids) per request.
+
+    ``random.Random(seed)``: exponential gaps at ``request_rate``, prompt lengths uniform in
+    ``[min_prompt_len, max_prompt_len]``, ids uniform below ``vocab_size`` — drawn in that order
+    per request, so the review's ``serve_trace.py`` (same seed and knobs) replays the same trace.
+    """
+    rng = random.Random(config.seed)
+    clock, arrivals = 0.0, []
+    for _ in range(config.num_requests):
+        clock += rng.expovariate(config.request_rate)
+        length = rng.randint(config.min_prompt_len, config.max_prompt_len)
+        arrivals.append((clock, [rng.randrange(vocab_size) for _ in range(length)]))
+    return arrivals
 
 
 def run_serve_benchmark(
@@ -59,16 +94,10 @@ def run_serve_benchmark(
 ) -> ServeBenchResult:
     """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`);
     ``progress(done, total)`` after every step."""
-    rng = random.Random(config.seed)
-    vocab = llm.adapter.spec.vocab_size
-    clock, arrivals = 0.0, []
-    for _ in range(config.num_requests):
-        clock += rng.expovariate(config.request_rate)
-        length = rng.randint(config.min_prompt_len, config.max_prompt_len)
-        arrivals.append((clock, [rng.randrange(vocab) for _ in range(length)]))
+    arrivals = poisson_trace(config, llm.adapter.spec.vocab_size)
     start = time.perf_counter()
-    arrived_at, rids = {}, []
-    steps = max_batch = 0
+    arrived_at, rids, running = {}, [], set()
+    steps = max_batch = done = 0
     next_arrival = 0
     try:
         while next_arrival < len(arrivals) or llm.has_unfinished():
@@ -79,28 +108,39 @@ def run_serve_benchmark(
                 )
                 arrived_at[rid] = start + arrivals[next_arrival][0]
                 rids.append(rid)
+                running.add(rid)
                 next_arrival += 1
             if llm.has_unfinished():
                 record = llm.step()
                 if record is not None:
                     steps += 1
                     max_batch = max(max_batch, len(record.served))
-                if progress is not None:
-                    done = sum(llm.request_timing(r).finished_at is not None for r in rids)
+                if progress is not None:  # O(running) per step, not O(all requests)
+                    ended = {r for r in running if llm.request_timing(r).finished_at is not None}
+                    running -= ended
+                    done += len(ended)
                     progress(done, config.num_requests)
             else:  # idle until the next arrival
                 time.sleep(max(0.0, arrivals[next_arrival][0] - now))
     finally:
         llm.loop.close()
     elapsed = time.perf_counter() - start
-    ttft, tpot, tokens = [], [], 0
+    ttft, tpot, tokens, outputs = [], [], 0, []
     for rid in rids:
         timing = llm.request_timing(rid)
         ttft.append(timing.first_token_at - arrived_at[rid])
         if timing.num_tokens > 1:
             tpot.append((timing.finished_at - timing.first_token_at) / (timing.num_tokens - 1))
         tokens += timing.num_tokens
+        if config.compare:
+            outputs.append(llm.output(rid))
         llm.release(rid)
+    matches = None
+    if config.compare:  # after the timed run: transformers' greedy, one prompt at a time
+        expected = transformers_greedy(
+            llm.model, [p for _, p in arrivals], config.max_new_tokens, ignore_eos=True
+        )
+        matches = sum(list(o) == list(e) for o, e in zip(outputs, expected, strict=True))
     return ServeBenchResult(
         config=config,
         ttft=LatencyStats.from_seconds(ttft),
@@ -109,4 +149,5 @@ def run_serve_benchmark(
         output_tokens=tokens,
         steps=steps,
         max_batch=max_batch,
+        matches_transformers=matches,
     )

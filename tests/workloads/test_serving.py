@@ -1,0 +1,48 @@
+"""The bench-serve trace: the same arrivals as the review's serve_trace.py, seeded and exact."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from flashdec.workloads.config import ServeConfig
+from flashdec.workloads.serving import poisson_trace
+
+# ../shared beside the project's clone (a worktree sits one level deeper)
+_SERVE_TRACE = next(
+    (
+        p / "shared/tools/serve/serve_trace.py"
+        for p in Path(__file__).resolve().parents
+        if (p / "shared/tools/serve/serve_trace.py").exists()
+    ),
+    None,
+)
+
+
+def test_the_trace_is_seeded_poisson_with_prompts_in_range():
+    config = ServeConfig(num_requests=50, request_rate=20.0, min_prompt_len=3, max_prompt_len=9)
+    trace = poisson_trace(config, vocab_size=100)
+    assert trace == poisson_trace(config, vocab_size=100)  # deterministic
+    times = [t for t, _ in trace]
+    assert times == sorted(times) and times[0] > 0
+    assert all(3 <= len(p) <= 9 and all(0 <= i < 100 for i in p) for _, p in trace)
+    assert 1.0 < times[-1] < 5.0  # 50 arrivals at 20/s: ~2.5 s
+    other = ServeConfig(
+        num_requests=50, request_rate=20.0, min_prompt_len=3, max_prompt_len=9, seed=1
+    )
+    assert poisson_trace(other, vocab_size=100) != trace
+
+
+@pytest.mark.skipif(_SERVE_TRACE is None, reason="../shared/tools/serve/serve_trace.py not here")
+def test_the_trace_is_serve_traces():
+    spec = importlib.util.spec_from_file_location("serve_trace", _SERVE_TRACE)
+    serve_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_trace)
+    a = argparse.Namespace(seed=3, requests=6, min_prompt=4, max_prompt=9)
+    config = ServeConfig(
+        num_requests=6, request_rate=16.0, min_prompt_len=4, max_prompt_len=9, seed=3
+    )
+    assert poisson_trace(config, serve_trace.VOCAB) == serve_trace.trace(a, 16.0)
