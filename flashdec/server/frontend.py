@@ -68,6 +68,10 @@ def main() -> None:
         with contextlib.suppress(OSError):
             control.send(("failed", f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # served and shut down: the interpreter's teardown of its modules can go
 
 
 def _exit_now(signum, frame) -> None:
