@@ -23,6 +23,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import flashdec
@@ -190,16 +192,17 @@ def serve(
             frontend.tell(("exit",))
         stopping.append(signum)
 
-    handled = (signal.SIGINT, signal.SIGTERM)
+    # signals reach only the main thread: elsewhere serve() ends when the front end does
+    on_main = threading.current_thread() is threading.main_thread()
+    handled = (signal.SIGINT, signal.SIGTERM) if on_main else ()
     previous = {sig: signal.getsignal(sig) for sig in handled}
     try:
         frontend.wait_ready()
         for sig in handled:
             signal.signal(sig, on_signal)
-        while frontend.alive:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                frontend.process.wait(0.5)
-            if stopping and not frontend.engine.alive:  # cancelled: it exits at once
+        while frontend.alive:  # blocked in select, not polling: the engine thread keeps the GIL
+            ended = wait([frontend.control], 1.0)  # its end of the pipe closed: it is exiting
+            if ended or (stopping and not frontend.engine.alive):  # or cancelled: it exits now
                 frontend.join(EXIT_GRACE_S)
     finally:
         for sig, handler in previous.items():
