@@ -6,26 +6,51 @@ errors in one place), Starlette's streaming responses that cancel on a client's 
 uvicorn's graceful shutdown; uvicorn runs on pure-Python h11 here, so nothing needs compiling.
 aiohttp would do too, but its request checks would be written by hand.
 
-One engine thread owns the model (:mod:`~flashdec.server.engine`); the event loop parses,
-tokenizes and streams (:mod:`~flashdec.server.app`, :mod:`~flashdec.server.text`);
-:mod:`~flashdec.server.run` binds the socket and starts and stops both.
+Two processes serve, as vLLM's API server and engine core do, so that HTTP work and the model's
+steps never wait for each other's GIL:
 
-Only ``app``, ``protocol`` and the functions of ``run`` import FastAPI, pydantic and uvicorn, and
-only when called: ``import flashdec`` and ``import flashdec.server`` work without them.
+- the process that built the LLM runs ONE engine thread that owns the model and steps it
+  (:mod:`~flashdec.server.engine`); :mod:`~flashdec.server.run` binds the socket there and
+  starts and stops both sides;
+- a front-end process (multiprocessing's "spawn": CUDA does not survive a fork) runs uvicorn on
+  that socket: parsing and checks, tokenization, chat templates, detokenization, stop strings,
+  server-sent events and ``/metrics`` (:mod:`~flashdec.server.frontend`,
+  :mod:`~flashdec.server.client`, :mod:`~flashdec.server.app`, :mod:`~flashdec.server.text`).
+
+They talk over pipes in small framed tuples (:mod:`~flashdec.server.wire`): commands one way,
+one message per engine step the other. The front end imports neither torch nor the model.
+
+Only ``app``, ``protocol`` and the front end's ``main`` import FastAPI, pydantic and uvicorn;
+``import flashdec.server`` imports nothing of the server until a name is used.
 """
 
-from flashdec.server.config import ServerConfig
-from flashdec.server.engine import EngineError, EngineThread, GenerationRequest, StreamUpdate
-from flashdec.server.run import RunningServer, bind_socket, serve, start_server
+from __future__ import annotations
 
-__all__ = [
-    "EngineError",
-    "EngineThread",
-    "GenerationRequest",
-    "RunningServer",
-    "ServerConfig",
-    "StreamUpdate",
-    "bind_socket",
-    "serve",
-    "start_server",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineError": "flashdec.server.wire",
+    "EngineThread": "flashdec.server.engine",
+    "GenerationRequest": "flashdec.server.client",
+    "RunningServer": "flashdec.server.run",
+    "ServerConfig": "flashdec.server.config",
+    "StreamUpdate": "flashdec.server.client",
+    "bind_socket": "flashdec.server.run",
+    "serve": "flashdec.server.run",
+    "start_server": "flashdec.server.run",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # lazily: the front-end process imports this package and must not import torch
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashdec.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

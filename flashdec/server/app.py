@@ -1,11 +1,12 @@
 """The HTTP routes: OpenAI's completions and chat completions, models, health and metrics.
 
-Handlers run on the server's event loop. They parse and check the body, tokenize (the chat
-template for chat), submit to the :class:`~flashdec.server.engine.EngineThread` and turn its
-token updates into text (:class:`~flashdec.server.text.IncrementalText`): one JSON response, or
-server-sent events ending in ``data: [DONE]``. A client that goes away mid-request cancels it:
-Starlette cancels a streaming response when the client disconnects, and a plain response races
-its collection against the connection's disconnect message.
+Handlers run on the front-end process's event loop. They parse and check the body, tokenize
+(the chat template for chat), submit to the engine thread
+(:class:`~flashdec.server.client.EngineClient`) and turn its token updates into text
+(:class:`~flashdec.server.text.IncrementalText`): one JSON response, or server-sent events
+ending in ``data: [DONE]``. A client that goes away mid-request cancels it: Starlette cancels a
+streaming response when the client disconnects, and a plain response races its collection
+against the connection's disconnect message.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from flashdec import __version__
-from flashdec.llm import SamplingParams
-from flashdec.server.engine import EngineError, EngineThread, GenerationRequest, RequestStream
+from flashdec.server.client import EngineClient, GenerationRequest, RequestStream
 from flashdec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,6 +32,7 @@ from flashdec.server.protocol import (
     parse_body,
 )
 from flashdec.server.text import IncrementalText
+from flashdec.server.wire import EngineError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -84,11 +85,18 @@ class _Output:
 class Serving:
     """The state the routes share: the engine, the tokenizer and the served model's name."""
 
-    def __init__(self, engine: EngineThread, model_name: str, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        default_max_tokens: int,
+    ) -> None:
         self.engine = engine
-        self.llm = engine.llm
-        self.tokenizer = engine.llm.tokenizer
+        self.tokenizer = tokenizer
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
 
@@ -142,20 +150,22 @@ class Serving:
         if body.stop:
             self._needs_tokenizer("stop")
         if max_tokens is None:  # the default, capped by what the context has left
-            max_tokens = max(1, min(default, self.llm.max_model_len - len(ids)))
-        temperature = 1.0 if body.temperature is None else body.temperature
-        sampling = SamplingParams(
-            temperature=temperature,
+            max_tokens = max(1, min(default, self.max_model_len - len(ids)))
+        request = GenerationRequest(  # the engine's SamplingParams checks the values again
+            prompt_ids=tuple(ids),
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
             top_k=max(body.top_k or 0, 0),
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
+            ignore_eos=body.ignore_eos,
         )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return _Job(
             kind=kind,
             id=f"{prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
-            request=GenerationRequest(tuple(ids), max_tokens, sampling, body.ignore_eos),
+            request=request,
             stop=body.stop,
             stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -273,9 +283,17 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-def build_app(engine: EngineThread, *, model_name: str, default_max_tokens: int = 256) -> FastAPI:
-    """The FastAPI application serving ``engine``'s model under ``model_name``."""
-    serving = Serving(engine, model_name, default_max_tokens)
+def build_app(
+    engine: EngineClient,
+    *,
+    tokenizer,
+    model_name: str,
+    max_model_len: int,
+    default_max_tokens: int = 256,
+) -> FastAPI:
+    """The FastAPI application serving ``engine``'s model under ``model_name`` (``tokenizer``:
+    the LLM's, or None for token-id prompts only)."""
+    serving = Serving(engine, tokenizer, model_name, max_model_len, default_max_tokens)
     metrics = engine.metrics
     app = FastAPI(title="FlashDec", version=__version__, openapi_url=None)
     app.state.serving = serving
@@ -335,7 +353,7 @@ def build_app(engine: EngineThread, *, model_name: str, default_max_tokens: int 
             "object": "model",
             "created": serving.created,
             "owned_by": "flashdec",
-            "max_model_len": engine.llm.max_model_len,
+            "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
 

@@ -1,156 +1,81 @@
 """The engine thread: the one owner of a :class:`flashdec.LLM` in a server.
 
-HTTP handlers run on an asyncio event loop; the model runs on one thread of its own that steps
-the LLM's serving loop whenever a request waits or runs, so the requests of every connection
-share one running batch (continuous batching). The two sides meet in two places only:
+The HTTP front end runs in a process of its own (:mod:`~flashdec.server.frontend`); the model
+runs here, on one thread of the process that built the LLM, which steps the LLM's serving loop
+whenever a request waits or runs, so the requests of every connection share one running batch
+(continuous batching). The two meet through two pipes (:mod:`~flashdec.server.wire`):
 
-- an inbox (a thread-safe ``queue.SimpleQueue``) of commands: submit, abort, snapshot, stop. The
-  thread drains it between steps and blocks on it when nothing runs;
-- each request's :class:`RequestStream`, whose acceptance future and update queue live on the
-  handler's event loop. After every step the thread hands the new tokens of all requests to that
-  loop in one ``call_soon_threadsafe`` call (one wake-up per step, not one per token).
+- commands (submit, abort, snapshot) arrive on one: the thread reads them itself, between steps
+  (a ``poll`` with no timeout: one system call when none came) and blocks on it when nothing
+  runs. No reader thread: a second Python thread here would contend for the GIL with every
+  step, and the wake-up of a thread waiting for the GIL costs up to the switch interval (5 ms);
+- after every step ONE message carries the new tokens, finish reasons and errors of all
+  requests (not one per token).
 
 Cancellation: an abort (a client that went away, a stop string matched) is applied before the
 next step, through :meth:`flashdec.LLM.abort_request`: a running request's KV blocks return to
 the pool at once. An exception in a step fails the requests that were running with an internal
 error and the thread serves on; a bad request is refused by ``add_request``'s own checks (a 400)
-and never reaches a step.
+and never reaches a step. When the front end goes away (its pipe closes) every request is
+cancelled and the thread ends; so does :meth:`EngineThread.stop`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import queue
+import os
+import select
 import threading
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from flashdec.llm import LLM, SamplingParams
-from flashdec.server.metrics import ServerMetrics
+from flashdec.server.wire import EngineError, Frames, frame
 
 log = logging.getLogger("flashdec.server")
 
-
-class EngineError(Exception):
-    """Why a request failed, as an HTTP status and an OpenAI-style error type and code."""
-
-    def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", code: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code or {400: "invalid_request", 503: "unavailable"}.get(status, "internal")
+_READ_SIZE = 1 << 20
+_INPUT = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What a handler asks the engine for (the prompt already tokenized)."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    ignore_eos: bool = False
+class _FrontendGone(Exception):
+    """The front end's pipe closed: nobody is left to serve."""
 
 
-@dataclass(frozen=True)
-class StreamUpdate:
-    """New tokens of one request; the last update has a ``finish_reason`` or an ``error``."""
+class _Request:
+    __slots__ = ("ignore_eos", "sent", "sid")
 
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens), "abort"
-    error: EngineError | None = None
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-class RequestStream:
-    """One submitted request as its handler sees it; use it on the loop it was made on."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request
-        self.loop = loop
-        self.accepted: asyncio.Future = loop.create_future()  # None, or the EngineError
-        self._updates: asyncio.Queue[StreamUpdate] = asyncio.Queue()
-        self.arrival = time.perf_counter()
-        # the engine thread's bookkeeping
-        self.rid: int | None = None
-        self.sent = 0  # tokens handed to the loop
-        self.first_at: float | None = None
-        self.last_at: float | None = None
-
-    async def wait_accepted(self) -> None:
-        """Returns once the engine queued the request; raises its EngineError when refused."""
-        error = await self.accepted
-        if error is not None:
-            raise error
-
-    async def updates(self) -> AsyncIterator[StreamUpdate]:
-        """Updates as the steps produce them (the ones already waiting merged into one), up to
-        and including the final one."""
-        while True:
-            update = await self._updates.get()
-            tokens = list(update.token_ids)
-            while not update.final and not self._updates.empty():
-                update = self._updates.get_nowait()
-                tokens += update.token_ids
-            yield StreamUpdate(tuple(tokens), update.finish_reason, update.error)
-            if update.final:
-                return
-
-
-class _Outbox:
-    """What one engine iteration hands to the event loops: one call per loop."""
-
-    def __init__(self) -> None:
-        self._items: dict[asyncio.AbstractEventLoop, list] = {}
-
-    def add(self, stream: RequestStream, item: StreamUpdate | EngineError | None) -> None:
-        self._items.setdefault(stream.loop, []).append((stream, item))
-
-    def flush(self) -> None:
-        for loop, items in self._items.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: its handlers are gone
-                loop.call_soon_threadsafe(_deliver, items)
-        self._items = {}
-
-
-def _deliver(items: list) -> None:
-    """On the event loop: resolve acceptances, queue updates."""
-    for stream, item in items:
-        if isinstance(item, StreamUpdate):
-            stream._updates.put_nowait(item)
-        elif not stream.accepted.done():  # the handler may have gone already
-            stream.accepted.set_result(item)
+    def __init__(self, sid: int, ignore_eos: bool) -> None:
+        self.sid = sid
+        self.ignore_eos = ignore_eos
+        self.sent = 0  # tokens sent to the front end
 
 
 class EngineThread:
-    """Runs ``llm`` on a thread of its own for the requests handlers submit.
+    """Runs ``llm`` on a thread of its own for the requests a front end sends.
 
     Args:
         llm: the model; nothing else may use it while the thread runs.
-        metrics: where requests and tokens are counted.
+        commands: the read end of the front end's command pipe.
+        updates: the write end of the pipe to the front end.
     """
 
-    def __init__(self, llm: LLM, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, llm: LLM, commands: Connection, updates: Connection) -> None:
         if not isinstance(llm, LLM):
             raise TypeError(f"llm must be a flashdec.LLM, got {type(llm).__name__}")
         self.llm = llm
-        self.metrics = metrics or ServerMetrics()
         self.eos = frozenset(llm.adapter.spec.eos_token_ids)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders puts against closing
-        self._closed = False
-        self._streams: dict[int, RequestStream] = {}  # request id -> stream, in the LLM
+        self._commands = commands
+        self._updates = updates
+        self._frames = Frames()
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes a thread blocked in poll
+        self._wake_lock = threading.Lock()  # orders stop()'s wake-up against closing the pipe
+        self._stopping = False
+        self._requests: dict[int, _Request] = {}  # request id -> request
+        self._by_sid: dict[int, int] = {}  # front end's sid -> request id
+        self.messages_sent = 0  # update messages (one per step that had news)
         self._thread = threading.Thread(target=self._run, name="flashdec-engine", daemon=True)
 
-    # ------------------------------------------------------------------ handler side
     def start(self) -> None:
         self._thread.start()
 
@@ -158,134 +83,157 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _put(self, command: tuple) -> None:
-        with self._lock:
-            if self._closed:
-                raise EngineError(503, "the server is shutting down", "server_error")
-            self._inbox.put(command)
-
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue ``request`` (call on the handler's event loop); await ``wait_accepted()`` next.
-        EngineError 503 once the engine has stopped."""
-        stream = RequestStream(request, asyncio.get_running_loop())
-        self._put(("submit", stream))
-        return stream
-
-    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
-        """Cancel ``stream``'s request (a no-op once it ended, or after the engine stopped);
-        ``reason`` is what the metrics count ("stop": a stop string matched)."""
-        with contextlib.suppress(EngineError):  # stopping cancels everything anyway
-            self._put(("abort", (stream, reason)))
-
-    async def snapshot(self) -> dict:
-        """Gauges read by the engine thread between steps: requests running and waiting, KV
-        blocks used and in the pool, and the prefix cache's counters when the LLM has one."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._put(("snapshot", (loop, future)))
-        return await future
-
     def stop(self, timeout: float | None = None) -> None:
-        """Cancel every request and end the thread (idempotent)."""
-        with contextlib.suppress(EngineError):  # stopped already
-            self._put(("stop", None))
+        """Cancel every request and end the thread (idempotent); waits ``timeout`` seconds at
+        most (0: not at all, e.g. in a signal handler)."""
+        with self._wake_lock:
+            if not self._stopping:
+                self._stopping = True
+                os.write(self._wake_w, b"x")
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        outbox = _Outbox()
+        try:
+            self._serve()
+        except _FrontendGone:
+            log.info("the HTTP front end went away; cancelling its requests")
+        except BaseException:
+            log.exception("the engine thread failed")
+        finally:
+            with self._wake_lock:
+                self._stopping = True
+                for fd in (self._wake_r, self._wake_w):
+                    os.close(fd)
+            items: list = []
+            message = "the server stopped before the request finished"
+            self._fail_all(items, EngineError(503, message, "server_error"), "abort")
+            with contextlib.suppress(_FrontendGone, OSError):  # it may be gone
+                if items:
+                    self._send(("updates", items))
+                self._send(("stopped",))
+
+    def _serve(self) -> None:
         llm = self.llm
-        stopping = False
-        while not stopping:
+        commands = self._commands.fileno()
+        os.set_blocking(commands, False)
+        poller = select.poll()
+        poller.register(commands, _INPUT)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            events = poller.poll(0 if llm.has_unfinished() else None)
+            if self._stopping:
+                return
+            items: list = []
+            if any(fd == commands for fd, _ in events):
+                for message in self._read():
+                    self._command(message, items)
             try:
-                commands = [self._inbox.get()] if not llm.has_unfinished() else []
-                while True:
-                    try:
-                        commands.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                for kind, arg in commands:
-                    if kind == "stop":
-                        stopping = True
-                    else:
-                        self._command(kind, arg, outbox)
-                if not stopping and llm.has_unfinished():
+                if llm.has_unfinished():
                     llm.step()
-                    self._publish(outbox)
+                    self._publish(items)
             except Exception as exc:  # a failed step changed nothing: fail its requests
                 log.exception("engine step failed; failing the running requests")
                 error = EngineError(
                     500, f"internal error: {type(exc).__name__}: {exc}", "server_error"
                 )
-                self._fail_all(outbox, error, "error")
-            outbox.flush()
-        with self._lock:
-            self._closed = True
-        error = EngineError(503, "the server stopped before the request finished", "server_error")
-        self._fail_all(outbox, error, "abort")
-        while True:  # commands that came in while stopping
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "submit":
-                outbox.add(arg, EngineError(503, "the server is shutting down", "server_error"))
-            elif kind == "snapshot":
-                arg[0].call_soon_threadsafe(_resolve, arg[1], {})
-        outbox.flush()
+                self._fail_all(items, error, "error")
+            if items:
+                self._send(("updates", items))
 
-    def _command(self, kind: str, arg, outbox: _Outbox) -> None:
-        """One handler command; an unexpected error fails only the request it is about."""
+    def _read(self) -> list[tuple]:
+        """The commands that arrived."""
+        try:
+            data = os.read(self._commands.fileno(), _READ_SIZE)
+        except BlockingIOError:  # woken, but nothing complete to read yet
+            return []
+        if not data:
+            raise _FrontendGone
+        return self._frames.feed(data)
+
+    def _send(self, message: tuple) -> None:
+        data = memoryview(frame(message))
+        fd = self._updates.fileno()
+        while data:
+            try:
+                data = data[os.write(fd, data) :]
+            except BrokenPipeError:
+                raise _FrontendGone from None
+        if message[0] == "updates":
+            self.messages_sent += 1
+
+    def _command(self, message: tuple, items: list) -> None:
+        """One command; an unexpected error fails only the request it is about."""
+        kind = message[0]
         try:
             if kind == "submit":
-                self._submit(arg, outbox)
+                self._submit(*message[1:], items=items)
             elif kind == "abort":
-                self._abort(*arg, outbox)
+                self._abort(*message[1:], items=items)
+            elif kind == "snapshot":
+                self._send(("snapshot", message[1], self._snapshot()))
             else:
-                self._snapshot(*arg)
+                raise ValueError(f"unknown command {kind!r}")
+        except _FrontendGone:
+            raise
         except Exception as exc:
             log.exception("engine command %r failed", kind)
             if kind == "snapshot":
-                arg[0].call_soon_threadsafe(_resolve, arg[1], {})
+                self._send(("snapshot", message[1], {}))
+                return
+            if kind not in ("submit", "abort"):
                 return
             error = EngineError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-            if kind == "submit" and arg.rid is None:
-                outbox.add(arg, error)  # never queued
+            sid = message[1]
+            rid = self._by_sid.get(sid)
+            if rid is None:  # never queued
+                if kind == "submit":
+                    items.append((sid, None, None, error.to_wire()))
                 return
-            stream = arg[0] if kind == "abort" else arg
-            if self._streams.get(stream.rid) is stream:
-                del self._streams[stream.rid]
-                self._ended(stream, "error")
-                outbox.add(stream, StreamUpdate((), error=error))
+            self._forget(rid)
+            items.append((sid, [], "error", error.to_wire()))
 
-    def _submit(self, stream: RequestStream, outbox: _Outbox) -> None:
-        request = stream.request
+    def _submit(
+        self,
+        sid: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool,
+        *,
+        items: list,
+    ) -> None:
         try:
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
             rid = self.llm.add_request(
-                list(request.prompt_ids),
-                request.max_tokens,
-                ignore_eos=request.ignore_eos,
-                sampling=request.sampling,
+                prompt_ids, max_tokens, ignore_eos=ignore_eos, sampling=sampling
             )
         except (TypeError, ValueError) as exc:  # the LLM's own checks: nothing was queued
-            outbox.add(stream, EngineError(400, str(exc)))
+            items.append((sid, None, None, EngineError(400, str(exc)).to_wire()))
             return
-        stream.rid = rid
-        self._streams[rid] = stream
-        self.metrics.received(len(request.prompt_ids))
-        outbox.add(stream, None)
+        self._requests[rid] = _Request(sid, ignore_eos)
+        self._by_sid[sid] = rid
+        items.append((sid, None, None, None))
 
-    def _abort(self, stream: RequestStream, reason: str, outbox: _Outbox) -> None:
-        rid = stream.rid
-        if rid is None or self._streams.get(rid) is not stream:
+    def _abort(self, sid: int, reason: str, *, items: list) -> None:
+        rid = self._by_sid.get(sid)
+        if rid is None:
             return  # refused, or already ended
         self.llm.abort_request(rid)  # its blocks go back now, before the next step
-        del self._streams[rid]
-        self._ended(stream, reason)
-        outbox.add(stream, StreamUpdate((), reason))
+        self._forget(rid)
+        items.append((sid, [], reason, None))
 
-    def _snapshot(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    def _forget(self, rid: int) -> None:
+        request = self._requests.pop(rid)
+        del self._by_sid[request.sid]
+
+    def _snapshot(self) -> dict:
+        """Gauges read between steps: requests running and waiting, KV blocks used and in the
+        pool, and the prefix cache's counters when the LLM has one."""
         llm = self.llm
         view = llm.engine.scheduling_snapshot(llm.loop.step_index)
         cache = llm.engine.cache.metrics()
@@ -300,57 +248,38 @@ class EngineThread:
             stats = prefix_stats()
             gauges["prefix_cache_queried_tokens_total"] = stats["queried_tokens"]
             gauges["prefix_cache_hit_tokens_total"] = stats["hit_tokens"]
-        loop.call_soon_threadsafe(_resolve, future, gauges)
+        return gauges
 
-    def _publish(self, outbox: _Outbox) -> None:
-        """Hand every request's new tokens to its loop; forget the requests that finished."""
-        now = time.perf_counter()
+    def _publish(self, items: list) -> None:
+        """Every request's new tokens; forget the requests that finished."""
         llm = self.llm
-        for rid, stream in list(self._streams.items()):
+        for rid, request in list(self._requests.items()):
             try:
-                tokens, finished = llm.poll(rid, stream.sent)
+                tokens, finished = llm.poll(rid, request.sent)
             except RuntimeError as exc:  # the scheduler rejected it: it can never run
-                del self._streams[rid]
+                self._forget(rid)
                 llm.abort_request(rid)
-                self._ended(stream, "error")
-                outbox.add(stream, StreamUpdate((), error=EngineError(400, str(exc))))
+                items.append((request.sid, [], "error", EngineError(400, str(exc)).to_wire()))
                 continue
-            if tokens:
-                if stream.first_at is None:
-                    stream.first_at = now
-                    self.metrics.first_token(now - stream.arrival)
-                stream.sent += len(tokens)
-                stream.last_at = now
+            request.sent += len(tokens)
             reason = None
             if finished:
-                del self._streams[rid]
+                self._forget(rid)
                 last = llm.abort_request(rid)[-1:]  # forgets it (its blocks went back already)
-                eos = not stream.request.ignore_eos and bool(last) and last[0] in self.eos
+                eos = not request.ignore_eos and bool(last) and last[0] in self.eos
                 reason = "stop" if eos else "length"
-                self._ended(stream, reason)
             if tokens or reason:
-                outbox.add(stream, StreamUpdate(tuple(tokens), reason))
+                items.append((request.sid, tokens, reason, None))
 
-    def _ended(self, stream: RequestStream, reason: str) -> None:
-        tpot = None
-        if stream.sent > 1:
-            tpot = (stream.last_at - stream.first_at) / (stream.sent - 1)
-        self.metrics.ended(reason, stream.sent, tpot)
-
-    def _fail_all(self, outbox: _Outbox, error: EngineError, reason: str) -> None:
+    def _fail_all(self, items: list, error: EngineError, reason: str) -> None:
         """End every request with ``error`` (a failed step, or the engine stopping)."""
-        for rid, stream in list(self._streams.items()):
-            del self._streams[rid]
+        wire = error.to_wire()
+        for rid, request in list(self._requests.items()):
+            self._forget(rid)
             try:
                 self.llm.abort_request(rid)
             except Exception:  # keep failing the others
                 log.exception("could not cancel request %s", rid)
-            self._ended(stream, reason)
-            outbox.add(stream, StreamUpdate((), error=error))
+            items.append((request.sid, [], reason, wire))
         if self.llm.has_unfinished() and self.llm.loop.live_ids:
             self.llm.loop.close()  # nothing of ours is left: nothing else may keep running
-
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)

@@ -1,9 +1,10 @@
 """The server's counters and histograms, written in the Prometheus text format (version 0.0.4).
 
 Written here rather than with ``prometheus_client``: a dozen families need no dependency, and
-the GPU machine that runs the server reaches no package registry. The engine thread records
-requests and tokens; HTTP handlers record rejected requests; ``/metrics`` renders a consistent
-copy under one lock, with the gauges the engine thread reads from the LLM at that moment.
+the GPU machine that runs the server reaches no package registry. They live in the HTTP front
+end: its engine client records requests and tokens as the engine's messages arrive, handlers
+record rejected requests; ``/metrics`` renders a consistent copy under one lock, with the gauges
+the engine thread reads from the LLM at that moment (a snapshot request over the pipe).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ServerMetrics:
 
     def render(self, gauges: dict) -> str:
         """The text exposition; ``gauges`` is the engine thread's snapshot
-        (:meth:`flashdec.server.engine.EngineThread.snapshot`)."""
+        (:meth:`flashdec.server.client.EngineClient.snapshot`)."""
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
@@ -120,7 +121,7 @@ class ServerMetrics:
             family(
                 "flashdec_time_to_first_token_seconds",
                 "histogram",
-                "Arrival at the server to the first token on the host.",
+                "Arrival at the HTTP front end to its first token there.",
                 self.ttft.lines("flashdec_time_to_first_token_seconds"),
             )
             family(

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flashdec.server.engine import EngineError
+from flashdec.server.wire import EngineError
 
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)

@@ -94,26 +94,38 @@ def metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-@pytest.fixture
-def server_for():
-    """``server_for(llm, **kw)`` starts a server on a free loopback port; every one is stopped
-    (requests in flight cancelled) when the test ends, and its LLM checked clean."""
+def start(llm, **kw):
+    """A server for ``llm`` on a free loopback port (the front-end process started)."""
     from flashdec.server import start_server
 
-    started = []
+    kw.setdefault("model_name", MODEL_NAME)
+    return start_server(llm, host="127.0.0.1", port=0, **kw)
 
-    def start(llm, **kw):
-        kw.setdefault("model_name", MODEL_NAME)
-        running = start_server(llm, host="127.0.0.1", port=0, **kw)
-        started.append(running)
-        return running
 
-    yield start
+def stopped_clean(started) -> None:
+    """Stop every server (requests in flight cancelled); check both processes ended and each
+    LLM is clean: idle, no record left, every block back."""
     for running in started:
         running.stop()
     for running in started:
         llm = running.llm
-        assert not running.engine.alive
+        assert not running.engine.alive and running.process.poll() is not None
         assert llm.loop.idle and llm._runner.requests == {}
         assert llm.engine.cache.metrics()["num_used_blocks"] == 0
         llm.engine.cache.validate_invariants()
+
+
+@pytest.fixture
+def server_for():
+    """``server_for(llm, **kw)`` starts a server on a free loopback port; every one is stopped
+    when the test ends, and its LLM checked clean. A server costs a process start (about a
+    second: the front end imports FastAPI and transformers): share one where tests allow."""
+    started = []
+
+    def server(llm, **kw):
+        running = start(llm, **kw)
+        started.append(running)
+        return running
+
+    yield server
+    stopped_clean(started)

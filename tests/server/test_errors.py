@@ -119,7 +119,7 @@ def test_malformed_requests_get_400s_and_change_nothing(server_for):
 
 
 def test_unknown_routes_and_methods(server_for):
-    server = server_for(make_llm())
+    server = server_for(make_llm(tokenizer=False))  # no tokenizer: a faster front-end start
     with httpx.Client(base_url=server.url, timeout=30) as client:
         response = client.get("/v1/nothing")
         assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
@@ -146,7 +146,7 @@ def test_a_model_without_tokenizer_takes_token_ids_only(server_for):
 
 def test_a_prompt_the_pool_can_never_hold(server_for):
     """Within max_model_len but beyond the KV pool: the LLM's own up-front check, a 400."""
-    server = server_for(make_llm(num_blocks=4, block_size=16))
+    server = server_for(make_llm(tokenizer=False, num_blocks=4, block_size=16))
     with httpx.Client(base_url=server.url, timeout=30) as client:
         response = client.post("/v1/completions", json={"prompt": [7] * 100, "max_tokens": 8})
         _check_error(response, 400, "can never fit the KV cache")

@@ -51,7 +51,7 @@ def test_histogram_buckets_are_cumulative():
 
 
 def test_metrics_endpoint(server_for):
-    llm = make_llm()
+    llm = make_llm(tokenizer=False)  # token-id prompts: a faster front-end start
     server = server_for(llm)
     with httpx.Client(base_url=server.url, timeout=30) as client:
         for n in (3, 5):
@@ -76,7 +76,7 @@ def test_metrics_endpoint(server_for):
 
 
 def test_prefix_cache_families_when_the_llm_has_one(server_for):
-    llm = make_llm()
+    llm = make_llm(tokenizer=False)  # token-id prompts: a faster front-end start
     llm.prefix_cache_stats = lambda: {"queried_tokens": 40, "hit_tokens": 16}  # SPEC §8.7's
     server = server_for(llm)
     text = httpx.get(server.url + "/metrics", timeout=30).text
