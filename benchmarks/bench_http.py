@@ -32,7 +32,6 @@ import asyncio
 import json
 import multiprocessing
 import queue
-import random
 import sys
 import time
 from pathlib import Path
@@ -50,14 +49,17 @@ SERVE_TRACE = (
 
 
 def make_trace(seed: int, requests: int, lo: int, hi: int, rate: float, vocab: int) -> list:
-    """``[(arrival_s, prompt_ids)]``: serve_trace.py's arrivals, drawn the same way."""
-    rng = random.Random(seed)
-    clock, out = 0.0, []
-    for _ in range(requests):
-        clock += rng.expovariate(rate)
-        n = rng.randint(lo, hi)
-        out.append((clock, [rng.randrange(vocab) for _ in range(n)]))
-    return out
+    """``[(arrival_s, prompt_ids)]``: serve_trace.py's arrivals (bench-serve's trace)."""
+    from flashdec.workloads.serving import poisson_trace
+
+    return poisson_trace(
+        seed=seed,
+        num_requests=requests,
+        request_rate=rate,
+        min_prompt_len=lo,
+        max_prompt_len=hi,
+        vocab_size=vocab,
+    )
 
 
 def check_against_serve_trace(args, rate: float, trace: list, vocab: int) -> str:

@@ -73,18 +73,26 @@ def _p50_p90_p99(stats: LatencyStats, digits: int) -> str:
     return " / ".join(f"{v:.{digits}f}" for v in (stats.p50_ms, stats.p90_ms, stats.p99_ms)) + " ms"
 
 
-def poisson_trace(config: ServeConfig, vocab_size: int) -> list[tuple[float, list[int]]]:
-    """The arrivals of ``config``: (seconds after the start, prompt token ids) per request.
+def poisson_trace(
+    *,
+    seed: int,
+    num_requests: int,
+    request_rate: float,
+    min_prompt_len: int,
+    max_prompt_len: int,
+    vocab_size: int,
+) -> list[tuple[float, list[int]]]:
+    """Poisson arrivals: (seconds after the start, prompt token ids) per request.
 
     ``random.Random(seed)``: exponential gaps at ``request_rate``, prompt lengths uniform in
     ``[min_prompt_len, max_prompt_len]``, ids uniform below ``vocab_size`` — drawn in that order
     per request, so the review's ``serve_trace.py`` (same seed and knobs) replays the same trace.
     """
-    rng = random.Random(config.seed)
+    rng = random.Random(seed)
     clock, arrivals = 0.0, []
-    for _ in range(config.num_requests):
-        clock += rng.expovariate(config.request_rate)
-        length = rng.randint(config.min_prompt_len, config.max_prompt_len)
+    for _ in range(num_requests):
+        clock += rng.expovariate(request_rate)
+        length = rng.randint(min_prompt_len, max_prompt_len)
         arrivals.append((clock, [rng.randrange(vocab_size) for _ in range(length)]))
     return arrivals
 
@@ -94,7 +102,14 @@ def run_serve_benchmark(
 ) -> ServeBenchResult:
     """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`);
     ``progress(done, total)`` after every step."""
-    arrivals = poisson_trace(config, llm.adapter.spec.vocab_size)
+    arrivals = poisson_trace(
+        seed=config.seed,
+        num_requests=config.num_requests,
+        request_rate=config.request_rate,
+        min_prompt_len=config.min_prompt_len,
+        max_prompt_len=config.max_prompt_len,
+        vocab_size=llm.adapter.spec.vocab_size,
+    )
     start = time.perf_counter()
     arrived_at, rids, running = {}, [], set()
     steps = max_batch = done = 0

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.serving import poisson_trace
 
 # ../shared beside the project's clone (a worktree sits one level deeper)
@@ -23,17 +22,14 @@ _SERVE_TRACE = next(
 
 
 def test_the_trace_is_seeded_poisson_with_prompts_in_range():
-    config = ServeConfig(num_requests=50, request_rate=20.0, min_prompt_len=3, max_prompt_len=9)
-    trace = poisson_trace(config, vocab_size=100)
-    assert trace == poisson_trace(config, vocab_size=100)  # deterministic
+    knobs = dict(num_requests=50, request_rate=20.0, min_prompt_len=3, max_prompt_len=9)
+    trace = poisson_trace(seed=0, vocab_size=100, **knobs)
+    assert trace == poisson_trace(seed=0, vocab_size=100, **knobs)  # deterministic
     times = [t for t, _ in trace]
     assert times == sorted(times) and times[0] > 0
     assert all(3 <= len(p) <= 9 and all(0 <= i < 100 for i in p) for _, p in trace)
     assert 1.0 < times[-1] < 5.0  # 50 arrivals at 20/s: ~2.5 s
-    other = ServeConfig(
-        num_requests=50, request_rate=20.0, min_prompt_len=3, max_prompt_len=9, seed=1
-    )
-    assert poisson_trace(other, vocab_size=100) != trace
+    assert poisson_trace(seed=1, vocab_size=100, **knobs) != trace
 
 
 @pytest.mark.skipif(_SERVE_TRACE is None, reason="../shared/tools/serve/serve_trace.py not here")
@@ -42,7 +38,12 @@ def test_the_trace_is_serve_traces():
     serve_trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve_trace)
     a = argparse.Namespace(seed=3, requests=6, min_prompt=4, max_prompt=9)
-    config = ServeConfig(
-        num_requests=6, request_rate=16.0, min_prompt_len=4, max_prompt_len=9, seed=3
+    ours = poisson_trace(
+        seed=3,
+        num_requests=6,
+        request_rate=16.0,
+        min_prompt_len=4,
+        max_prompt_len=9,
+        vocab_size=serve_trace.VOCAB,
     )
-    assert poisson_trace(config, serve_trace.VOCAB) == serve_trace.trace(a, 16.0)
+    assert ours == serve_trace.trace(a, 16.0)
