@@ -171,10 +171,14 @@ class LLM:
         kv_cache_dtype: ``None`` or ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` stores
             them as float8_e4m3fn (1 byte per element: the KV pool holds twice the tokens of
             bf16) with fixed per-head scales, not calibrated (``stored = value / kv_scale``,
-            saturating at +-448). Needs an fp16/bf16 model. Prompt attention runs on the
-            unquantized K/V; decode reads the FP8 cache.
+            saturating at +-448). Needs an fp16/bf16 model. Prompt and decode attention
+            both read the FP8 cache.
         kv_scale: the fixed K and V scale of every head with ``kv_cache_dtype="fp8"`` (1.0 suits
             K/V of magnitude up to a few hundred); only with ``"fp8"``.
+        max_num_batched_tokens: tokens one step brings at most: the running requests' decode
+            tokens first, then prompt chunks (a long prompt is split across steps; a
+            sliding-window model's chunks stay below its window). Every step imports at least
+            one prompt token while prompts wait, so a full batch never starves them.
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -197,6 +201,7 @@ class LLM:
         decode_backend: str | None = None,
         kv_cache_dtype: str | None = None,
         kv_scale: float = 1.0,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
         if device is not None:
@@ -204,6 +209,9 @@ class LLM:
         fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
         if num_blocks is not None:
             check_positive_int("num_blocks", num_blocks)
+        self.max_num_batched_tokens = check_positive_int(
+            "max_num_batched_tokens", max_num_batched_tokens
+        )
         if isinstance(model, (str, os.PathLike)):
             loaded = resolve_model(model, dtype=dtype, device=device)
             model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
@@ -275,7 +283,12 @@ class LLM:
             SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)
         )
         self._runner = _ModelRunner(self)
-        self.loop = ServingLoop(self.engine, self.scheduler, self._runner)
+        self.loop = ServingLoop(
+            self.engine,
+            self.scheduler,
+            self._runner,
+            max_step_tokens=self.max_num_batched_tokens,
+        )
         self._next_id = 0
         self.last_stats: GenerationStats | None = None
 
@@ -294,8 +307,9 @@ class LLM:
         in ``kv_cache_dtype`` (FP8 groups get ``kv_scale`` for every head).
 
         A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
-        its pool needs only that many per running request; the full-attention group gets the
-        rest of the budget. ``num_blocks`` (when given) sizes every group's pool.
+        its pool needs only that many per running request, plus room for the blocks a prompt
+        chunk's step holds while it is open; the full-attention group gets the rest of the
+        budget. ``num_blocks`` (when given) sizes every group's pool.
         """
         spec = self.adapter.spec
         windows = sorted(set(spec.layer_windows), key=lambda w: (w is not None, w or 0))
@@ -304,8 +318,14 @@ class LLM:
         dtype = self.kv_cache_dtype
         itemsize = torch.empty((), dtype=dtype).element_size()  # FP8: 1 byte per element
         layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * self.block_size * itemsize
+        # a prompt chunk's step holds a window group's blocks from the window before its
+        # first token to its last: up to ceil(n / block_size) + 2 blocks past the bound while
+        # the step is open, for every request the step imports
+        chunk_room = -(-self.max_num_batched_tokens // self.block_size) + 2 * self.max_batch_size
         wanted = [
-            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w) + 1
+            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w)
+            + 1
+            + (0 if w is None else chunk_room)
             for w in windows
         ]
         if num_blocks is None:
@@ -813,31 +833,53 @@ class _ModelRunner(StepExecutor):
         self.pending = (batch, host, event)
 
     # -- the loop's executor ------------------------------------------------------------------
-    def prefill(self, requests: Sequence[tuple[object, int]]) -> set:
-        """Each prompt in its own transaction; its first token comes from the prefill logits
-        (read at once: it is the request's time to first token). The tokens are recorded once
-        every prompt is in: when one fails, the loop takes them all back and nothing is kept."""
-        firsts = []
-        engine = self.engine
+    def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        """One engine step for the decode ``batch`` and the prompt ``chunks`` together (decode
+        rows first): the projections and the MLP run once over every packed token, attention
+        is the engine's extend over the paged cache. A step without prompt chunks is a decode
+        step (CUDA graphs). A request whose prompt ends here gets its first token from its
+        last prompt row; tokens reach the host with the next step's collect, like decode's."""
+        if not chunks:
+            return set(), self.decode(batch) if batch else set()
+        engine, cache = self.engine, self.engine.cache
         self._ensure_slots()
-        for rid, num_tokens in requests:
-            prompt = self.requests[rid].prompt
-            tx = engine.begin_prefill([rid], [num_tokens])
-            try:
-                logits = self.adapter.prefill(
-                    prompt, lambda layer, k, v, tx=tx: engine.prefill_layer(tx, layer, k, v)
-                )
-                token = self._choose(logits[None], batch=[rid])
-                self.last_tokens.index_copy_(
-                    0, engine.cache.transaction_slots(tx).request_slots, token
-                )
-                engine.commit_step(tx)
-            except BaseException:
-                if engine.has_open_step:
-                    engine.abort_step(tx)
-                raise
-            firsts.append((rid, int(token), _now()))
-        return {rid for rid, token, now in firsts if self._record(rid, token, now)}
+        batch = list(batch)
+        rids = [*batch, *(rid for rid, _ in chunks)]
+        counts = [1] * len(batch) + [n for _, n in chunks]
+        starts = [cache.seq_len(rid) for rid, _ in chunks]
+        sampled = [*range(len(batch))] + [  # requests that get a token: decode rows, ends
+            len(batch) + i
+            for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
+            if start + n == self.requests[rid].prompt.shape[0]
+        ]
+        device = self.spec.device
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        last_rows = (torch.tensor(counts, device=device).cumsum(0) - 1).index_select(0, index)
+        tx = engine.begin_step(rids, num_tokens=counts)
+        try:
+            slots = cache.transaction_slots(tx).request_slots
+            pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
+            pieces += [
+                self.requests[rid].prompt[start : start + n]
+                for (rid, n), start in zip(chunks, starts, strict=True)
+            ]
+            logits = self.adapter.decode(
+                torch.cat(pieces), self._attention(tx), logits_rows=last_rows
+            )
+            sampled_rids = [rids[i] for i in sampled]
+            tokens = self._choose(logits, batch=sampled_rids) if sampled else None
+            engine.commit_step(tx)
+        except BaseException:  # nothing committed: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.collect()
+        if tokens is not None:
+            self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
+            self._hand_off(sampled_rids, tokens)
+        ended, self.ended = self.ended, set()
+        return set(), ended
 
     def decode(self, batch: Sequence) -> set:
         """Launch one step for ``batch``, then collect the previous step's tokens."""

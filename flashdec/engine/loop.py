@@ -121,8 +121,7 @@ class ServingLoop:
         self.executor = executor
         self.check_invariants = check_invariants
         self.on_plan = on_plan  # sees every snapshot and the decision planned from it
-        # tokens one step brings at most, decode tokens first (None: whole prompts each step;
-        # with a budget the executor imports chunks through the engine's n-token steps)
+        # tokens one step brings at most, decode tokens first (None: whole prompts each step)
         if max_step_tokens is not None:
             check_positive_int("max_step_tokens", max_step_tokens)
         self.max_step_tokens = max_step_tokens
@@ -278,21 +277,21 @@ class ServingLoop:
             self._prompt_left.pop(rid, None)
 
     def _chunks(self, prompt_left: dict, num_decoding: int) -> list[tuple[object, int]]:
-        """This step's prompt chunks ``(request, tokens)``, in admission order: without a
-        ``max_step_tokens`` budget every prompt whole; with one, what it leaves after the decode
-        tokens (at least one prompt token, so a full batch never starves the prompts), each
-        chunk within the engine's per-request limit of an n-token step (a chunk after the first
-        attends to the ones before it, which only the engine's extend step does)."""
-        if self.max_step_tokens is None:
-            return list(prompt_left.items())
-        budget = max(1, self.max_step_tokens - num_decoding)
+        """This step's prompt chunks ``(request, tokens)``, in admission order: what
+        ``max_step_tokens`` leaves after the decode tokens (at least one prompt token, so a
+        full batch never starves the prompts), each within the engine's per-step limit."""
+        budget = self.max_step_tokens
+        budget = None if budget is None else max(1, budget - num_decoding)
         limit = self.engine.max_tokens_per_request_step
         chunks = []
         for rid, left in prompt_left.items():
-            take = min(left, budget) if limit is None else min(left, budget, limit)
-            budget -= take
-            chunks.append((rid, take))
-            if not budget:
+            take = left if limit is None else min(left, limit)
+            if budget is not None:
+                take = min(take, budget)
+                budget -= take
+            if take:
+                chunks.append((rid, take))
+            if budget == 0:
                 break
         return chunks
 

@@ -291,13 +291,22 @@ class DecoderAdapter:
         return _linear(hidden[-1:], self._lm_head)[0].float()
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """One decode step for ``input_ids [B]`` (one new token per running request).
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        attention: Attention,
+        *,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step for ``input_ids [N]``: a new token per running request, or the tokens of
+        several requests packed request by request (prompt chunks; the attention callback
+        knows which token belongs where).
 
         Per layer: norm, q/k/v projections (+ bias), q/k per-head RMSNorm for Qwen3, then
         ``out = attention(layer_idx, q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D])`` with q and k
         NOT rotated (the callback rotates them at each request's position), o_proj, residual,
-        MLP, residual. Returns logits ``[B, V]`` in the model's dtype.
+        MLP, residual. Returns logits ``[N, V]`` in the model's dtype, or only those of
+        ``logits_rows`` (int64 row indices: the lm_head runs on those rows alone).
 
         CUDA-graph capturable: no host sync, no data-dependent control flow. Checks are on
         metadata only (ids are not range-checked: they come from the previous argmax).
@@ -314,4 +323,7 @@ class DecoderAdapter:
             check_shape("attention output", out, expected)
             return out
 
-        return _linear(self._layers_forward(ids, attend), self._lm_head)
+        hidden = self._layers_forward(ids, attend)
+        if logits_rows is not None:
+            hidden = hidden.index_select(0, logits_rows)
+        return _linear(hidden, self._lm_head)
