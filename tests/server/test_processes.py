@@ -88,12 +88,15 @@ def test_one_pipe_message_per_step_not_per_token():
                     finished.add(sid)
     assert [len(t) for t in tokens.values()] == [8, 8]
     assert messages[0][:2] == [(0, None, None, None), (1, None, None, None)]  # both queued
-    # one message per step (a step whose tokens are still on their way sends none), each
-    # with one new token of both requests: 8 messages, not 16
-    assert engine.messages_sent == len(messages) == 8 <= len(steps)
-    for items in messages:
+    # at most one message per step, each token message with one new token of both requests:
+    # 8, not 16 (the acceptances may travel alone, before the prompt step's tokens reach the
+    # host with the next step)
+    engine.stop(30)  # its count is then final (it is bumped after the write we read)
+    with_tokens = [items for items in messages if any(ids for _, ids, *_ in items)]
+    assert len(with_tokens) == 8 and engine.messages_sent == len(messages) <= 9
+    assert len(messages) <= len(steps)
+    for items in with_tokens:
         assert sorted((sid, len(ids)) for sid, ids, *_ in items if ids) == [(0, 1), (1, 1)]
-    engine.stop(30)
     _clean(llm)
 
 
