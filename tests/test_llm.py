@@ -57,6 +57,31 @@ def test_batched_generate_equals_transformers(name):
     llm.engine.cache.validate_invariants()
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_chunked_prompts_in_the_running_batch_equal_transformers(name):
+    """A 7-token step budget: every prompt but the first arrives in chunks, in steps that also
+    decode the running requests (sliding-window families: chunks below their 16-token window),
+    and the tokens are still exactly transformers' greedy ones."""
+    model = _model(name)
+    prompts = _prompts(model.config.vocab_size)
+    llm = flashdec.LLM(model, max_batch_size=4, max_num_batched_tokens=7)
+    rids = [llm.add_request(prompts[0], NEW)]
+    records = []
+    while llm.has_unfinished() or len(rids) < 3:
+        if len(records) in (2, 4):
+            rids.append(llm.add_request(prompts[len(rids)], NEW))
+        records.append(llm.step())
+    assert [llm.output(rid) for rid in rids] == _expected(name)
+    steps = [r for r in records if r is not None]
+    # the longest prompts took several steps each, and some of those steps decoded too
+    assert sum(rids[2] in r.prefilled for r in steps) >= 33 // 7
+    assert any(r.served and r.prefilled for r in steps)
+    for rid in rids:
+        llm.release(rid)
+    assert llm.engine.cache.metrics()["num_used_blocks"] == 0
+    llm.engine.cache.validate_invariants()
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_staggered_arrivals_join_the_running_batch(name):
     model = _model(name)

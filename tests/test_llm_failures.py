@@ -94,11 +94,14 @@ def _bookkeeping(llm) -> dict:
         state = str(engine.request_state(rid))
         seq_len = cache.seq_len(rid) if state != "waiting" else None
         rows[rid] = (state, seq_len, loop.generated.get(rid), list(req.tokens), req.first_token_at)
-        if state == "active":  # never an admitted request without its context
+        if state == "active":  # its context: a prompt part way in (chunks), or all of it
             prompt = req.prompt.shape[0]
-            assert seq_len == prompt + loop.generated[rid], rows[rid]
             in_flight = runner.pending is not None and rid in runner.pending[0]
-            assert len(req.tokens) + in_flight == 1 + loop.generated[rid], rows[rid]
+            if seq_len < prompt:  # mid-prompt: no token yet
+                assert loop.generated[rid] == 0 and not req.tokens and not in_flight, rows[rid]
+            else:
+                assert seq_len == prompt + loop.generated[rid], rows[rid]
+                assert len(req.tokens) + in_flight == 1 + loop.generated[rid], rows[rid]
     snapshot = engine.scheduling_snapshot(loop.step_index)
     return {
         "requests": rows,
@@ -144,8 +147,8 @@ def _run(llm, injector: Injector | None = None) -> tuple[list[list[int]], int]:
 
 
 @functools.cache
-def _uninterrupted() -> list[list[int]]:
-    return _run(_llm())[0]
+def _uninterrupted(budget: int = 2048) -> list[list[int]]:
+    return _run(_llm(max_num_batched_tokens=budget))[0]
 
 
 def test_a_failure_anywhere_in_a_step_changes_no_later_token(monkeypatch):
@@ -162,6 +165,20 @@ def test_a_failure_anywhere_in_a_step_changes_no_later_token(monkeypatch):
     # first token, its commit) and a decode of both (4 layers of attention and MLP, sampling,
     # the commit)
     assert failures >= 1 + 2 * 11 + 10
+
+
+def test_a_failure_in_a_chunked_prompt_step_changes_no_later_token(monkeypatch):
+    """A 3-token step budget: the prompts arrive in chunks that share steps with decodes; a
+    failure at any point of such a step leaves the chunk, the decodes and the pool as they were."""
+    llm = _llm(max_num_batched_tokens=3)
+    injector, hooks = _instrument(llm, monkeypatch)
+    try:
+        outputs, failures = _run(llm, injector)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == _uninterrupted(3) == _uninterrupted()
+    assert failures >= 20
 
 
 @pytest.mark.gpu
