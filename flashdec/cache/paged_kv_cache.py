@@ -39,6 +39,7 @@ from flashdec._checks import (
     check_token_counts,
 )
 from flashdec.cache.batch_memo import BatchMemo
+from flashdec.cache.group_managers import make_manager
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
@@ -51,8 +52,9 @@ from flashdec.cache.layout import (
     scale_pair,
     table_widths,
 )
+from flashdec.cache.reservation import Plan, every_token, request_owner
+from flashdec.cache.slots import TransactionSlots, fixed_slots, fresh_slots
 from flashdec.cache.state import (
-    BlockRun,
     PrefixId,
     PrefixState,
     RequestId,
@@ -63,25 +65,14 @@ from flashdec.cache.state import (
 from flashdec.cache.transaction import (
     HISTORY_LIMIT,
     OpenTransaction,
-    SlotBuffers,
-    TableRows,
     TokenTransactionView,
     TransactionLog,
-    TransactionSlots,
     TransactionState,
 )
 
 T = TypeVar("T")
 # a writer stores one layer's K/V of a reservation: writer(k_layer, v_layer, slots)
 LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
-
-
-_NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-_NO_NEW = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
-
-def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
-    return ("request", request_id)
 
 
 def torch_scatter(
@@ -99,93 +90,6 @@ def torch_scatter(
     block_ids, offsets = slots.block_ids[:count], slots.offsets[:count]
     k_layer[block_ids, :, offsets] = k  # [T, Hkv, D]
     v_layer[block_ids, :, offsets] = v
-
-
-def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) -> tuple[int, int]:
-    """For a window group: ``(first stored logical block, first new logical block)`` of a
-    reservation of ``count`` tokens after ``start`` committed ones.
-
-    Tokens in blocks the window keeps after the commit are stored, and always the last token
-    (its own decode reads it, even with a window of 1); blocks from the second value on are
-    taken new, everything in between is already held.
-    """
-    keep, end = held_range(start + count, bs, window)
-    stored = min(keep, end - 1)
-    if run.first_block == run.num_blocks:  # nothing held
-        return stored, stored
-    return stored, max(stored, run.num_blocks)
-
-
-class _Reservation:
-    """What a transaction takes in one group, planned on the host before anything changes."""
-
-    __slots__ = (
-        "block_ids",
-        "new",
-        "reserved",
-        "starts",
-        "table_rows",
-        "token_rows",
-        "update_arrays",
-        "update_batch",
-        "updates",
-    )
-
-    def __init__(self) -> None:
-        self.block_ids: np.ndarray | None = None  # [stored tokens] int64
-        self.token_rows: np.ndarray | None = None  # their token indices; None: every token
-        self.reserved: dict[RequestId, list[int]] = {}  # new blocks per request
-        self.starts: dict[RequestId, int] = {}  # logical index of a request's first new block
-        # device-table writes (row, logical block, block id) and, per request, the view's
-        # (committed table row, first held block, committed end, reserved blocks, their start)
-        self.updates: list[tuple[int, int, int]] = []
-        self.update_batch: list[int] = []  # one-token reservations: each update's batch index
-        self.table_rows: TableRows = []
-        # the repeated-batch path: the updates as (flat index, block id, flat index in the
-        # batch's tables) arrays, and (batch indices, blocks) of the new blocks
-        self.update_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.new: tuple[np.ndarray, np.ndarray] = _NO_NEW
-
-
-def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
-    """int32 block id of every token of a reservation (-1 where the group stores none)."""
-    block_ids = part.block_ids.astype(np.int32)
-    if part.token_rows is None:
-        return block_ids
-    every = np.full(num_tokens, -1, dtype=np.int32)
-    every[part.token_rows] = block_ids
-    return every
-
-
-def _lazy_table_rows(tables: list[np.ndarray], held: list[int], reserved) -> TableRows:
-    """A view's table rows of a repeated-batch step, made only if the view's block tables are
-    read: ``held`` is a snapshot, and committed entries of ``tables`` never change."""
-
-    def rows() -> list:
-        out = [(table, 0, n, (), 0) for table, n in zip(tables, held, strict=True)]
-        if reserved is not None:
-            for i, block, start in zip(*reserved, strict=True):
-                out[i] = (tables[i], 0, held[i], (block,), start)
-        return out
-
-    return rows
-
-
-class _Plan:
-    """A transaction's batch (shared by every group) and one reservation per group."""
-
-    __slots__ = ("counts", "groups", "memo", "positions", "records", "rows")
-
-    def __init__(self, records: list[RequestRecord], counts: list[int], num_groups: int) -> None:
-        self.records = records
-        self.counts = counts
-        self.positions: np.ndarray | None = None  # [T] int64 (int32: a memo plan), every token
-        self.groups = [_Reservation() for _ in range(num_groups)]
-        self.rows: np.ndarray | None = None  # [B] int64 device-table rows, when known
-        self.memo: BatchMemo | None = None  # the repeated batch this plan came from
-
-    def reserved(self) -> list[dict[RequestId, list[int]]]:
-        return [part.reserved for part in self.groups]
 
 
 class PagedKVCache:
@@ -316,7 +220,10 @@ class PagedKVCache:
         self._layers = [(k, v) for k, v, _ in self._layer_info]
         first = self._groups[0]
         self._single = len(self._groups) == 1
-        self._has_window = any(g.window is not None for g in self._groups)
+        self._managers = [make_manager(group, self._single) for group in self._groups]
+        # the repeated-batch path and shared prefixes, where every group's kind allows them
+        self._memoizable = all(m.memoizable for m in self._managers)
+        self._shares_prefixes = all(m.shares_prefixes for m in self._managers)
         self._device = first.kv.device
         self._allocator = first.allocator  # group 0's (the only one of a single-group cache)
         self._prefixes = first.prefixes
@@ -701,41 +608,14 @@ class PagedKVCache:
         return torch.tensor(lens, dtype=torch.int32).to(self._device)
 
     # ---- reservations shared by append and the transactions --------------------------------
-    def _plan(self, records: list[RequestRecord], counts: list[int]) -> _Plan:
+    def _plan(self, records: list[RequestRecord], counts: list[int]) -> Plan:
         """Check that every listed request can take its tokens in every group; changes
         nothing."""
-        for group in self._groups:
-            bs, width, window, index = group.block_size, group.width, group.window, group.index
-            wanted = 0
-            for rec, n in zip(records, counts, strict=True):
-                end_blocks = -(-(rec.seq_len + n) // bs)
-                if end_blocks > width:
-                    where = "" if self._single else f" in KV group {index}"
-                    raise RuntimeError(
-                        f"request {rec.request_id!r} is full: {rec.seq_len} + {n} tokens need "
-                        f"{end_blocks} blocks of {bs}{where}, more than max_blocks_per_seq="
-                        f"{width}"
-                    )
-                if index == 0 and window is None:  # the hot path: the record is the run
-                    wanted += end_blocks - rec.num_blocks
-                    continue
-                run = rec if index == 0 else rec.others[index - 1]
-                if window is None:
-                    wanted += end_blocks - run.num_blocks
-                elif n == 1:  # one token: a new block unless its block is held
-                    wanted += not run.first_block <= rec.seq_len // bs < run.num_blocks
-                else:
-                    wanted += end_blocks - _window_span(run, rec.seq_len, n, bs, window)[1]
-            free = group.allocator.num_free
-            if wanted > free:
-                where = "" if self._single else f" in KV group {index}"
-                raise RuntimeError(
-                    f"out of KV blocks{where}: this token needs {wanted} new block(s) but only "
-                    f"{free} are free; nothing was changed"
-                )
-        return _Plan(records, counts, len(self._groups))
+        for manager in self._managers:
+            manager.check_room(records, counts)
+        return Plan(records, counts, len(self._groups))
 
-    def _take_all(self, plan: _Plan, one_each: bool) -> None:
+    def _take_all(self, plan: Plan, one_each: bool) -> None:
         """Allocate every group's planned blocks (all or nothing)."""
         try:
             if one_each:
@@ -747,376 +627,28 @@ class PagedKVCache:
                         for rec, n in zip(plan.records, plan.counts, strict=True)
                     ]
                 )
-            for group, part in zip(self._groups, plan.groups, strict=True):
-                if group.window is not None:
-                    if one_each:
-                        self._take_window_one_each(group, plan, part)
-                    else:
-                        self._take_window(group, plan, part)
-                elif one_each:
-                    self._take_one_each(group, plan, part)
+            for manager, part in zip(self._managers, plan.groups, strict=True):
+                if one_each:
+                    manager.reserve_one_each(plan, part)
                 else:
-                    self._take(group, plan, part)
+                    manager.reserve(plan, part)
         except BaseException:
             self._release(plan.reserved())
             raise
-
-    def _take(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A full-attention group's reservation of any number of tokens per request."""
-        bs, index, allocate = group.block_size, group.index, group.allocator.allocate
-        block_ids: list[int] = []
-        for rec, n in zip(plan.records, plan.counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            start = rec.seq_len
-            committed = run.num_blocks
-            new = -(-(start + n) // bs) - committed
-            taken = allocate(new, request_owner(rec.request_id)) if new else []
-            if taken:
-                part.reserved[rec.request_id] = taken
-                part.starts[rec.request_id] = committed
-                part.updates += [(rec.row, committed + i, b) for i, b in enumerate(taken)]
-            part.table_rows.append((run.table, 0, committed, taken, committed))
-            table = run.table
-            for pos in range(start, start + n):
-                logical = pos // bs
-                block_ids.append(
-                    int(table[logical]) if logical < committed else taken[logical - committed]
-                )
-        part.block_ids = np.asarray(block_ids, dtype=np.int64)
-
-    def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A full-attention group's reservation of one token per request (the decode step's
-        hot path)."""
-        bs, index = group.block_size, group.index
-        records = plan.records
-        block_ids = np.empty(len(records), dtype=np.int64)
-        allocate = group.allocator.allocate
-        reserved, starts, updates, table_rows = (
-            part.reserved,
-            part.starts,
-            part.updates,
-            part.table_rows,
-        )
-        update_batch = part.update_batch
-        for i, rec in enumerate(records):
-            # the record is its own group-0 run; each branch reads one type, so CPython's
-            # per-site attribute caches stay hit when several groups take in turn
-            if index == 0:
-                table, held = rec.table, rec.num_blocks
-            else:
-                run = rec.others[index - 1]
-                table, held = run.table, run.num_blocks
-            logical = rec.seq_len // bs
-            if logical < held:
-                block_ids[i] = table[logical]
-                table_rows.append((table, 0, held, (), 0))
-            else:
-                (block,) = allocate(1, request_owner(rec.request_id))
-                reserved[rec.request_id] = [block]
-                starts[rec.request_id] = logical
-                updates.append((rec.row, logical, block))
-                update_batch.append(i)
-                block_ids[i] = block
-                table_rows.append((table, 0, held, (block,), logical))
-        part.block_ids = block_ids
-
-    def _take_window_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A window group's one-token reservation: the token's block is held, or it is new
-        (the block after the held ones, or the only one when none is held)."""
-        bs, index = group.block_size, group.index
-        records = plan.records
-        block_ids = np.empty(len(records), dtype=np.int64)
-        allocate = group.allocator.allocate
-        for i, rec in enumerate(records):
-            run = rec if index == 0 else rec.others[index - 1]
-            logical = rec.seq_len // bs
-            if run.first_block <= logical < run.num_blocks:
-                block_ids[i] = run.table[logical]
-                part.table_rows.append((run.table, run.first_block, run.num_blocks, (), 0))
-            else:
-                (block,) = allocate(1, request_owner(rec.request_id))
-                part.reserved[rec.request_id] = [block]
-                part.starts[rec.request_id] = logical
-                part.updates.append((rec.row, logical, block))
-                part.update_batch.append(i)
-                block_ids[i] = block
-                part.table_rows.append(
-                    (run.table, run.first_block, run.num_blocks, (block,), logical)
-                )
-        part.block_ids = block_ids
-
-    def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A window group's reservation: blocks only for the tokens the window keeps (and the
-        last one); the other tokens are not stored (``part.token_rows`` lists the stored)."""
-        bs, window, index = group.block_size, group.window, group.index
-        allocate = group.allocator.allocate
-        block_ids: list[int] = []
-        token_rows: list[int] = []
-        row = 0
-        for rec, n in zip(plan.records, plan.counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            start = rec.seq_len
-            stored, first_new = _window_span(run, start, n, bs, window)
-            new = -(-(start + n) // bs) - first_new
-            taken = allocate(new, request_owner(rec.request_id)) if new else []
-            if taken:
-                part.reserved[rec.request_id] = taken
-                part.starts[rec.request_id] = first_new
-                part.updates += [(rec.row, first_new + i, b) for i, b in enumerate(taken)]
-            part.table_rows.append((run.table, run.first_block, run.num_blocks, taken, first_new))
-            table = run.table
-            for pos in range(max(start, stored * bs), start + n):
-                logical = pos // bs
-                block_ids.append(
-                    int(table[logical]) if logical < first_new else taken[logical - first_new]
-                )
-                token_rows.append(row + pos - start)
-            row += n
-        part.block_ids = np.asarray(block_ids, dtype=np.int64)
-        if len(token_rows) != row:
-            part.token_rows = np.asarray(token_rows, dtype=np.int64)
-
-    def _memo_plan(self, memo: BatchMemo) -> _Plan | None:
-        """The repeated batch's one-token reservation, planned on arrays (full-attention groups:
-        a request takes a block exactly when its token starts one). None when some request
-        would be full or a pool is short: the general path then raises its exact error."""
-        memo.settle()
-        lens = memo.lens
-        news = []
-        for g, (group, held) in enumerate(zip(self._groups, memo.held, strict=True)):
-            room = memo.room[g]
-            if room is None:
-                room = memo.room[g] = int((held * group.block_size - lens).min())
-            if room > 0:  # every token lands in a held block (the steady state: no array op)
-                news.append((_NO_NEW[0], None))
-                continue
-            logical = lens // group.block_size
-            starting = logical >= held  # the token starts a new block
-            index = np.flatnonzero(starting) if starting.any() else _NO_NEW[0]
-            if index.shape[0] and (
-                index.shape[0] > group.allocator.num_free or logical[index].max() >= group.width
-            ):
-                return None
-            news.append((index, logical))
-        plan = _Plan(memo.records, memo.counts, len(self._groups))
-        # int32 (a copy: the memo's lengths move on): the view's positions as they are
-        plan.positions, plan.rows, plan.memo = lens.astype(np.int32), memo.rows, memo
-        rids = memo.rids
-        try:
-            for g, (group, part, (index, logical), last, tables) in enumerate(
-                zip(self._groups, plan.groups, news, memo.last, memo.tables, strict=True)
-            ):
-                block_ids = last.copy()
-                if index.shape[0]:
-                    picked = index.tolist()
-                    owners = [request_owner(rids[i]) for i in picked]
-                    blocks = group.allocator.allocate_each(owners)
-                    new_logical = logical[index]
-                    block_ids[index] = blocks
-                    starts = new_logical.tolist()
-                    part.reserved = {o[1]: [b] for o, b in zip(owners, blocks, strict=True)}
-                    part.starts = {o[1]: x for o, x in zip(owners, starts, strict=True)}
-                    width = group.width
-                    values = np.asarray(blocks, dtype=np.int64)
-                    part.update_arrays = (
-                        memo.rows[index] * width + new_logical,
-                        values,
-                        index * width + new_logical,
-                    )
-                    part.new = (index, values)
-                    reserved = (picked, blocks, starts)
-                else:
-                    part.update_arrays = (*_NO_UPDATES, _NO_UPDATES[0])
-                    reserved = None
-                part.block_ids = block_ids
-                part.table_rows = _lazy_table_rows(tables, memo.held_list(g), reserved)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-        return plan
 
     def _release(self, reserved: list[dict[RequestId, list[int]]]) -> None:
-        for group, per_request in zip(self._groups, reserved, strict=False):
-            for rid, block_ids in per_request.items():
-                group.allocator.release(block_ids, request_owner(rid))
+        for manager, per_request in zip(self._managers, reserved, strict=False):
+            manager.release(per_request)
 
-    def _publish(self, plan_records: list[RequestRecord], counts: list[int], reserved, starts):
-        """Make the reservation permanent: blocks join the tables, lengths grow, and window
-        groups release the blocks that fell wholly before the window."""
-        for group, group_reserved, group_starts in zip(self._groups, reserved, starts, strict=True):
-            index = group.index
-            if group.window is None:
-                if not group_reserved:
-                    continue
-                for rec in plan_records:
-                    blocks = group_reserved.get(rec.request_id)
-                    if blocks:
-                        run = rec if index == 0 else rec.others[index - 1]
-                        for block_id in blocks:
-                            run.push_block(block_id)
-            else:
-                self._publish_window(group, plan_records, counts, group_reserved, group_starts)
-        for rec, n in zip(plan_records, counts, strict=True):
-            rec.seq_len += n
-
-    def _publish_window(self, group, records, counts, reserved, starts) -> None:
-        bs, window, index = group.block_size, group.window, group.index
-        release = group.allocator.release
+    def _publish(self, records: list[RequestRecord], counts: list[int], reserved, starts) -> None:
+        """Make the reservation permanent (each group's manager: blocks join the tables, a
+        window group releases what fell before its window), then the lengths grow."""
+        for manager, group_reserved, group_starts in zip(
+            self._managers, reserved, starts, strict=True
+        ):
+            manager.publish(records, counts, group_reserved, group_starts)
         for rec, n in zip(records, counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            blocks = reserved.get(rec.request_id) if reserved else None
-            keep, end = held_range(rec.seq_len + n, bs, window)
-            first, held_end = run.first_block, run.num_blocks
-            if not blocks and keep <= first:  # the common step: nothing moves
-                continue
-            # held blocks before the window go back, then reserved ones before it (an import
-            # skips whole blocks, so the reserved run may start past the held one)
-            gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
-            if blocks:
-                start = starts[rec.request_id]
-                run.table[start : start + len(blocks)] = blocks
-                gone += blocks[: max(0, keep - start)]
-            if gone:
-                release(gone, request_owner(rec.request_id))
-            run.first_block, run.num_blocks = keep, end
-
-    def _flush_updates(self, group: LayerGroup, part: _Reservation) -> list[tuple[int, int, int]]:
-        pending = group.pending_updates
-        updates = pending + part.updates if pending else part.updates
-        group.pending_updates = []
-        return updates
-
-    @staticmethod
-    def _flat_updates(
-        updates: list[tuple[int, int, int]], width: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Device-table writes ``(row, logical block, block id)`` as flat indices and values."""
-        if not updates:
-            return _NO_UPDATES
-        arr = np.asarray(updates, dtype=np.int64)
-        return arr[:, 0] * width + arr[:, 1], arr[:, 2]
-
-    def _fresh_slots(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> TransactionSlots:
-        """Device metadata in new tensors (prompt imports, legacy append)."""
-        positions, block_ids = plan.positions, part.block_ids
-        if part.token_rows is not None:
-            positions = positions[part.token_rows]
-        bs, hkv = group.block_size, group.num_kv_heads
-        offsets = positions % bs
-        starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int64)
-        after = starts + np.asarray(plan.counts, dtype=np.int64)
-        heads = np.arange(hkv, dtype=np.int64)
-        slot_rows = (block_ids.astype(np.int64)[:, None] * hkv + heads) * bs + offsets[:, None]
-        flat, values = self._flat_updates(self._flush_updates(group, part), group.width)
-        rows = np.asarray([rec.row for rec in plan.records], dtype=np.int64)
-        token_rows = part.token_rows if part.token_rows is not None else np.zeros(0, np.int64)
-        t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
-        host = np.concatenate(
-            [
-                positions,
-                block_ids,
-                offsets,
-                starts,
-                after,
-                rows,
-                flat,
-                values,
-                token_rows,
-                slot_rows.reshape(-1),
-            ],
-            dtype=np.int64,
-        )
-        dev = torch.from_numpy(host).to(self._device)
-        cuts = np.cumsum([t, t, t, b, b, b, u, u, token_rows.shape[0]])
-        parts = torch.tensor_split(dev, cuts.tolist())
-        if u:
-            group.tables.write(parts[6], parts[7])
-        tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
-        group.tables.gather(parts[5], out=tables)
-        return TransactionSlots(
-            batch=b,
-            num_rows=b,
-            num_tokens=t,
-            generation=-1,
-            positions=parts[0],
-            block_ids=parts[1],
-            offsets=parts[2],
-            seq_lens=parts[3],
-            seq_lens_after=parts[4],
-            slot_rows=parts[9],
-            block_tables=tables,
-            request_slots=parts[5],
-            token_rows=None if part.token_rows is None else parts[8],
-        )
-
-    def _fixed_slots(
-        self, group: LayerGroup, plan: _Plan, part: _Reservation, num_rows: int
-    ) -> TransactionSlots:
-        """Device metadata of a one-token transaction in the group's fixed-address buffers."""
-        buffers = group.slot_buffers
-        if buffers is None or num_rows > buffers.capacity:
-            capacity = 1 << max(3, (num_rows - 1).bit_length())
-            generation = 0 if buffers is None else buffers.generation + 1
-            buffers = group.slot_buffers = SlotBuffers(
-                capacity, group.num_kv_heads, group.width, self._device, generation
-            )
-        num = len(plan.records)
-        memo, tx_id = plan.memo, self._tx.next_id()
-        if (
-            memo is not None
-            and part.update_arrays is not None
-            and not part.update_arrays[0].shape[0]
-            and not group.pending_updates
-            and buffers.advance_resident(memo.last_transaction, tx_id, num, num_rows)
-        ):  # the last step's metadata, one token on: nothing to pack, copy or gather
-            return buffers.slots(num, num_rows)
-        width, tables = group.width, group.tables
-        if part.update_arrays is not None:
-            if group.pending_updates:  # never with a valid memo; kept exact all the same
-                pending = self._flat_updates(self._flush_updates(group, _Reservation()), width)
-                tables.write(*(torch.from_numpy(a).to(self._device) for a in pending))
-            flat, values, in_batch = part.update_arrays
-        else:
-            pending = bool(group.pending_updates)
-            flat, values = self._flat_updates(self._flush_updates(group, part), width)
-            in_batch = _NO_UPDATES[0]
-            if not pending and part.update_batch:  # the same entries in the batch's tables
-                in_batch = np.asarray(part.update_batch, dtype=np.int64) * width + flat % width
-            elif pending:
-                buffers.set_gathered(None, 0, 0)  # other rows' writes: gather anew
-        if flat.shape[0] > buffers.capacity:  # a long prefix attached since the last step
-            tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
-            flat, values, in_batch = (*_NO_UPDATES, _NO_UPDATES[0])
-            buffers.set_gathered(None, 0, 0)
-        rows = plan.rows
-        if rows is None:
-            rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
-        # the batch's tables as of the last step, when nothing but its own writes came since
-        reuse = buffers.gathered(rows, num_rows, tables.version) and (
-            in_batch.shape[0] == flat.shape[0]
-        )
-        buffers.upload(
-            plan.positions,
-            part.block_ids,
-            rows,
-            (flat, values, in_batch),
-            group.block_size,
-            num_rows,
-            tx_id,
-        )
-        count = flat.shape[0]
-        slots = buffers.slots(num, num_rows)
-        if count:
-            update_values = buffers.region(buffers.UPDATE_VALUE, count)
-            tables.write(buffers.region(buffers.UPDATE_INDEX, count), update_values)
-            if reuse:
-                buffers.tables_flat.index_copy_(
-                    0, buffers.region(buffers.UPDATE_BATCH, count), update_values
-                )
-        if not reuse:
-            tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
-        buffers.set_gathered(rows, num_rows, tables.version)
-        return slots
+            rec.seq_len += n
 
     # ---- legacy single-layer append --------------------------------------------------------
     def append(self, request_ids: Sequence[RequestId], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -1152,7 +684,7 @@ class PagedKVCache:
         self._take_all(plan, one_each=True)
         group, part = self._groups[0], plan.groups[0]
         try:
-            slots = self._fresh_slots(group, plan, part)
+            slots = fresh_slots(group, plan, part)
             result = writer(*self._layers[0], slots)
         except BaseException:
             self._release(plan.reserved())
@@ -1207,13 +739,13 @@ class PagedKVCache:
         )
         self._tx.ensure_none_open("begin a token transaction")
         if memo is not None:
-            plan = self._memo_plan(memo)
+            plan = memo.plan(self._managers)
         if plan is None:  # the general path (also to raise a full request's exact error)
             plan = self._plan(records, [1] * len(records))
             self._take_all(plan, one_each=True)
         try:
             slots = [
-                self._fixed_slots(group, plan, part, num_rows)
+                fixed_slots(group, plan, part, num_rows, self._tx.next_id())
                 for group, part in zip(self._groups, plan.groups, strict=True)
             ]
             return self._open(rids, plan, slots, one_each=True, backup_by_writer=backup_by_writer)
@@ -1239,7 +771,7 @@ class PagedKVCache:
         self._take_all(plan, one_each=False)
         try:
             slots = [
-                self._fresh_slots(group, plan, part)
+                fresh_slots(group, plan, part)
                 for group, part in zip(self._groups, plan.groups, strict=True)
             ]
             return self._open(rids, plan, slots)
@@ -1250,7 +782,7 @@ class PagedKVCache:
     def _open(
         self,
         rids: list[RequestId],
-        plan: _Plan,
+        plan: Plan,
         slots: list[TransactionSlots],
         one_each: bool = False,
         backup_by_writer: bool = False,
@@ -1264,7 +796,7 @@ class PagedKVCache:
             starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
             after = starts + np.asarray(plan.counts, dtype=np.int32)
         first = plan.groups[0]
-        block_ids = _every_token(first, positions.shape[0])
+        block_ids = every_token(first, positions.shape[0])
         host = {
             "positions": positions,
             "block_ids": block_ids,
@@ -1412,7 +944,7 @@ class PagedKVCache:
             part = open_tx.parts[g.index]
             positions = open_tx.host["positions"]
             override = (
-                _every_token(part, positions.shape[0]),
+                every_token(part, positions.shape[0]),
                 positions % g.block_size,
                 part.table_rows,
             )
@@ -1481,7 +1013,7 @@ class PagedKVCache:
         self._tx.close(TransactionState.COMMITTED, version)
         # the next step of the same batch starts from arrays, if nothing else changed since
         # this transaction began (one transaction at a time: nothing can, but be exact)
-        if not open_tx.one_each or self._has_window or self._version != open_tx.cache_version:
+        if not open_tx.one_each or not self._memoizable or self._version != open_tx.cache_version:
             self._memo = None
         elif memo is not None:
             memo.advance([part.new for part in open_tx.parts], version, open_tx.transaction_id)
@@ -1492,13 +1024,8 @@ class PagedKVCache:
 
     def _commit_part(self, open_tx: OpenTransaction, accept: list[int]) -> TokenTransactionView:
         """``commit_token`` keeping only ``accept[i]`` tokens of request ``i``."""
-        for group, part in zip(self._groups, open_tx.parts, strict=True):
-            if part.token_rows is not None:  # the kept tokens may be among the unstored ones
-                raise ValueError(
-                    f"transaction {open_tx.transaction_id} did not store every token in "
-                    f"sliding-window KV group {group.index} (more tokens than its window "
-                    f"{group.window} keeps): it commits whole or aborts"
-                )
+        for manager, part in zip(self._managers, open_tx.parts, strict=True):
+            manager.check_partial_commit(open_tx.transaction_id, part)
         records = [self._requests[rid] for rid in open_tx.request_ids]
         kept = np.concatenate(
             [np.arange(n) < a for n, a in zip(open_tx.counts, accept, strict=True)]
@@ -1579,7 +1106,7 @@ class PagedKVCache:
 
     # ---- shared prefixes -----------------------------------------------------------------
     def _prefix_groups(self) -> list[LayerGroup]:
-        if self._has_window:
+        if not self._shares_prefixes:
             raise RuntimeError(
                 "shared prefixes need full-attention KV groups; this cache has "
                 f"{format_kv_spec(self._specs)!r}"
