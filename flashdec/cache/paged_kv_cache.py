@@ -19,7 +19,6 @@ cache keeps the bookkeeping (layer order, the reservation) and the caller suppli
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -818,13 +817,8 @@ class PagedKVCache:
         tx.parts = plan.groups
         tx.memo = plan.memo if one_each else None
         tx.one_each = one_each
-        if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
-            groups = zip(self._groups, slots, strict=True)
-            if backup_by_writer:  # filled layer by layer by the writers
-                tx.backups = [group.writer_backup(s.slot_rows.shape[0])[0] for group, s in groups]
-                tx.backup_complete = False
-            else:
-                tx.backups = [group.backup(s.slot_rows, fixed=one_each) for group, s in groups]
+        if self._restore_on_abort:
+            tx.save_backups(self._groups, backup_by_writer, fixed=one_each)
         view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width, self._device)
         self._tx.start(tx)
         self._version += 1
@@ -909,28 +903,13 @@ class PagedKVCache:
         Fixed addresses for a batch size (until a bigger batch replaces the slot buffers). None
         when the transaction's backup is not the writers' (or there is none)."""
         open_tx = self._tx.resolve(tx)
-        g = self._check_group(group)
-        if open_tx.backups is None or open_tx.backup_complete:
-            return None
-        return g.writer_backup(open_tx.backups[g.index].shape[1])[1]
+        return open_tx.writer_backup(self._check_group(group))
 
     def complete_backup(self, tx: TokenTransactionView | int) -> None:
         """Copy every layer's reserved slots of an open ``backup_by_writer`` transaction into its
         backup now: abort then restores all layers whatever the writers did (e.g. kernels
         recorded in a CUDA graph capture that never ran). Needs no layer written yet."""
-        open_tx = self._tx.resolve(tx)
-        if open_tx.backups is None or open_tx.backup_complete:
-            return
-        if open_tx.attempted:
-            raise RuntimeError(
-                f"token transaction {open_tx.transaction_id} already has layers written; "
-                "complete_backup must come before the first"
-            )
-        for group, backup, slots in zip(
-            self._groups, open_tx.backups, open_tx.group_slots, strict=True
-        ):
-            backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
-        open_tx.backup_complete = True
+        self._tx.resolve(tx).complete_backup(self._groups)
 
     def transaction_view(
         self, tx: TokenTransactionView | int, *, group: int = 0
@@ -1030,55 +1009,16 @@ class PagedKVCache:
         kept = np.concatenate(
             [np.arange(n) < a for n, a in zip(open_tx.counts, accept, strict=True)]
         )  # [T] per token of the transaction: committed
-        if open_tx.backups is not None:  # every layer is written: each backup is whole
-            for group, backup, slots, part in zip(
-                self._groups, open_tx.backups, open_tx.group_slots, open_tx.parts, strict=True
-            ):
-                stored = kept if part.token_rows is None else kept[part.token_rows]
-                rejected = np.flatnonzero(~stored)
-                if not rejected.shape[0]:
-                    continue
-                heads = np.arange(group.num_kv_heads)
-                rows = (rejected[:, None] * group.num_kv_heads + heads).reshape(-1)
-                rows_t = torch.from_numpy(rows).to(self._device)
-                group.restore(
-                    slots.slot_rows.index_select(0, rows_t),
-                    backup.index_select(1, rows_t),
-                    len(group.layers),
-                )
+        open_tx.restore_rejected(self._groups, kept)
         # reserved blocks past the last accepted token go back; the rest are published
-        reserved, gone = [], []
-        for group, per_request, starts in zip(
-            self._groups, open_tx.reserved, open_tx.starts, strict=True
-        ):
-            keep_reserved, release = {}, []
-            for rec, a in zip(records, accept, strict=True):
-                blocks = per_request.get(rec.request_id)
-                if not blocks:
-                    continue
-                needed = -(-(rec.seq_len + a) // group.block_size) - starts[rec.request_id]
-                keep_reserved[rec.request_id] = blocks[: max(0, needed)]
-                if needed < len(blocks):
-                    release.append((rec.request_id, blocks[max(0, needed) :]))
-            reserved.append(keep_reserved)
-            gone.append((group, release))
+        sizes = [group.block_size for group in self._groups]
+        reserved, gone = open_tx.split_reserved(records, accept, sizes)
         version = self._version + 1
-        starts_host = open_tx.host["seq_lens"]
-        open_tx.host["seq_lens_after"] = starts_host + np.asarray(accept, dtype=starts_host.dtype)
-        table_rows = open_tx.table_rows() if callable(open_tx.table_rows) else open_tx.table_rows
-        first_kept = reserved[0]
-        open_tx.table_rows = [  # the committed view's tables show only the blocks kept
-            (row, first, end, first_kept.get(rid, ()) if taken else taken, start)
-            for rid, (row, first, end, taken, start) in zip(
-                open_tx.request_ids, table_rows, strict=True
-            )
-        ]
         view = open_tx.view(
             TransactionState.COMMITTED, version, self._groups[0].width, self._device
         )
-        for group, release in gone:
-            for rid, blocks in release:
-                group.allocator.release(blocks, request_owner(rid))
+        for manager, release in zip(self._managers, gone, strict=True):
+            manager.release(dict(release))
         self._publish(records, accept, reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
         self._memo = None  # lengths moved unevenly: the next step is planned afresh
@@ -1090,15 +1030,7 @@ class PagedKVCache:
         open_tx = self._tx.resolve(tx)
         version = self._version + 1
         view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width, self._device)
-        # restore even with no layer counted: a writer that raised may have stored part of one
-        if open_tx.backups is not None:
-            complete, attempted = open_tx.backup_complete, open_tx.attempted
-            for group, backup, slots in zip(
-                self._groups, open_tx.backups, open_tx.group_slots, strict=True
-            ):
-                # writers' backups: only the attempted layers (the group's first ones) hold any
-                layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
-                group.restore(slots.slot_rows, backup, layers)
+        open_tx.restore_all(self._groups)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
         self._version = version

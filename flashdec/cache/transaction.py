@@ -1,4 +1,5 @@
-"""Token transactions: the one open reservation, its device metadata, and closed tombstones.
+"""Token transactions: the one open reservation, its undo (old bytes, kept blocks), and closed
+tombstones.
 
 A transaction reserves ``num_tokens[i]`` consecutive slots for request ``i`` (one per request for a
 decode step, a whole prompt for a prefill). Its device metadata
@@ -15,6 +16,7 @@ bounded deque, to tell "already committed" from "unknown" for recent handles.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ import torch
 from flashdec.cache.state import RequestId
 
 if TYPE_CHECKING:
+    from flashdec.cache.layer_group import LayerGroup
     from flashdec.cache.slots import TransactionSlots
 
 HISTORY_LIMIT = 256
@@ -232,6 +235,102 @@ class OpenTransaction:
         self.backup_complete = True
         self.one_each = False  # one token per request (begin_token)
         self.memo = None  # the repeated batch it was planned from (BatchMemo), if any
+
+    # ---- undo: the old bytes of the reserved slots and the blocks a partial commit keeps ----
+    def save_backups(self, groups: Sequence[LayerGroup], by_writer: bool, fixed: bool) -> None:
+        """Per group ``[2L, T * Hkv, D]`` old bytes of the reserved slots, for abort (and the
+        rejected tokens of a partial commit). ``by_writer``: the writers fill them layer by
+        layer (in the slot buffers' writer backup); ``fixed``: a one-token step's reused
+        buffer."""
+        pairs = zip(groups, self.group_slots, strict=True)
+        if by_writer:
+            self.backups = [group.writer_backup(s.slot_rows.shape[0])[0] for group, s in pairs]
+            self.backup_complete = False
+        else:
+            self.backups = [group.backup(s.slot_rows, fixed=fixed) for group, s in pairs]
+
+    def writer_backup(self, group: LayerGroup) -> torch.Tensor | None:
+        """Where ``group``'s writers save old bytes (the group's dtype), None when the backup is
+        not theirs (or there is none)."""
+        if self.backups is None or self.backup_complete:
+            return None
+        return group.writer_backup(self.backups[group.index].shape[1])[1]
+
+    def complete_backup(self, groups: Sequence[LayerGroup]) -> None:
+        """Copy every layer's reserved slots into a writers' backup now (no layer written yet)."""
+        if self.backups is None or self.backup_complete:
+            return
+        if self.attempted:
+            raise RuntimeError(
+                f"token transaction {self.transaction_id} already has layers written; "
+                "complete_backup must come before the first"
+            )
+        for group, backup, slots in zip(groups, self.backups, self.group_slots, strict=True):
+            backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
+        self.backup_complete = True
+
+    def restore_all(self, groups: Sequence[LayerGroup]) -> None:
+        """Abort: put back the old bytes of every layer a writer was called for (even with no
+        layer counted: a writer that raised may have stored part of one)."""
+        if self.backups is None:
+            return
+        complete, attempted = self.backup_complete, self.attempted
+        for group, backup, slots in zip(groups, self.backups, self.group_slots, strict=True):
+            # writers' backups: only the attempted layers (the group's first ones) hold any
+            layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
+            group.restore(slots.slot_rows, backup, layers)
+
+    def restore_rejected(self, groups: Sequence[LayerGroup], kept: np.ndarray) -> None:
+        """A partial commit: put back the old bytes of the tokens not ``kept`` (``[T]`` bool,
+        per token of the transaction). Every layer is written, so each backup is whole."""
+        if self.backups is None:
+            return
+        for group, backup, slots, part in zip(
+            groups, self.backups, self.group_slots, self.parts, strict=True
+        ):
+            stored = kept if part.token_rows is None else kept[part.token_rows]
+            rejected = np.flatnonzero(~stored)
+            if not rejected.shape[0]:
+                continue
+            heads = np.arange(group.num_kv_heads)
+            rows = (rejected[:, None] * group.num_kv_heads + heads).reshape(-1)
+            rows_t = torch.from_numpy(rows).to(group.device)
+            group.restore(
+                slots.slot_rows.index_select(0, rows_t),
+                backup.index_select(1, rows_t),
+                len(group.layers),
+            )
+
+    def split_reserved(
+        self, records: Sequence, accept: Sequence[int], block_sizes: Sequence[int]
+    ) -> tuple[list[dict[RequestId, list[int]]], list[list[tuple[RequestId, list[int]]]]]:
+        """Per group the reserved blocks the first ``accept[i]`` tokens still need (to publish)
+        and those past them (to release), as ``(request id, blocks)``; and the views' tables
+        from now on show only the kept ones."""
+        kept, gone = [], []
+        for per_request, starts, bs in zip(self.reserved, self.starts, block_sizes, strict=True):
+            keep_reserved, release = {}, []
+            for rec, a in zip(records, accept, strict=True):
+                blocks = per_request.get(rec.request_id)
+                if not blocks:
+                    continue
+                needed = -(-(rec.seq_len + a) // bs) - starts[rec.request_id]
+                keep_reserved[rec.request_id] = blocks[: max(0, needed)]
+                if needed < len(blocks):
+                    release.append((rec.request_id, blocks[max(0, needed) :]))
+            kept.append(keep_reserved)
+            gone.append(release)
+        host = self.host
+        host["seq_lens_after"] = host["seq_lens"] + np.asarray(accept, dtype=host["seq_lens"].dtype)
+        table_rows = self.table_rows() if callable(self.table_rows) else self.table_rows
+        first_kept = kept[0]
+        self.table_rows = [  # the committed view's tables show only the blocks kept
+            (row, first, end, first_kept.get(rid, ()) if taken else taken, start)
+            for rid, (row, first, end, taken, start) in zip(
+                self.request_ids, table_rows, strict=True
+            )
+        ]
+        return kept, gone
 
     def view(
         self,
