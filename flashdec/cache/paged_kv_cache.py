@@ -39,7 +39,6 @@ from flashdec._checks import (
 )
 from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.group_managers import make_manager
-from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import (
@@ -51,6 +50,7 @@ from flashdec.cache.layout import (
     scale_pair,
     table_widths,
 )
+from flashdec.cache.requests import RequestTable, require_active
 from flashdec.cache.reservation import Plan, every_token, request_owner
 from flashdec.cache.slots import TransactionSlots, fixed_slots, fresh_slots
 from flashdec.cache.state import (
@@ -59,7 +59,6 @@ from flashdec.cache.state import (
     RequestId,
     RequestRecord,
     RequestState,
-    RetiredRequest,
 )
 from flashdec.cache.transaction import (
     HISTORY_LIMIT,
@@ -228,13 +227,8 @@ class PagedKVCache:
         self._prefixes = first.prefixes
         self._tables = first.tables
         self._tx = TransactionLog(HISTORY_LIMIT)
-        # records of the active requests and of the newest terminal ones, in insertion order;
-        # the active ones also by themselves (a round costs what is live), and every terminal
-        # request's state compactly (ids are never reused): see flashdec.cache.history
-        self._requests: dict[RequestId, RequestRecord] = {}
-        self._active: dict[RequestId, RequestRecord] = {}
-        self._terminal = TerminalHistory(RequestState.FINISHED, TERMINAL_HISTORY_LIMIT)
-        self._num_added = 0
+        # the records of the active and the newest terminal requests (flashdec.cache.requests)
+        self._requests = RequestTable()
         self._version = 0
         self._appended = False  # a legacy append wrote tokens (scales are fixed then)
         self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
@@ -243,7 +237,7 @@ class PagedKVCache:
         if not self._single:
             return (
                 f"PagedKVCache(kv_spec={format_kv_spec(self._specs)!r}, device={self._device}, "
-                f"free={self.num_free_blocks}, requests={len(self._requests)}, "
+                f"free={self.num_free_blocks}, requests={len(self._requests.records)}, "
                 f"version={self._version})"
             )
         g = self._groups[0]
@@ -251,7 +245,7 @@ class PagedKVCache:
             f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={g.num_kv_heads}, "
             f"head_dim={g.head_dim}, block_size={g.block_size}, "
             f"max_blocks={g.spec.num_blocks}, dtype={g.dtype}, device={self._device}, "
-            f"free={self._allocator.num_free}, requests={len(self._requests)}, "
+            f"free={self._allocator.num_free}, requests={len(self._requests.records)}, "
             f"prefixes={len(self._prefixes)}, version={self._version})"
         )
 
@@ -422,50 +416,6 @@ class PagedKVCache:
             raise ValueError(f"layer_idx must be in [0, {self._num_layers}), got {layer_idx}")
         return layer_idx
 
-    def _record(self, request_id: object) -> RequestRecord | RetiredRequest:
-        record = self._requests.get(request_id) if type(request_id) in (str, int) else None
-        if record is None:
-            rid = check_request_id("request_id", request_id)
-            state = self._terminal.state(rid)
-            if state is None:
-                raise ValueError(f"unknown request id {rid!r}")
-            return RetiredRequest(rid, state)  # terminal, its record no longer kept
-        return record
-
-    @staticmethod
-    def _require_active(record: RequestRecord | RetiredRequest, action: str) -> None:
-        if record.state is not RequestState.ACTIVE:
-            raise RuntimeError(
-                f"cannot {action} request {record.request_id!r}: it is {record.state.value}, "
-                "expected active"
-            )
-
-    def _check_ids(self, request_ids: object, *, unique: bool, nonempty: bool) -> list[RequestId]:
-        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
-            raise TypeError(
-                f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
-            )
-        rids = list(request_ids)
-        active = self._active
-        for rid in rids:
-            if type(rid) not in (str, int) or rid not in active:  # fast path first
-                check_request_id("request id", rid)
-                if rid not in self._requests and self._terminal.state(rid) is None:
-                    raise ValueError(f"unknown request id {rid!r}")
-        if nonempty and not rids:
-            raise ValueError("request_ids must not be empty")
-        if unique and len(set(rids)) != len(rids):
-            twice = sorted({repr(r) for r, n in Counter(rids).items() if n > 1})
-            raise ValueError(f"request_ids lists {', '.join(twice)} more than once")
-        return rids
-
-    def _active_records(self, rids: list[RequestId], action: str) -> list[RequestRecord]:
-        active = self._active
-        for rid in rids:
-            if rid not in active:
-                self._require_active(self._record(rid), action)
-        return [active[rid] for rid in rids]
-
     def _check_token_kv(
         self, name: str, value: object, num_tokens: int, group: LayerGroup
     ) -> torch.Tensor:
@@ -479,13 +429,7 @@ class PagedKVCache:
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, request_id: RequestId) -> None:
         """Register a new, empty, active request (ids are never reused)."""
-        rid = check_request_id("request_id", request_id)
-        known = self._requests.get(rid)
-        state = known.state if known is not None else self._terminal.state(rid)
-        if state is not None:
-            raise ValueError(
-                f"request id {rid!r} already exists ({state.value}); ids are not reused"
-            )
+        rid = self._requests.check_new(request_id)
         self._tx.ensure_none_open("add a request")
         row = self._tables.acquire()
         for group in self._groups[1:]:  # every group's tables hand out rows in lockstep
@@ -493,8 +437,7 @@ class PagedKVCache:
                 raise RuntimeError("device-table rows of the KV groups went out of step")
         others = [group.width for group in self._groups[1:]]
         record = RequestRecord(rid, self._groups[0].width, row, others)
-        self._requests[rid] = self._active[rid] = record
-        self._num_added += 1
+        self._requests.add(record)
         self._version += 1
 
     def finish_request(self, request_id: RequestId) -> None:
@@ -509,26 +452,20 @@ class PagedKVCache:
         """Undo ``add_request``: release what an active request holds and forget its id, which
         may be added again. For an admission taken back (a serving step that failed before the
         request decoded anything), not for ending a request: that is finish or cancel."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         self._tx.ensure_none_open("discard a request")
-        self._require_active(record, "discard")
+        require_active(record, "discard")
         self._release_record(record)
-        del self._requests[record.request_id]
-        del self._active[record.request_id]
+        self._requests.forget(record)
         self._version += 1
 
     def _terminate(self, request_id: RequestId, state: RequestState) -> None:
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         verb = "finish" if state is RequestState.FINISHED else "cancel"
         self._tx.ensure_none_open(f"{verb} a request")
-        self._require_active(record, verb)
+        require_active(record, verb)
         self._release_record(record)
-        record.retire(state)
-        rid = record.request_id
-        del self._active[rid]
-        dropped = self._terminal.add(rid, state)
-        if dropped is not None:  # the oldest terminal record leaves the bounded history
-            del self._requests[dropped]
+        self._requests.retire(record, state)
         self._version += 1
 
     def _release_record(self, record: RequestRecord) -> None:
@@ -542,51 +479,38 @@ class PagedKVCache:
                 group.prefixes.detach(record.prefix_id)
 
     def request_state(self, request_id: RequestId) -> RequestState:
-        return self._record(request_id).state
+        return self._requests.record(request_id).state
 
     def request_ids(self, state: RequestState | str | None = None) -> list[RequestId]:
         """Request ids in insertion order, optionally only those in ``state``: every active
         request and the newest ``TERMINAL_HISTORY_LIMIT`` terminal ones (an older terminal id
         keeps its state — ``request_state`` — but is no longer listed). O(what is listed)."""
-        if state is None:
-            return list(self._requests)
-        if not isinstance(state, str):
-            raise TypeError(
-                f"state must be a RequestState, str or None, got {type(state).__name__}"
-            )
-        try:
-            wanted = RequestState(state)
-        except ValueError as err:
-            values = [s.value for s in RequestState]
-            raise ValueError(f"state must be one of {values}, got {state!r}") from err
-        if wanted is RequestState.ACTIVE:
-            return list(self._active)
-        return [rid for rid, rec in self._requests.items() if rec.state is wanted]
+        return self._requests.ids(state)
 
     def request_prefix(self, request_id: RequestId) -> PrefixId | None:
-        return self._record(request_id).prefix_id
+        return self._requests.record(request_id).prefix_id
 
     def seq_len(self, request_id: RequestId) -> int:
         """Committed tokens (a finished/cancelled request keeps its final length while it is
         among the newest ``TERMINAL_HISTORY_LIMIT`` terminal requests; ValueError after)."""
-        return self._record(request_id).seq_len
+        return self._requests.record(request_id).seq_len
 
     def request_block_ids(self, request_id: RequestId, *, group: int = 0) -> list[int]:
         """Physical ids the request holds in ``group``, in logical order (prefix blocks first;
         a window group's start at its first held block); empty once terminal."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         return record.run(self._check_group(group).index).block_ids
 
     def request_first_block(self, request_id: RequestId, *, group: int = 0) -> int:
         """Logical index of the request's first held block in ``group`` (0 for full
         attention; a window group's earlier table entries are released and never read)."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         return record.run(self._check_group(group).index).first_block
 
     # ---- metadata tensors ----------------------------------------------------------------
     def _metadata_records(self, request_ids: object) -> list[RequestRecord]:
-        rids = self._check_ids(request_ids, unique=False, nonempty=False)
-        return self._active_records(rids, "read the block table of")
+        rids = self._requests.check_ids(request_ids, unique=False, nonempty=False)
+        return self._requests.active_records(rids, "read the block table of")
 
     def block_tables(self, request_ids: Sequence[RequestId], *, group: int = 0) -> torch.Tensor:
         """int32 ``[len(request_ids), width]`` of ``group`` on the cache's device, 0-padded
@@ -652,7 +576,7 @@ class PagedKVCache:
     # ---- legacy single-layer append --------------------------------------------------------
     def append(self, request_ids: Sequence[RequestId], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one token per request (``k, v [B, Hkv, D]``) at its seq_len; num_layers == 1."""
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        rids = self._requests.check_ids(request_ids, unique=True, nonempty=True)
         group = self._groups[0]
         k = self._check_token_kv("k", k, len(rids), group)
         v = self._check_token_kv("v", v, len(rids), group)
@@ -670,13 +594,13 @@ class PagedKVCache:
         changes. Returns what the writer returned. ``slots`` are fresh tensors (with block tables
         covering the new tokens) that the caller may keep.
         """
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        rids = self._requests.check_ids(request_ids, unique=True, nonempty=True)
         if self._num_layers != 1:
             raise RuntimeError(
                 f"append works only on a single-layer cache (num_layers={self._num_layers}); "
                 "use begin_token / write_token_layer / commit_token"
             )
-        records = self._active_records(rids, "append to")
+        records = self._requests.active_records(rids, "append to")
         self._tx.ensure_none_open("append")
         counts = [1] * len(records)
         plan = self._plan(records, counts)
@@ -726,7 +650,7 @@ class PagedKVCache:
         ):  # the batch of the last step, nothing else changed since: validated then
             rids = memo.rids
         else:
-            rids = self._check_ids(request_ids, unique=True, nonempty=True)
+            rids = self._requests.check_ids(request_ids, unique=True, nonempty=True)
             memo = None
         num_rows = len(rids)
         if pad_to is not None:
@@ -734,7 +658,9 @@ class PagedKVCache:
             if num_rows < len(rids):
                 raise ValueError(f"pad_to ({pad_to}) must be >= the batch size ({len(rids)})")
         records = (
-            memo.records if memo is not None else self._active_records(rids, "begin a token for")
+            memo.records
+            if memo is not None
+            else self._requests.active_records(rids, "begin a token for")
         )
         self._tx.ensure_none_open("begin a token transaction")
         if memo is not None:
@@ -762,9 +688,9 @@ class PagedKVCache:
         only the tokens its window keeps: its slots' ``token_rows`` (None when every token is
         stored) lists the rows of ``k, v`` that go there, one per slot row.
         """
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
+        rids = self._requests.check_ids(request_ids, unique=True, nonempty=True)
         counts = check_token_counts("num_tokens", num_tokens, len(rids))
-        records = self._active_records(rids, "begin tokens for")
+        records = self._requests.active_records(rids, "begin tokens for")
         self._tx.ensure_none_open("begin a token transaction")
         plan = self._plan(records, counts)
         self._take_all(plan, one_each=False)
@@ -986,7 +912,7 @@ class PagedKVCache:
         records = (
             memo.records
             if memo is not None
-            else [self._requests[rid] for rid in open_tx.request_ids]
+            else [self._requests.records[rid] for rid in open_tx.request_ids]
         )
         self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
@@ -1005,7 +931,7 @@ class PagedKVCache:
         """``commit_token`` keeping only ``accept[i]`` tokens of request ``i``."""
         for manager, part in zip(self._managers, open_tx.parts, strict=True):
             manager.check_partial_commit(open_tx.transaction_id, part)
-        records = [self._requests[rid] for rid in open_tx.request_ids]
+        records = [self._requests.records[rid] for rid in open_tx.request_ids]
         kept = np.concatenate(
             [np.arange(n) < a for n, a in zip(open_tx.counts, accept, strict=True)]
         )  # [T] per token of the transaction: committed
@@ -1098,12 +1024,12 @@ class PagedKVCache:
 
     def attach_prefix(self, request_id: RequestId, prefix_id: PrefixId) -> None:
         """Start an empty active request with a resident prefix (its blocks shared)."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         pid = check_request_id("prefix_id", prefix_id)
         groups = self._prefix_groups()
         self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
-        self._require_active(record, "attach a prefix to")
+        require_active(record, "attach a prefix to")
         if record.seq_len or record.num_blocks or record.prefix_id is not None:
             raise RuntimeError(
                 f"attach_prefix needs an empty request; {record.request_id!r} already holds "
@@ -1144,7 +1070,7 @@ class PagedKVCache:
     # ---- observability -------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
-        terminal = self._terminal
+        terminal = self._requests.terminal
         open_tx = self._tx.open
         groups = [self._group_metrics(group, open_tx) for group in self._groups]
         num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
@@ -1158,8 +1084,8 @@ class PagedKVCache:
             "num_prefix_blocks": num_prefix_blocks,
             "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in groups),
             "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
-            "num_requests": self._num_added,
-            "num_active_requests": len(self._active),
+            "num_requests": self._requests.num_added,
+            "num_active_requests": len(self._requests.active),
             "num_finished_requests": terminal.count(RequestState.FINISHED),
             "num_cancelled_requests": terminal.count(RequestState.CANCELLED),
             "terminal_request_history_count": terminal.num_recent,
@@ -1180,7 +1106,7 @@ class PagedKVCache:
         reserved = {} if open_tx is None else open_tx.reserved[index]
         held = [
             rec.run(index).num_held + len(reserved.get(rid, ()))
-            for rid, rec in self._active.items()
+            for rid, rec in self._requests.active.items()
         ]
         used = group.allocator.num_used
         prefix = group.prefixes.num_blocks
@@ -1212,7 +1138,7 @@ class PagedKVCache:
         request holds nothing, so a block the allocator still gives one is reported as owned
         by neither an active request nor a prefix."""
         open_tx = self._tx.open
-        active = self._active
+        active = self._requests.active
         attached: Counter[PrefixId] = Counter()
         for rec in active.values():
             if rec.prefix_id is not None:
@@ -1237,14 +1163,7 @@ class PagedKVCache:
                     raise RuntimeError("open transaction reserved a block for a foreign request")
         if len(self._tx.history) > self._tx.history_limit:
             raise RuntimeError("terminal transaction history exceeds its limit")
-        terminal = self._terminal
-        if len(self._requests) != len(active) + terminal.num_recent:
-            raise RuntimeError(
-                f"{len(self._requests)} request records kept, expected {len(active)} active + "
-                f"{terminal.num_recent} recent terminal"
-            )
-        if terminal.num_recent > terminal.limit:
-            raise RuntimeError("terminal request history exceeds its limit")
+        self._requests.check_integrity()
 
     def _validate_group(self, group: LayerGroup, open_tx: OpenTransaction | None) -> None:
         index, bs, window = group.index, group.block_size, group.window
@@ -1254,7 +1173,7 @@ class PagedKVCache:
         owned = allocator.owned_blocks()
         reserved = open_tx.reserved[index] if open_tx is not None else {}
         num_private = 0
-        for rid, rec in self._active.items():
+        for rid, rec in self._requests.active.items():
             if rec.state is not RequestState.ACTIVE:
                 raise RuntimeError(f"{where}{rec.state.value} request {rid!r} is listed active")
             run = rec.run(index)
