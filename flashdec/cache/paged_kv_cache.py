@@ -19,14 +19,12 @@ cache keeps the bookkeeping (layer order, the reservation) and the caller suppli
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from flashdec._blocks import held_range
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_accept_counts,
@@ -37,6 +35,7 @@ from flashdec._checks import (
     check_tensor,
     check_token_counts,
 )
+from flashdec.cache.audit import cache_metrics, check_invariants
 from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.group_managers import make_manager
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
@@ -1066,154 +1065,14 @@ class PagedKVCache:
         """Resident prefixes in registration order."""
         return self._prefixes.ids()
 
-    # ---- observability -------------------------------------------------------------------
-    # ---- observability -------------------------------------------------------------------
+    # ---- observability (flashdec.cache.audit) ---------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
-        terminal = self._requests.terminal
-        open_tx = self._tx.open
-        groups = [self._group_metrics(group, open_tx) for group in self._groups]
-        num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
-        num_used = sum(g["num_used_blocks"] for g in groups)
-        return {
-            "version": self._version,
-            "num_blocks": sum(g["num_blocks"] for g in groups),
-            "num_free_blocks": sum(g["num_free_blocks"] for g in groups),
-            "num_used_blocks": num_used,
-            "num_private_blocks": num_used - num_prefix_blocks,
-            "num_prefix_blocks": num_prefix_blocks,
-            "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in groups),
-            "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
-            "num_requests": self._requests.num_added,
-            "num_active_requests": len(self._requests.active),
-            "num_finished_requests": terminal.count(RequestState.FINISHED),
-            "num_cancelled_requests": terminal.count(RequestState.CANCELLED),
-            "terminal_request_history_count": terminal.num_recent,
-            "terminal_request_history_limit": terminal.limit,
-            "num_prefixes": len(self._prefixes),
-            "prefix_refcount_total": self._prefixes.refcount_total(),
-            "num_prefix_evictions": self._prefixes.num_evictions,
-            "retained_transaction_state_count": 0 if open_tx is None else 1,
-            "terminal_transaction_history_count": len(self._tx.history),
-            "terminal_transaction_history_limit": self._tx.history_limit,
-            "num_committed_transactions": self._tx.num_committed,
-            "num_aborted_transactions": self._tx.num_aborted,
-            "groups": groups,
-        }
-
-    def _group_metrics(self, group: LayerGroup, open_tx: OpenTransaction | None) -> dict:
-        index = group.index
-        reserved = {} if open_tx is None else open_tx.reserved[index]
-        held = [
-            rec.run(index).num_held + len(reserved.get(rid, ()))
-            for rid, rec in self._requests.active.items()
-        ]
-        used = group.allocator.num_used
-        prefix = group.prefixes.num_blocks
-        return {
-            "group": index,
-            "layers": list(group.layers),
-            "num_layers": len(group.layers),
-            "window": group.window,
-            "block_size": group.block_size,
-            "num_kv_heads": group.num_kv_heads,
-            "head_dim": group.head_dim,
-            "dtype": str(group.dtype).removeprefix("torch."),
-            "num_blocks": group.spec.num_blocks,
-            "num_free_blocks": group.allocator.num_free,
-            "num_used_blocks": used,
-            "num_private_blocks": used - prefix,
-            "num_prefix_blocks": prefix,
-            "num_reserved_blocks": sum(len(b) for b in reserved.values()),
-            "max_blocks_per_request": max(held, default=0),
-            "block_bound_per_request": group.block_bound,
-            "bytes_per_block": group.spec.block_bytes,
-            "bytes": group.spec.nbytes,
-            "used_bytes": used * group.spec.block_bytes,
-        }
+        return cache_metrics(self._groups, self._requests, self._tx, self._version)
 
     def validate_invariants(self) -> None:
         """RuntimeError on any inconsistency between requests, prefixes, blocks and the open
         transaction, in every group. O(blocks + active requests * table width): a terminal
         request holds nothing, so a block the allocator still gives one is reported as owned
         by neither an active request nor a prefix."""
-        open_tx = self._tx.open
-        active = self._requests.active
-        attached: Counter[PrefixId] = Counter()
-        for rec in active.values():
-            if rec.prefix_id is not None:
-                attached[rec.prefix_id] += 1
-        for group in self._groups:
-            self._validate_group(group, open_tx)
-            group.prefixes.check_integrity(attached)
-        rows = [rec.row for rec in active.values()]
-        if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
-            raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
-        if any(g.tables.num_rows != self._tables.num_rows for g in self._groups):
-            raise RuntimeError("the KV groups' device tables have different row counts")
-        if open_tx is not None:
-            if not 0 <= open_tx.next_layer <= self._num_layers:
-                raise RuntimeError(f"open transaction at impossible layer {open_tx.next_layer}")
-            for rid in open_tx.request_ids:
-                rec = active.get(rid)
-                if rec is None or rec.state is not RequestState.ACTIVE:
-                    raise RuntimeError(f"open transaction lists non-active request {rid!r}")
-            for per_group in open_tx.reserved:
-                if not set(per_group) <= set(open_tx.request_ids):
-                    raise RuntimeError("open transaction reserved a block for a foreign request")
-        if len(self._tx.history) > self._tx.history_limit:
-            raise RuntimeError("terminal transaction history exceeds its limit")
-        self._requests.check_integrity()
-
-    def _validate_group(self, group: LayerGroup, open_tx: OpenTransaction | None) -> None:
-        index, bs, window = group.index, group.block_size, group.window
-        where = "" if self._single else f"KV group {index}: "
-        allocator, prefixes = group.allocator, group.prefixes
-        allocator.check_integrity()
-        owned = allocator.owned_blocks()
-        reserved = open_tx.reserved[index] if open_tx is not None else {}
-        num_private = 0
-        for rid, rec in self._requests.active.items():
-            if rec.state is not RequestState.ACTIVE:
-                raise RuntimeError(f"{where}{rec.state.value} request {rid!r} is listed active")
-            run = rec.run(index)
-            held = owned.pop(request_owner(rid), [])
-            first, end = held_range(rec.seq_len, bs, window)
-            ok = (run.first_block, run.num_blocks) == (first, end)
-            if not ok or run.num_blocks > run.table.shape[0]:
-                raise RuntimeError(
-                    f"{where}request {rid!r}: seq_len {rec.seq_len} needs {end - first} "
-                    f"blocks, holds {run.num_held} (logical [{first}, {end}) expected, "
-                    f"[{run.first_block}, {run.num_blocks}) held)"
-                )
-            if run.table[run.num_blocks :].any():
-                raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
-            if rec.prefix_id is None:
-                if run.num_prefix_blocks:
-                    raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
-            else:
-                if rec.prefix_id not in prefixes:
-                    raise RuntimeError(
-                        f"{where}request {rid!r} uses unknown prefix {rec.prefix_id!r}"
-                    )
-                ids = prefixes.block_ids(rec.prefix_id)
-                if tuple(run.table[: run.num_prefix_blocks].tolist()) != ids:
-                    raise RuntimeError(
-                        f"{where}request {rid!r}: table does not start with its prefix"
-                    )
-            private = run.private_block_ids + list(reserved.get(rid, ()))
-            if sorted(private) != held:
-                raise RuntimeError(
-                    f"{where}request {rid!r}: private blocks {sorted(private)} != allocator's "
-                    f"{held}"
-                )
-            num_private += len(held)
-        for owner, ids in owned.items():
-            if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
-                raise RuntimeError(
-                    f"{where}blocks {ids} owned by {owner!r}, not an active request nor a prefix"
-                )
-            if sorted(prefixes.block_ids(owner[1])) != ids:
-                raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
-        if num_private + prefixes.num_blocks + allocator.num_free != group.spec.num_blocks:
-            raise RuntimeError(f"{where}free + private + prefix blocks != max_blocks")
+        check_invariants(self._groups, self._requests, self._tx, self._num_layers)
