@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashdec._blocks import held_range
+from flashdec.cache.kv_spec import KVGroupSpec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.reservation import Plan, Reservation, request_owner
 from flashdec.cache.state import BlockRun, RequestId, RequestRecord
@@ -304,7 +305,11 @@ class SlidingWindowManager(GroupManager):
             )
 
 
+def manager_kind(spec: KVGroupSpec) -> type[GroupManager]:
+    """The manager class of a group of ``spec``."""
+    return FullAttentionManager if spec.window is None else SlidingWindowManager
+
+
 def make_manager(group: LayerGroup, single: bool) -> GroupManager:
     """The manager of ``group``'s kind (``single``: the cache has no other group)."""
-    kind = FullAttentionManager if group.window is None else SlidingWindowManager
-    return kind(group, single)
+    return manager_kind(group.spec)(group, single)

@@ -28,7 +28,6 @@ import torch
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_accept_counts,
-    check_device,
     check_positive_int,
     check_request_id,
     check_shape,
@@ -41,13 +40,8 @@ from flashdec.cache.group_managers import make_manager
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import (
-    GEOMETRY_ARGS,
-    check_groups,
-    check_scales,
-    layer_order,
-    legacy_group,
+    resolve_layout,
     scale_pair,
-    table_widths,
 )
 from flashdec.cache.requests import RequestTable, require_active
 from flashdec.cache.reservation import Plan, every_token, request_owner
@@ -137,56 +131,18 @@ class PagedKVCache:
         kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
     ) -> None:
-        if kv_spec is None and (
-            isinstance(num_layers, str)
-            or (
-                isinstance(num_layers, Sequence)
-                and num_layers
-                and all(isinstance(g, KVGroupSpec) for g in num_layers)
-            )
-        ):
-            kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
-        if kv_spec is None:
-            if layer_groups is not None or kv_scales is not None:
-                raise ValueError("layer_groups and kv_scales need kv_spec")
-            groups = (
-                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
-            )
-        else:
-            geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
-            given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
-            if given:
-                raise ValueError(
-                    f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
-                    f"{', '.join(given)})"
-                )
-            groups = check_groups(kv_spec)
-        capacity = check_positive_int(
-            "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
+        layout = resolve_layout(
+            (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
+            device,
+            prefix_cache_capacity_blocks,
+            max_blocks_per_seq,
+            kv_spec,
+            layer_groups,
+            max_seq_len,
+            kv_scales,
+            restore_on_abort,
         )
-        if capacity > groups[0].num_blocks:
-            raise ValueError(
-                f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
-                f"({groups[0].num_blocks})"
-            )
-        if capacity and (
-            any(g.window is not None for g in groups) or len({g.block_size for g in groups}) > 1
-        ):
-            raise ValueError(
-                "shared prefixes need full-attention KV groups of one block size; this cache "
-                f"has {format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
-            )
-        if capacity > min(g.num_blocks for g in groups):
-            raise ValueError(
-                f"prefix_cache_capacity_blocks ({capacity}) must not exceed any group's "
-                f"num_blocks ({min(g.num_blocks for g in groups)})"
-            )
-        widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
-        order = layer_order(groups, layer_groups)
-        if not isinstance(restore_on_abort, bool):
-            raise TypeError("restore_on_abort must be a bool")
-        device = check_device(device)
-        scales = check_scales(groups, kv_scales)
+        groups, order = layout.groups, layout.order
         self._restore_on_abort = restore_on_abort
         self._specs = groups
 
@@ -195,13 +151,13 @@ class PagedKVCache:
                 g,
                 spec,
                 tuple(i for i, x in enumerate(order) if x == g),
-                widths[g],
-                device,
-                capacity,
+                layout.widths[g],
+                layout.device,
+                layout.prefix_capacity,
             )
             for g, spec in enumerate(groups)
         ]
-        for group, pair in zip(self._groups, scales, strict=True):
+        for group, pair in zip(self._groups, layout.scales, strict=True):
             if pair is not None:
                 group.k_scale.copy_(pair[0])
                 group.v_scale.copy_(pair[1])
