@@ -41,7 +41,6 @@ from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import (
     resolve_layout,
-    scale_pair,
 )
 from flashdec.cache.requests import RequestTable, require_active
 from flashdec.cache.reservation import Plan, every_token, request_owner
@@ -185,7 +184,6 @@ class PagedKVCache:
         # the records of the active and the newest terminal requests (flashdec.cache.requests)
         self._requests = RequestTable()
         self._version = 0
-        self._appended = False  # a legacy append wrote tokens (scales are fixed then)
         self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
 
     def __repr__(self) -> str:
@@ -247,9 +245,6 @@ class PagedKVCache:
     def group_free_blocks(self, group: int) -> int:
         return self._check_group(group).allocator.num_free
 
-    def group_num_blocks(self, group: int) -> int:
-        return self._check_group(group).spec.num_blocks
-
     def group_max_blocks_per_seq(self, group: int) -> int:
         return self._check_group(group).width
 
@@ -258,19 +253,6 @@ class PagedKVCache:
         read, never write), None for a float group. Fixed per-head scales, not calibrated."""
         g = self._check_group(group)
         return None if g.k_scale is None else (g.k_scale, g.v_scale)
-
-    def set_kv_scales(self, group: int, k_scale: Any, v_scale: Any) -> None:
-        """Set an FP8 group's fixed K/V scales; only before anything is stored in the group."""
-        g = self._check_group(group)
-        k, v = scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
-        if self._tx.next_id() > 1 or self._appended:
-            raise RuntimeError(
-                f"cannot set the scales of KV group {group}: tokens were already written with "
-                "the old ones; set scales before the first transaction"
-            )
-        g.k_scale.copy_(k)
-        g.v_scale.copy_(v)
-        self._version += 1
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -456,12 +438,6 @@ class PagedKVCache:
         record = self._requests.record(request_id)
         return record.run(self._check_group(group).index).block_ids
 
-    def request_first_block(self, request_id: RequestId, *, group: int = 0) -> int:
-        """Logical index of the request's first held block in ``group`` (0 for full
-        attention; a window group's earlier table entries are released and never read)."""
-        record = self._requests.record(request_id)
-        return record.run(self._check_group(group).index).first_block
-
     # ---- metadata tensors ----------------------------------------------------------------
     def _metadata_records(self, request_ids: object) -> list[RequestRecord]:
         rids = self._requests.check_ids(request_ids, unique=False, nonempty=False)
@@ -567,7 +543,6 @@ class PagedKVCache:
         except BaseException:
             self._release(plan.reserved())
             raise
-        self._appended = True
         self._publish(records, counts, plan.reserved(), [p.starts for p in plan.groups])
         self._version += 1
         return result
@@ -825,17 +800,6 @@ class PagedKVCache:
         if group == 0 and type(group) is int:
             return open_tx.slots
         return open_tx.group_slots[self._check_group(group).index]
-
-    def transaction_decode_inputs(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_tables, seq_lens after)`` of an open transaction in ``group``, for attending
-        over the new tokens (decode or extend). These are the cache's own device tensors (no
-        copy): read them, never write. The write path does not use them, so they cannot redirect
-        a write."""
-        slots = self.transaction_slots(tx, group=group)
-        batch = slots.batch
-        return slots.block_tables[:batch], slots.seq_lens_after[:batch]
 
     def commit_token(
         self, tx: TokenTransactionView | int, accept: Sequence[int] | None = None
