@@ -292,7 +292,7 @@ def test_window_of_one_keeps_nothing_between_steps():
 def test_failure_at_every_layer_of_a_multi_group_transaction_rolls_back_bit_identically(
     monkeypatch,
 ):
-    import flashdec.cache.paged_kv_cache as facade
+    import flashdec.cache.token_steps as facade
 
     cache = make()
     history = History(cache, seed=2)

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from flashdec._blocks import blocks_for_tokens, held_block_range, lifetime_blocks
 from flashdec.cache import KVGroupSpec, PagedKVCache
-from flashdec.cache.paged_kv_cache import torch_scatter
+from flashdec.cache.token_steps import torch_scatter
 from tests.cache.helpers import request_first_block
 from tests.cache.snapshot import assert_same_state, snapshot
 from tests.profiles import examples

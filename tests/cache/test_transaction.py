@@ -122,7 +122,7 @@ def test_abort_without_restore_still_releases_blocks():
 
 def test_failing_write_leaves_transaction_open_and_abort_restores(cache, monkeypatch):
     """Fault injection at every layer: the failing write changes nothing, abort undoes the rest."""
-    import flashdec.cache.paged_kv_cache as facade
+    import flashdec.cache.token_steps as facade
 
     cache.add_request("a")
     commit_token(cache, ["a"], seed=1)
