@@ -160,8 +160,8 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
 
     # --- the same kernels with no engine: a transaction only provides the slots
     view = cache.begin_token(rids)
-    tables, lens = cache.transaction_decode_inputs(view)
     slots = cache.transaction_slots(view)
+    tables, lens = slots.block_tables[: slots.batch], slots.seq_lens_after[: slots.batch]
     max_len = cache.seq_len(rids[0]) + 1
     plan = plan_decode(
         batch,

@@ -340,7 +340,7 @@ def test_fp8_kv_pool_counts_one_byte_per_element(monkeypatch):
         llm = flashdec.LLM(model, kv_cache_dtype=kv, max_batch_size=4096, max_model_len=256)
         cache = llm.engine.cache
         assert cache.group_kv(0)[0].element_size() == (1 if kv == "fp8" else 2)
-        blocks[kv] = cache.group_num_blocks(0)
+        blocks[kv] = cache.kv_groups[0].num_blocks
     assert blocks["fp8"] == 2 * blocks["auto"]
     scales = flashdec.LLM(model, kv_cache_dtype="fp8", kv_scale=0.25).engine.cache.group_kv_scales(
         0

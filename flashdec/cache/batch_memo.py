@@ -10,17 +10,24 @@ a Python pass over every request.
 The memo is valid only at the cache version its last commit left: any other change of the cache
 (a lifecycle call, a prefix, a prompt import, another batch, an abort) moves the version, and the
 next step takes the general path, which re-checks everything (and raises its exact errors).
-Full-attention groups only: a window group's held range moves on its own.
+Full-attention groups only (``GroupManager.memoizable``): a window group's held range moves on
+its own. :meth:`BatchMemo.plan` reserves the next step from the arrays.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flashdec.cache.reservation import NO_NEW, NO_UPDATES, Plan, request_owner
 from flashdec.cache.state import RequestId, RequestRecord
+from flashdec.cache.transaction import TableRows
+
+if TYPE_CHECKING:
+    from flashdec.cache.group_managers import GroupManager
 
 
 class BatchMemo:
@@ -129,3 +136,77 @@ class BatchMemo:
                 room[g] = None
             elif room[g] is not None:
                 room[g] -= 1  # no block taken: every request has one slot less to go
+
+    def plan(self, managers: Sequence[GroupManager]) -> Plan | None:
+        """The repeated batch's one-token reservation, planned on arrays (full-attention groups:
+        a request takes a block exactly when its token starts one). None when some request
+        would be full or a pool is short: the general path then raises its exact error."""
+        self.settle()
+        lens = self.lens
+        news = []
+        for g, (manager, held) in enumerate(zip(managers, self.held, strict=True)):
+            room = self.room[g]
+            if room is None:
+                room = self.room[g] = int((held * manager.block_size - lens).min())
+            if room > 0:  # every token lands in a held block (the steady state: no array op)
+                news.append((NO_NEW[0], None))
+                continue
+            logical = lens // manager.block_size
+            starting = logical >= held  # the token starts a new block
+            index = np.flatnonzero(starting) if starting.any() else NO_NEW[0]
+            if index.shape[0] and (
+                index.shape[0] > manager.allocator.num_free or logical[index].max() >= manager.width
+            ):
+                return None
+            news.append((index, logical))
+        plan = Plan(self.records, self.counts, len(managers))
+        # int32 (a copy: the memo's lengths move on): the view's positions as they are
+        plan.positions, plan.rows, plan.memo = lens.astype(np.int32), self.rows, self
+        rids = self.rids
+        try:
+            for g, (manager, part, (index, logical), last, tables) in enumerate(
+                zip(managers, plan.groups, news, self.last, self.tables, strict=True)
+            ):
+                block_ids = last.copy()
+                if index.shape[0]:
+                    picked = index.tolist()
+                    owners = [request_owner(rids[i]) for i in picked]
+                    blocks = manager.allocator.allocate_each(owners)
+                    new_logical = logical[index]
+                    block_ids[index] = blocks
+                    starts = new_logical.tolist()
+                    part.reserved = {o[1]: [b] for o, b in zip(owners, blocks, strict=True)}
+                    part.starts = {o[1]: x for o, x in zip(owners, starts, strict=True)}
+                    width = manager.width
+                    values = np.asarray(blocks, dtype=np.int64)
+                    part.update_arrays = (
+                        self.rows[index] * width + new_logical,
+                        values,
+                        index * width + new_logical,
+                    )
+                    part.new = (index, values)
+                    reserved = (picked, blocks, starts)
+                else:
+                    part.update_arrays = (*NO_UPDATES, NO_UPDATES[0])
+                    reserved = None
+                part.block_ids = block_ids
+                part.table_rows = _lazy_table_rows(tables, self.held_list(g), reserved)
+        except BaseException:
+            for manager, reserved in zip(managers, plan.reserved(), strict=True):
+                manager.release(reserved)
+            raise
+        return plan
+
+
+def _lazy_table_rows(tables: list[np.ndarray], held: list[int], reserved) -> TableRows:
+    """A view's table rows of a repeated-batch step, made only if the view's block tables are
+    read: ``held`` is a snapshot, and committed entries of ``tables`` never change."""
+
+    def rows() -> list:
+        out = [(table, 0, n, (), 0) for table, n in zip(tables, held, strict=True)]
+        if reserved is not None:
+            for i, block, start in zip(*reserved, strict=True):
+                out[i] = (tables[i], 0, held[i], (block,), start)
+        return out
+
+    return rows

@@ -9,6 +9,8 @@ parts. FP8 groups carry fixed per-head K/V scales (not calibrated): stored = val
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flashdec._blocks import window_block_bound
@@ -16,7 +18,9 @@ from flashdec.cache.allocator import BlockAllocator
 from flashdec.cache.device_tables import DeviceTables
 from flashdec.cache.kv_spec import KVGroupSpec
 from flashdec.cache.prefix_registry import PrefixRegistry
-from flashdec.cache.transaction import SlotBuffers
+
+if TYPE_CHECKING:
+    from flashdec.cache.slots import SlotBuffers
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: quantization saturates there
@@ -63,7 +67,8 @@ class LayerGroup:
         self._writer_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.allocator = BlockAllocator(spec.num_blocks)
         self.prefixes = PrefixRegistry(self.allocator, prefix_capacity, spec.block_size)
-        self.tables = DeviceTables(width, self.kv.device)
+        self.device = self.kv.device
+        self.tables = DeviceTables(width, self.device)
         self.slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
         self.pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
         self.k_scale: torch.Tensor | None = None

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from flashdec._checks import FLOAT_DTYPES, check_positive_int
+from flashdec._checks import FLOAT_DTYPES, check_device, check_positive_int
+from flashdec.cache.group_managers import manager_kind
 from flashdec.cache.kv_spec import KVGroupSpec, check_storable, format_kv_spec, parse_kv_spec
 
 GEOMETRY_ARGS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "max_blocks", "dtype")
@@ -156,3 +158,81 @@ def scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor
             raise ValueError(f"{name} {which} must be finite and > 0")
         out.append(tensor)
     return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A cache's checked construction arguments."""
+
+    groups: tuple[KVGroupSpec, ...]
+    prefix_capacity: int  # blocks for shared prefixes, per group
+    widths: list[int]  # block-table width per group
+    order: list[int]  # the group of each global layer
+    device: torch.device
+    scales: list  # per group None or (k_scale, v_scale)
+
+
+def resolve_layout(
+    geometry: tuple,
+    device: object,
+    prefix_cache_capacity_blocks: object,
+    max_blocks_per_seq: object,
+    kv_spec: object,
+    layer_groups: object,
+    max_seq_len: object,
+    kv_scales: object,
+    restore_on_abort: object,
+) -> CacheLayout:
+    """Check every ``PagedKVCache`` constructor argument (in its order, with its messages);
+    ``geometry`` is ``(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)``."""
+    num_layers = geometry[0]
+    if kv_spec is None and (
+        isinstance(num_layers, str)
+        or (
+            isinstance(num_layers, Sequence)
+            and num_layers
+            and all(isinstance(g, KVGroupSpec) for g in num_layers)
+        )
+    ):
+        kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
+    if kv_spec is None:
+        if layer_groups is not None or kv_scales is not None:
+            raise ValueError("layer_groups and kv_scales need kv_spec")
+        groups = (legacy_group(num_layers, *geometry[1:]),)
+    else:
+        geometry = (num_layers, *geometry[1:])
+        given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
+        if given:
+            raise ValueError(
+                f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
+                f"{', '.join(given)})"
+            )
+        groups = check_groups(kv_spec)
+    capacity = check_positive_int(
+        "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
+    )
+    if capacity > groups[0].num_blocks:
+        raise ValueError(
+            f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
+            f"({groups[0].num_blocks})"
+        )
+    if capacity and (
+        not all(manager_kind(g).shares_prefixes for g in groups)
+        or len({g.block_size for g in groups}) > 1
+    ):
+        raise ValueError(
+            "shared prefixes need full-attention KV groups of one block size; this cache "
+            f"has {format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
+        )
+    if capacity > min(g.num_blocks for g in groups):
+        raise ValueError(
+            f"prefix_cache_capacity_blocks ({capacity}) must not exceed any group's "
+            f"num_blocks ({min(g.num_blocks for g in groups)})"
+        )
+    widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
+    order = layer_order(groups, layer_groups)
+    if not isinstance(restore_on_abort, bool):
+        raise TypeError("restore_on_abort must be a bool")
+    device = check_device(device)
+    scales = check_scales(groups, kv_scales)
+    return CacheLayout(groups, capacity, widths, order, device, scales)

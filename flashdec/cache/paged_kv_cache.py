@@ -12,183 +12,45 @@ takes blocks only for the tail the window keeps.
 Every public method validates all of its arguments, then the cache's state, and only then
 mutates; a rejected call changes nothing (no block taken, no length moved, no version bump).
 
-The cache writes K/V itself only with PyTorch (``write_token_layer``, ``append``). Faster writers
-(the Triton kernels) are the engine's: they run through ``write_token_layer_with``, where the
-cache keeps the bookkeeping (layer order, the reservation) and the caller supplies the launch.
+The facade owns the request lifecycle, shared prefixes and the parts below, and keeps every
+public name; the work is in its parts, one concept per module:
+
+- ``layout`` (constructor checks), ``layer_group`` (a group's storage and pool),
+  ``group_managers`` (reserve / publish / release per group kind: full attention, sliding
+  window), ``requests`` (the request table), ``transaction`` (the open transaction, its undo and
+  tombstones), ``reservation`` (what a step takes), ``slots`` / ``device_tables`` /
+  ``batch_memo`` (a step's device metadata and the repeated-batch plan), ``audit`` (metrics,
+  invariants);
+- two mixins hold the rest of the public methods: ``queries.LayoutQueries`` (geometry and
+  per-group reads) and ``token_steps.TokenSteps`` (append and the token transaction).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from flashdec._blocks import held_range
-from flashdec._checks import (
-    FLOAT_DTYPES,
-    check_accept_counts,
-    check_device,
-    check_positive_int,
-    check_request_id,
-    check_shape,
-    check_tensor,
-    check_token_counts,
-)
+from flashdec._checks import check_request_id, check_shape, check_tensor
+from flashdec.cache.audit import cache_metrics, check_invariants
 from flashdec.cache.batch_memo import BatchMemo
-from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
+from flashdec.cache.group_managers import make_manager
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
-from flashdec.cache.layout import (
-    GEOMETRY_ARGS,
-    check_groups,
-    check_scales,
-    layer_order,
-    legacy_group,
-    scale_pair,
-    table_widths,
-)
-from flashdec.cache.state import (
-    BlockRun,
-    PrefixId,
-    PrefixState,
-    RequestId,
-    RequestRecord,
-    RequestState,
-    RetiredRequest,
-)
-from flashdec.cache.transaction import (
-    HISTORY_LIMIT,
-    OpenTransaction,
-    SlotBuffers,
-    TableRows,
-    TokenTransactionView,
-    TransactionLog,
-    TransactionSlots,
-    TransactionState,
-)
+from flashdec.cache.layout import resolve_layout
+from flashdec.cache.queries import LayoutQueries
+from flashdec.cache.requests import RequestTable, require_active
+from flashdec.cache.reservation import request_owner
+from flashdec.cache.state import PrefixId, PrefixState, RequestId, RequestRecord, RequestState
+from flashdec.cache.token_steps import TokenSteps, torch_scatter
+from flashdec.cache.transaction import HISTORY_LIMIT, TransactionLog
 
-T = TypeVar("T")
-# a writer stores one layer's K/V of a reservation: writer(k_layer, v_layer, slots)
-LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
+__all__ = ["PagedKVCache", "torch_scatter"]  # torch_scatter: the engine's PyTorch writer
 
 
-_NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-_NO_NEW = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
-
-def request_owner(request_id: RequestId) -> tuple[str, RequestId]:
-    return ("request", request_id)
-
-
-def torch_scatter(
-    k_layer: torch.Tensor, v_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots
-) -> None:
-    """``k_layer[block_ids[t], :, offsets[t]] = k[t]`` (same for v): one index_put each.
-
-    ``k, v`` hold one row per token of the transaction; when the group stores only some of them
-    (``slots.token_rows``: a window group's prompt import) only those rows are written.
-    """
-    count = slots.num_tokens
-    rows = slots.token_rows
-    if rows is not None:
-        k, v = k.index_select(0, rows), v.index_select(0, rows)
-    block_ids, offsets = slots.block_ids[:count], slots.offsets[:count]
-    k_layer[block_ids, :, offsets] = k  # [T, Hkv, D]
-    v_layer[block_ids, :, offsets] = v
-
-
-def _window_span(run: BlockRun, start: int, count: int, bs: int, window: int) -> tuple[int, int]:
-    """For a window group: ``(first stored logical block, first new logical block)`` of a
-    reservation of ``count`` tokens after ``start`` committed ones.
-
-    Tokens in blocks the window keeps after the commit are stored, and always the last token
-    (its own decode reads it, even with a window of 1); blocks from the second value on are
-    taken new, everything in between is already held.
-    """
-    keep, end = held_range(start + count, bs, window)
-    stored = min(keep, end - 1)
-    if run.first_block == run.num_blocks:  # nothing held
-        return stored, stored
-    return stored, max(stored, run.num_blocks)
-
-
-class _Reservation:
-    """What a transaction takes in one group, planned on the host before anything changes."""
-
-    __slots__ = (
-        "block_ids",
-        "new",
-        "reserved",
-        "starts",
-        "table_rows",
-        "token_rows",
-        "update_arrays",
-        "update_batch",
-        "updates",
-    )
-
-    def __init__(self) -> None:
-        self.block_ids: np.ndarray | None = None  # [stored tokens] int64
-        self.token_rows: np.ndarray | None = None  # their token indices; None: every token
-        self.reserved: dict[RequestId, list[int]] = {}  # new blocks per request
-        self.starts: dict[RequestId, int] = {}  # logical index of a request's first new block
-        # device-table writes (row, logical block, block id) and, per request, the view's
-        # (committed table row, first held block, committed end, reserved blocks, their start)
-        self.updates: list[tuple[int, int, int]] = []
-        self.update_batch: list[int] = []  # one-token reservations: each update's batch index
-        self.table_rows: TableRows = []
-        # the repeated-batch path: the updates as (flat index, block id, flat index in the
-        # batch's tables) arrays, and (batch indices, blocks) of the new blocks
-        self.update_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self.new: tuple[np.ndarray, np.ndarray] = _NO_NEW
-
-
-def _every_token(part: _Reservation, num_tokens: int) -> np.ndarray:
-    """int32 block id of every token of a reservation (-1 where the group stores none)."""
-    block_ids = part.block_ids.astype(np.int32)
-    if part.token_rows is None:
-        return block_ids
-    every = np.full(num_tokens, -1, dtype=np.int32)
-    every[part.token_rows] = block_ids
-    return every
-
-
-def _lazy_table_rows(tables: list[np.ndarray], held: list[int], reserved) -> TableRows:
-    """A view's table rows of a repeated-batch step, made only if the view's block tables are
-    read: ``held`` is a snapshot, and committed entries of ``tables`` never change."""
-
-    def rows() -> list:
-        out = [(table, 0, n, (), 0) for table, n in zip(tables, held, strict=True)]
-        if reserved is not None:
-            for i, block, start in zip(*reserved, strict=True):
-                out[i] = (tables[i], 0, held[i], (block,), start)
-        return out
-
-    return rows
-
-
-class _Plan:
-    """A transaction's batch (shared by every group) and one reservation per group."""
-
-    __slots__ = ("counts", "groups", "memo", "positions", "records", "rows")
-
-    def __init__(self, records: list[RequestRecord], counts: list[int], num_groups: int) -> None:
-        self.records = records
-        self.counts = counts
-        self.positions: np.ndarray | None = None  # [T] int64 (int32: a memo plan), every token
-        self.groups = [_Reservation() for _ in range(num_groups)]
-        self.rows: np.ndarray | None = None  # [B] int64 device-table rows, when known
-        self.memo: BatchMemo | None = None  # the repeated batch this plan came from
-
-    def reserved(self) -> list[dict[RequestId, list[int]]]:
-        return [part.reserved for part in self.groups]
-
-
-class PagedKVCache:
+class PagedKVCache(LayoutQueries, TokenSteps):
     """A paged K/V cache whose layers form one or more KV layer groups.
 
     Args:
@@ -236,56 +98,18 @@ class PagedKVCache:
         kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
     ) -> None:
-        if kv_spec is None and (
-            isinstance(num_layers, str)
-            or (
-                isinstance(num_layers, Sequence)
-                and num_layers
-                and all(isinstance(g, KVGroupSpec) for g in num_layers)
-            )
-        ):
-            kv_spec, num_layers = num_layers, None  # PagedKVCache("(2,...):bfloat16:30;...")
-        if kv_spec is None:
-            if layer_groups is not None or kv_scales is not None:
-                raise ValueError("layer_groups and kv_scales need kv_spec")
-            groups = (
-                legacy_group(num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
-            )
-        else:
-            geometry = (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype)
-            given = [n for n, x in zip(GEOMETRY_ARGS, geometry, strict=True) if x is not None]
-            if given:
-                raise ValueError(
-                    f"pass either kv_spec or the geometry arguments, not both (got kv_spec and "
-                    f"{', '.join(given)})"
-                )
-            groups = check_groups(kv_spec)
-        capacity = check_positive_int(
-            "prefix_cache_capacity_blocks", prefix_cache_capacity_blocks, minimum=0
+        layout = resolve_layout(
+            (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
+            device,
+            prefix_cache_capacity_blocks,
+            max_blocks_per_seq,
+            kv_spec,
+            layer_groups,
+            max_seq_len,
+            kv_scales,
+            restore_on_abort,
         )
-        if capacity > groups[0].num_blocks:
-            raise ValueError(
-                f"prefix_cache_capacity_blocks ({capacity}) must not exceed max_blocks "
-                f"({groups[0].num_blocks})"
-            )
-        if capacity and (
-            any(g.window is not None for g in groups) or len({g.block_size for g in groups}) > 1
-        ):
-            raise ValueError(
-                "shared prefixes need full-attention KV groups of one block size; this cache "
-                f"has {format_kv_spec(groups)!r} (use prefix_cache_capacity_blocks=0)"
-            )
-        if capacity > min(g.num_blocks for g in groups):
-            raise ValueError(
-                f"prefix_cache_capacity_blocks ({capacity}) must not exceed any group's "
-                f"num_blocks ({min(g.num_blocks for g in groups)})"
-            )
-        widths = table_widths(groups, max_blocks_per_seq, max_seq_len)
-        order = layer_order(groups, layer_groups)
-        if not isinstance(restore_on_abort, bool):
-            raise TypeError("restore_on_abort must be a bool")
-        device = check_device(device)
-        scales = check_scales(groups, kv_scales)
+        groups, order = layout.groups, layout.order
         self._restore_on_abort = restore_on_abort
         self._specs = groups
 
@@ -294,13 +118,13 @@ class PagedKVCache:
                 g,
                 spec,
                 tuple(i for i, x in enumerate(order) if x == g),
-                widths[g],
-                device,
-                capacity,
+                layout.widths[g],
+                layout.device,
+                layout.prefix_capacity,
             )
             for g, spec in enumerate(groups)
         ]
-        for group, pair in zip(self._groups, scales, strict=True):
+        for group, pair in zip(self._groups, layout.scales, strict=True):
             if pair is not None:
                 group.k_scale.copy_(pair[0])
                 group.v_scale.copy_(pair[1])
@@ -316,28 +140,25 @@ class PagedKVCache:
         self._layers = [(k, v) for k, v, _ in self._layer_info]
         first = self._groups[0]
         self._single = len(self._groups) == 1
-        self._has_window = any(g.window is not None for g in self._groups)
+        self._managers = [make_manager(group, self._single) for group in self._groups]
+        # the repeated-batch path and shared prefixes, where every group's kind allows them
+        self._memoizable = all(m.memoizable for m in self._managers)
+        self._shares_prefixes = all(m.shares_prefixes for m in self._managers)
         self._device = first.kv.device
         self._allocator = first.allocator  # group 0's (the only one of a single-group cache)
         self._prefixes = first.prefixes
         self._tables = first.tables
         self._tx = TransactionLog(HISTORY_LIMIT)
-        # records of the active requests and of the newest terminal ones, in insertion order;
-        # the active ones also by themselves (a round costs what is live), and every terminal
-        # request's state compactly (ids are never reused): see flashdec.cache.history
-        self._requests: dict[RequestId, RequestRecord] = {}
-        self._active: dict[RequestId, RequestRecord] = {}
-        self._terminal = TerminalHistory(RequestState.FINISHED, TERMINAL_HISTORY_LIMIT)
-        self._num_added = 0
+        # the records of the active and the newest terminal requests (flashdec.cache.requests)
+        self._requests = RequestTable()
         self._version = 0
-        self._appended = False  # a legacy append wrote tokens (scales are fixed then)
         self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
 
     def __repr__(self) -> str:
         if not self._single:
             return (
                 f"PagedKVCache(kv_spec={format_kv_spec(self._specs)!r}, device={self._device}, "
-                f"free={self.num_free_blocks}, requests={len(self._requests)}, "
+                f"free={self.num_free_blocks}, requests={len(self._requests.records)}, "
                 f"version={self._version})"
             )
         g = self._groups[0]
@@ -345,241 +166,14 @@ class PagedKVCache:
             f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={g.num_kv_heads}, "
             f"head_dim={g.head_dim}, block_size={g.block_size}, "
             f"max_blocks={g.spec.num_blocks}, dtype={g.dtype}, device={self._device}, "
-            f"free={self._allocator.num_free}, requests={len(self._requests)}, "
+            f"free={self._allocator.num_free}, requests={len(self._requests.records)}, "
             f"prefixes={len(self._prefixes)}, version={self._version})"
         )
-
-    # ---- geometry and simple queries -----------------------------------------------------
-    def _uniform(self, name: str) -> Any:
-        """A geometry attribute every group shares, else a RuntimeError pointing at groups."""
-        values = {getattr(group, name) for group in self._groups}
-        if len(values) != 1:
-            raise RuntimeError(
-                f"{name} differs between this cache's KV groups ({format_kv_spec(self._specs)}); "
-                "read it per group from kv_groups"
-            )
-        return values.pop()
-
-    @property
-    def kv_groups(self) -> tuple[KVGroupSpec, ...]:
-        """The layer groups, in group order."""
-        return self._specs
-
-    @property
-    def num_groups(self) -> int:
-        return len(self._groups)
-
-    def _check_group(self, group: object) -> LayerGroup:
-        if isinstance(group, bool) or not isinstance(group, int):
-            raise TypeError(f"group must be an int, got {type(group).__name__}")
-        if not 0 <= group < len(self._groups):
-            raise ValueError(f"group must be in [0, {len(self._groups)}), got {group}")
-        return self._groups[group]
-
-    def layer_group(self, layer_idx: int) -> int:
-        """The group of global layer ``layer_idx``."""
-        return self._layer_group[self._check_layer_index(layer_idx)]
-
-    def group_layers(self, group: int) -> tuple[int, ...]:
-        """The global layer ids of ``group``, ascending."""
-        return self._check_group(group).layers
-
-    def group_kv(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V storage of ``group``: ``[layers_in_group, num_blocks, Hkv, bs, D]`` each."""
-        g = self._check_group(group)
-        return g.k, g.v
-
-    def group_free_blocks(self, group: int) -> int:
-        return self._check_group(group).allocator.num_free
-
-    def group_num_blocks(self, group: int) -> int:
-        return self._check_group(group).spec.num_blocks
-
-    def group_max_blocks_per_seq(self, group: int) -> int:
-        return self._check_group(group).width
-
-    def group_kv_scales(self, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k_scale, v_scale)`` float32 ``[Hkv]`` of an FP8 group (the cache's own tensors:
-        read, never write), None for a float group. Fixed per-head scales, not calibrated."""
-        g = self._check_group(group)
-        return None if g.k_scale is None else (g.k_scale, g.v_scale)
-
-    def set_kv_scales(self, group: int, k_scale: Any, v_scale: Any) -> None:
-        """Set an FP8 group's fixed K/V scales; only before anything is stored in the group."""
-        g = self._check_group(group)
-        k, v = scale_pair(f"group {group} scales", g.spec, (k_scale, v_scale))
-        if self._tx.next_id() > 1 or self._appended:
-            raise RuntimeError(
-                f"cannot set the scales of KV group {group}: tokens were already written with "
-                "the old ones; set scales before the first transaction"
-            )
-        g.k_scale.copy_(k)
-        g.v_scale.copy_(v)
-        self._version += 1
-
-    @property
-    def k_cache(self) -> torch.Tensor:
-        """K storage ``[num_layers, max_blocks, Hkv, bs, D]`` of a single-group cache."""
-        return self._single_storage("k_cache").k
-
-    @property
-    def v_cache(self) -> torch.Tensor:
-        return self._single_storage("v_cache").v
-
-    def _single_storage(self, name: str) -> LayerGroup:
-        if not self._single:
-            raise RuntimeError(
-                f"{name} exists only for a single-group cache; this one has "
-                f"{len(self._groups)} KV groups: use group_kv(g) or layer_kv(layer)"
-            )
-        return self._groups[0]
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self._uniform("num_kv_heads")
-
-    @property
-    def head_dim(self) -> int:
-        return self._uniform("head_dim")
-
-    @property
-    def block_size(self) -> int:
-        return self._uniform("block_size")
-
-    @property
-    def max_blocks(self) -> int:
-        """Blocks in the pool (summed over groups)."""
-        return sum(g.spec.num_blocks for g in self._groups)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.max_blocks
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return self._uniform("width")
-
-    @property
-    def prefix_cache_capacity_blocks(self) -> int:
-        return self._prefixes.capacity_blocks
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._uniform("dtype")
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (single-group caches; see
-        ``KVGroupSpec.block_bytes`` per group)."""
-        return self._single_storage("bytes_per_block").spec.block_bytes
-
-    @property
-    def num_request_slots(self) -> int:
-        """Upper bound (exclusive) of ``TransactionSlots.request_slots`` values; it grows (by
-        doubling) when more requests are active at once than ever before."""
-        return self._tables.num_rows
-
-    @property
-    def version(self) -> int:
-        """Bumps on every successful change of lengths, ownership, lifecycle or transactions."""
-        return self._version
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks (summed over groups)."""
-        if self._single:
-            return self._allocator.num_free
-        return sum(g.allocator.num_free for g in self._groups)
-
-    @property
-    def open_transaction_id(self) -> int | None:
-        tx = self._tx.open
-        return None if tx is None else tx.transaction_id
-
-    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, Hkv, block_size, D]`` of one layer's K and V (in its group)."""
-        return self._layers[self._check_layer_index(layer_idx)]
-
-    # ---- argument helpers ----------------------------------------------------------------
-    def _check_layer_index(self, layer_idx: object) -> int:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
-        if not 0 <= layer_idx < self._num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self._num_layers}), got {layer_idx}")
-        return layer_idx
-
-    def _record(self, request_id: object) -> RequestRecord | RetiredRequest:
-        record = self._requests.get(request_id) if type(request_id) in (str, int) else None
-        if record is None:
-            rid = check_request_id("request_id", request_id)
-            state = self._terminal.state(rid)
-            if state is None:
-                raise ValueError(f"unknown request id {rid!r}")
-            return RetiredRequest(rid, state)  # terminal, its record no longer kept
-        return record
-
-    @staticmethod
-    def _require_active(record: RequestRecord | RetiredRequest, action: str) -> None:
-        if record.state is not RequestState.ACTIVE:
-            raise RuntimeError(
-                f"cannot {action} request {record.request_id!r}: it is {record.state.value}, "
-                "expected active"
-            )
-
-    def _check_ids(self, request_ids: object, *, unique: bool, nonempty: bool) -> list[RequestId]:
-        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
-            raise TypeError(
-                f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
-            )
-        rids = list(request_ids)
-        active = self._active
-        for rid in rids:
-            if type(rid) not in (str, int) or rid not in active:  # fast path first
-                check_request_id("request id", rid)
-                if rid not in self._requests and self._terminal.state(rid) is None:
-                    raise ValueError(f"unknown request id {rid!r}")
-        if nonempty and not rids:
-            raise ValueError("request_ids must not be empty")
-        if unique and len(set(rids)) != len(rids):
-            twice = sorted({repr(r) for r, n in Counter(rids).items() if n > 1})
-            raise ValueError(f"request_ids lists {', '.join(twice)} more than once")
-        return rids
-
-    def _active_records(self, rids: list[RequestId], action: str) -> list[RequestRecord]:
-        active = self._active
-        for rid in rids:
-            if rid not in active:
-                self._require_active(self._record(rid), action)
-        return [active[rid] for rid in rids]
-
-    def _check_token_kv(
-        self, name: str, value: object, num_tokens: int, group: LayerGroup
-    ) -> torch.Tensor:
-        """K or V rows ``[num_tokens, Hkv, D]`` for ``group``: its dtype, or any float dtype
-        for an FP8 group (quantized with its scales)."""
-        dtypes = FLOAT_DTYPES if group.is_fp8 else (group.dtype,)
-        tensor = check_tensor(name, value, ndim=3, dtypes=dtypes, device=self._device)
-        check_shape(name, tensor, (num_tokens, group.num_kv_heads, group.head_dim))
-        return tensor
 
     # ---- lifecycle -----------------------------------------------------------------------
     def add_request(self, request_id: RequestId) -> None:
         """Register a new, empty, active request (ids are never reused)."""
-        rid = check_request_id("request_id", request_id)
-        known = self._requests.get(rid)
-        state = known.state if known is not None else self._terminal.state(rid)
-        if state is not None:
-            raise ValueError(
-                f"request id {rid!r} already exists ({state.value}); ids are not reused"
-            )
+        rid = self._requests.check_new(request_id)
         self._tx.ensure_none_open("add a request")
         row = self._tables.acquire()
         for group in self._groups[1:]:  # every group's tables hand out rows in lockstep
@@ -587,8 +181,7 @@ class PagedKVCache:
                 raise RuntimeError("device-table rows of the KV groups went out of step")
         others = [group.width for group in self._groups[1:]]
         record = RequestRecord(rid, self._groups[0].width, row, others)
-        self._requests[rid] = self._active[rid] = record
-        self._num_added += 1
+        self._requests.add(record)
         self._version += 1
 
     def finish_request(self, request_id: RequestId) -> None:
@@ -603,26 +196,20 @@ class PagedKVCache:
         """Undo ``add_request``: release what an active request holds and forget its id, which
         may be added again. For an admission taken back (a serving step that failed before the
         request decoded anything), not for ending a request: that is finish or cancel."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         self._tx.ensure_none_open("discard a request")
-        self._require_active(record, "discard")
+        require_active(record, "discard")
         self._release_record(record)
-        del self._requests[record.request_id]
-        del self._active[record.request_id]
+        self._requests.forget(record)
         self._version += 1
 
     def _terminate(self, request_id: RequestId, state: RequestState) -> None:
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         verb = "finish" if state is RequestState.FINISHED else "cancel"
         self._tx.ensure_none_open(f"{verb} a request")
-        self._require_active(record, verb)
+        require_active(record, verb)
         self._release_record(record)
-        record.retire(state)
-        rid = record.request_id
-        del self._active[rid]
-        dropped = self._terminal.add(rid, state)
-        if dropped is not None:  # the oldest terminal record leaves the bounded history
-            del self._requests[dropped]
+        self._requests.retire(record, state)
         self._version += 1
 
     def _release_record(self, record: RequestRecord) -> None:
@@ -636,51 +223,32 @@ class PagedKVCache:
                 group.prefixes.detach(record.prefix_id)
 
     def request_state(self, request_id: RequestId) -> RequestState:
-        return self._record(request_id).state
+        return self._requests.record(request_id).state
 
     def request_ids(self, state: RequestState | str | None = None) -> list[RequestId]:
         """Request ids in insertion order, optionally only those in ``state``: every active
         request and the newest ``TERMINAL_HISTORY_LIMIT`` terminal ones (an older terminal id
         keeps its state — ``request_state`` — but is no longer listed). O(what is listed)."""
-        if state is None:
-            return list(self._requests)
-        if not isinstance(state, str):
-            raise TypeError(
-                f"state must be a RequestState, str or None, got {type(state).__name__}"
-            )
-        try:
-            wanted = RequestState(state)
-        except ValueError as err:
-            values = [s.value for s in RequestState]
-            raise ValueError(f"state must be one of {values}, got {state!r}") from err
-        if wanted is RequestState.ACTIVE:
-            return list(self._active)
-        return [rid for rid, rec in self._requests.items() if rec.state is wanted]
+        return self._requests.ids(state)
 
     def request_prefix(self, request_id: RequestId) -> PrefixId | None:
-        return self._record(request_id).prefix_id
+        return self._requests.record(request_id).prefix_id
 
     def seq_len(self, request_id: RequestId) -> int:
         """Committed tokens (a finished/cancelled request keeps its final length while it is
         among the newest ``TERMINAL_HISTORY_LIMIT`` terminal requests; ValueError after)."""
-        return self._record(request_id).seq_len
+        return self._requests.record(request_id).seq_len
 
     def request_block_ids(self, request_id: RequestId, *, group: int = 0) -> list[int]:
         """Physical ids the request holds in ``group``, in logical order (prefix blocks first;
         a window group's start at its first held block); empty once terminal."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         return record.run(self._check_group(group).index).block_ids
-
-    def request_first_block(self, request_id: RequestId, *, group: int = 0) -> int:
-        """Logical index of the request's first held block in ``group`` (0 for full
-        attention; a window group's earlier table entries are released and never read)."""
-        record = self._record(request_id)
-        return record.run(self._check_group(group).index).first_block
 
     # ---- metadata tensors ----------------------------------------------------------------
     def _metadata_records(self, request_ids: object) -> list[RequestRecord]:
-        rids = self._check_ids(request_ids, unique=False, nonempty=False)
-        return self._active_records(rids, "read the block table of")
+        rids = self._requests.check_ids(request_ids, unique=False, nonempty=False)
+        return self._requests.active_records(rids, "read the block table of")
 
     def block_tables(self, request_ids: Sequence[RequestId], *, group: int = 0) -> torch.Tensor:
         """int32 ``[len(request_ids), width]`` of ``group`` on the cache's device, 0-padded
@@ -700,886 +268,9 @@ class PagedKVCache:
         lens = [rec.seq_len for rec in records]
         return torch.tensor(lens, dtype=torch.int32).to(self._device)
 
-    # ---- reservations shared by append and the transactions --------------------------------
-    def _plan(self, records: list[RequestRecord], counts: list[int]) -> _Plan:
-        """Check that every listed request can take its tokens in every group; changes
-        nothing."""
-        for group in self._groups:
-            bs, width, window, index = group.block_size, group.width, group.window, group.index
-            wanted = 0
-            for rec, n in zip(records, counts, strict=True):
-                end_blocks = -(-(rec.seq_len + n) // bs)
-                if end_blocks > width:
-                    where = "" if self._single else f" in KV group {index}"
-                    raise RuntimeError(
-                        f"request {rec.request_id!r} is full: {rec.seq_len} + {n} tokens need "
-                        f"{end_blocks} blocks of {bs}{where}, more than max_blocks_per_seq="
-                        f"{width}"
-                    )
-                if index == 0 and window is None:  # the hot path: the record is the run
-                    wanted += end_blocks - rec.num_blocks
-                    continue
-                run = rec if index == 0 else rec.others[index - 1]
-                if window is None:
-                    wanted += end_blocks - run.num_blocks
-                elif n == 1:  # one token: a new block unless its block is held
-                    wanted += not run.first_block <= rec.seq_len // bs < run.num_blocks
-                else:
-                    wanted += end_blocks - _window_span(run, rec.seq_len, n, bs, window)[1]
-            free = group.allocator.num_free
-            if wanted > free:
-                where = "" if self._single else f" in KV group {index}"
-                raise RuntimeError(
-                    f"out of KV blocks{where}: this token needs {wanted} new block(s) but only "
-                    f"{free} are free; nothing was changed"
-                )
-        return _Plan(records, counts, len(self._groups))
-
-    def _take_all(self, plan: _Plan, one_each: bool) -> None:
-        """Allocate every group's planned blocks (all or nothing)."""
-        try:
-            if one_each:
-                plan.positions = np.array([rec.seq_len for rec in plan.records], dtype=np.int64)
-            else:
-                plan.positions = np.concatenate(
-                    [
-                        np.arange(rec.seq_len, rec.seq_len + n, dtype=np.int64)
-                        for rec, n in zip(plan.records, plan.counts, strict=True)
-                    ]
-                )
-            for group, part in zip(self._groups, plan.groups, strict=True):
-                if group.window is not None:
-                    if one_each:
-                        self._take_window_one_each(group, plan, part)
-                    else:
-                        self._take_window(group, plan, part)
-                elif one_each:
-                    self._take_one_each(group, plan, part)
-                else:
-                    self._take(group, plan, part)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-
-    def _take(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A full-attention group's reservation of any number of tokens per request."""
-        bs, index, allocate = group.block_size, group.index, group.allocator.allocate
-        block_ids: list[int] = []
-        for rec, n in zip(plan.records, plan.counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            start = rec.seq_len
-            committed = run.num_blocks
-            new = -(-(start + n) // bs) - committed
-            taken = allocate(new, request_owner(rec.request_id)) if new else []
-            if taken:
-                part.reserved[rec.request_id] = taken
-                part.starts[rec.request_id] = committed
-                part.updates += [(rec.row, committed + i, b) for i, b in enumerate(taken)]
-            part.table_rows.append((run.table, 0, committed, taken, committed))
-            table = run.table
-            for pos in range(start, start + n):
-                logical = pos // bs
-                block_ids.append(
-                    int(table[logical]) if logical < committed else taken[logical - committed]
-                )
-        part.block_ids = np.asarray(block_ids, dtype=np.int64)
-
-    def _take_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A full-attention group's reservation of one token per request (the decode step's
-        hot path)."""
-        bs, index = group.block_size, group.index
-        records = plan.records
-        block_ids = np.empty(len(records), dtype=np.int64)
-        allocate = group.allocator.allocate
-        reserved, starts, updates, table_rows = (
-            part.reserved,
-            part.starts,
-            part.updates,
-            part.table_rows,
-        )
-        update_batch = part.update_batch
-        for i, rec in enumerate(records):
-            # the record is its own group-0 run; each branch reads one type, so CPython's
-            # per-site attribute caches stay hit when several groups take in turn
-            if index == 0:
-                table, held = rec.table, rec.num_blocks
-            else:
-                run = rec.others[index - 1]
-                table, held = run.table, run.num_blocks
-            logical = rec.seq_len // bs
-            if logical < held:
-                block_ids[i] = table[logical]
-                table_rows.append((table, 0, held, (), 0))
-            else:
-                (block,) = allocate(1, request_owner(rec.request_id))
-                reserved[rec.request_id] = [block]
-                starts[rec.request_id] = logical
-                updates.append((rec.row, logical, block))
-                update_batch.append(i)
-                block_ids[i] = block
-                table_rows.append((table, 0, held, (block,), logical))
-        part.block_ids = block_ids
-
-    def _take_window_one_each(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A window group's one-token reservation: the token's block is held, or it is new
-        (the block after the held ones, or the only one when none is held)."""
-        bs, index = group.block_size, group.index
-        records = plan.records
-        block_ids = np.empty(len(records), dtype=np.int64)
-        allocate = group.allocator.allocate
-        for i, rec in enumerate(records):
-            run = rec if index == 0 else rec.others[index - 1]
-            logical = rec.seq_len // bs
-            if run.first_block <= logical < run.num_blocks:
-                block_ids[i] = run.table[logical]
-                part.table_rows.append((run.table, run.first_block, run.num_blocks, (), 0))
-            else:
-                (block,) = allocate(1, request_owner(rec.request_id))
-                part.reserved[rec.request_id] = [block]
-                part.starts[rec.request_id] = logical
-                part.updates.append((rec.row, logical, block))
-                part.update_batch.append(i)
-                block_ids[i] = block
-                part.table_rows.append(
-                    (run.table, run.first_block, run.num_blocks, (block,), logical)
-                )
-        part.block_ids = block_ids
-
-    def _take_window(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> None:
-        """A window group's reservation: blocks only for the tokens the window keeps (and the
-        last one); the other tokens are not stored (``part.token_rows`` lists the stored)."""
-        bs, window, index = group.block_size, group.window, group.index
-        allocate = group.allocator.allocate
-        block_ids: list[int] = []
-        token_rows: list[int] = []
-        row = 0
-        for rec, n in zip(plan.records, plan.counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            start = rec.seq_len
-            stored, first_new = _window_span(run, start, n, bs, window)
-            new = -(-(start + n) // bs) - first_new
-            taken = allocate(new, request_owner(rec.request_id)) if new else []
-            if taken:
-                part.reserved[rec.request_id] = taken
-                part.starts[rec.request_id] = first_new
-                part.updates += [(rec.row, first_new + i, b) for i, b in enumerate(taken)]
-            part.table_rows.append((run.table, run.first_block, run.num_blocks, taken, first_new))
-            table = run.table
-            for pos in range(max(start, stored * bs), start + n):
-                logical = pos // bs
-                block_ids.append(
-                    int(table[logical]) if logical < first_new else taken[logical - first_new]
-                )
-                token_rows.append(row + pos - start)
-            row += n
-        part.block_ids = np.asarray(block_ids, dtype=np.int64)
-        if len(token_rows) != row:
-            part.token_rows = np.asarray(token_rows, dtype=np.int64)
-
-    def _memo_plan(self, memo: BatchMemo) -> _Plan | None:
-        """The repeated batch's one-token reservation, planned on arrays (full-attention groups:
-        a request takes a block exactly when its token starts one). None when some request
-        would be full or a pool is short: the general path then raises its exact error."""
-        memo.settle()
-        lens = memo.lens
-        news = []
-        for g, (group, held) in enumerate(zip(self._groups, memo.held, strict=True)):
-            room = memo.room[g]
-            if room is None:
-                room = memo.room[g] = int((held * group.block_size - lens).min())
-            if room > 0:  # every token lands in a held block (the steady state: no array op)
-                news.append((_NO_NEW[0], None))
-                continue
-            logical = lens // group.block_size
-            starting = logical >= held  # the token starts a new block
-            index = np.flatnonzero(starting) if starting.any() else _NO_NEW[0]
-            if index.shape[0] and (
-                index.shape[0] > group.allocator.num_free or logical[index].max() >= group.width
-            ):
-                return None
-            news.append((index, logical))
-        plan = _Plan(memo.records, memo.counts, len(self._groups))
-        # int32 (a copy: the memo's lengths move on): the view's positions as they are
-        plan.positions, plan.rows, plan.memo = lens.astype(np.int32), memo.rows, memo
-        rids = memo.rids
-        try:
-            for g, (group, part, (index, logical), last, tables) in enumerate(
-                zip(self._groups, plan.groups, news, memo.last, memo.tables, strict=True)
-            ):
-                block_ids = last.copy()
-                if index.shape[0]:
-                    picked = index.tolist()
-                    owners = [request_owner(rids[i]) for i in picked]
-                    blocks = group.allocator.allocate_each(owners)
-                    new_logical = logical[index]
-                    block_ids[index] = blocks
-                    starts = new_logical.tolist()
-                    part.reserved = {o[1]: [b] for o, b in zip(owners, blocks, strict=True)}
-                    part.starts = {o[1]: x for o, x in zip(owners, starts, strict=True)}
-                    width = group.width
-                    values = np.asarray(blocks, dtype=np.int64)
-                    part.update_arrays = (
-                        memo.rows[index] * width + new_logical,
-                        values,
-                        index * width + new_logical,
-                    )
-                    part.new = (index, values)
-                    reserved = (picked, blocks, starts)
-                else:
-                    part.update_arrays = (*_NO_UPDATES, _NO_UPDATES[0])
-                    reserved = None
-                part.block_ids = block_ids
-                part.table_rows = _lazy_table_rows(tables, memo.held_list(g), reserved)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-        return plan
-
-    def _release(self, reserved: list[dict[RequestId, list[int]]]) -> None:
-        for group, per_request in zip(self._groups, reserved, strict=False):
-            for rid, block_ids in per_request.items():
-                group.allocator.release(block_ids, request_owner(rid))
-
-    def _publish(self, plan_records: list[RequestRecord], counts: list[int], reserved, starts):
-        """Make the reservation permanent: blocks join the tables, lengths grow, and window
-        groups release the blocks that fell wholly before the window."""
-        for group, group_reserved, group_starts in zip(self._groups, reserved, starts, strict=True):
-            index = group.index
-            if group.window is None:
-                if not group_reserved:
-                    continue
-                for rec in plan_records:
-                    blocks = group_reserved.get(rec.request_id)
-                    if blocks:
-                        run = rec if index == 0 else rec.others[index - 1]
-                        for block_id in blocks:
-                            run.push_block(block_id)
-            else:
-                self._publish_window(group, plan_records, counts, group_reserved, group_starts)
-        for rec, n in zip(plan_records, counts, strict=True):
-            rec.seq_len += n
-
-    def _publish_window(self, group, records, counts, reserved, starts) -> None:
-        bs, window, index = group.block_size, group.window, group.index
-        release = group.allocator.release
-        for rec, n in zip(records, counts, strict=True):
-            run = rec if index == 0 else rec.others[index - 1]
-            blocks = reserved.get(rec.request_id) if reserved else None
-            keep, end = held_range(rec.seq_len + n, bs, window)
-            first, held_end = run.first_block, run.num_blocks
-            if not blocks and keep <= first:  # the common step: nothing moves
-                continue
-            # held blocks before the window go back, then reserved ones before it (an import
-            # skips whole blocks, so the reserved run may start past the held one)
-            gone = run.table[first : min(held_end, keep)].tolist() if first < held_end else []
-            if blocks:
-                start = starts[rec.request_id]
-                run.table[start : start + len(blocks)] = blocks
-                gone += blocks[: max(0, keep - start)]
-            if gone:
-                release(gone, request_owner(rec.request_id))
-            run.first_block, run.num_blocks = keep, end
-
-    def _flush_updates(self, group: LayerGroup, part: _Reservation) -> list[tuple[int, int, int]]:
-        pending = group.pending_updates
-        updates = pending + part.updates if pending else part.updates
-        group.pending_updates = []
-        return updates
-
-    @staticmethod
-    def _flat_updates(
-        updates: list[tuple[int, int, int]], width: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Device-table writes ``(row, logical block, block id)`` as flat indices and values."""
-        if not updates:
-            return _NO_UPDATES
-        arr = np.asarray(updates, dtype=np.int64)
-        return arr[:, 0] * width + arr[:, 1], arr[:, 2]
-
-    def _fresh_slots(self, group: LayerGroup, plan: _Plan, part: _Reservation) -> TransactionSlots:
-        """Device metadata in new tensors (prompt imports, legacy append)."""
-        positions, block_ids = plan.positions, part.block_ids
-        if part.token_rows is not None:
-            positions = positions[part.token_rows]
-        bs, hkv = group.block_size, group.num_kv_heads
-        offsets = positions % bs
-        starts = np.asarray([rec.seq_len for rec in plan.records], dtype=np.int64)
-        after = starts + np.asarray(plan.counts, dtype=np.int64)
-        heads = np.arange(hkv, dtype=np.int64)
-        slot_rows = (block_ids.astype(np.int64)[:, None] * hkv + heads) * bs + offsets[:, None]
-        flat, values = self._flat_updates(self._flush_updates(group, part), group.width)
-        rows = np.asarray([rec.row for rec in plan.records], dtype=np.int64)
-        token_rows = part.token_rows if part.token_rows is not None else np.zeros(0, np.int64)
-        t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
-        host = np.concatenate(
-            [
-                positions,
-                block_ids,
-                offsets,
-                starts,
-                after,
-                rows,
-                flat,
-                values,
-                token_rows,
-                slot_rows.reshape(-1),
-            ],
-            dtype=np.int64,
-        )
-        dev = torch.from_numpy(host).to(self._device)
-        cuts = np.cumsum([t, t, t, b, b, b, u, u, token_rows.shape[0]])
-        parts = torch.tensor_split(dev, cuts.tolist())
-        if u:
-            group.tables.write(parts[6], parts[7])
-        tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
-        group.tables.gather(parts[5], out=tables)
-        return TransactionSlots(
-            batch=b,
-            num_rows=b,
-            num_tokens=t,
-            generation=-1,
-            positions=parts[0],
-            block_ids=parts[1],
-            offsets=parts[2],
-            seq_lens=parts[3],
-            seq_lens_after=parts[4],
-            slot_rows=parts[9],
-            block_tables=tables,
-            request_slots=parts[5],
-            token_rows=None if part.token_rows is None else parts[8],
-        )
-
-    def _fixed_slots(
-        self, group: LayerGroup, plan: _Plan, part: _Reservation, num_rows: int
-    ) -> TransactionSlots:
-        """Device metadata of a one-token transaction in the group's fixed-address buffers."""
-        buffers = group.slot_buffers
-        if buffers is None or num_rows > buffers.capacity:
-            capacity = 1 << max(3, (num_rows - 1).bit_length())
-            generation = 0 if buffers is None else buffers.generation + 1
-            buffers = group.slot_buffers = SlotBuffers(
-                capacity, group.num_kv_heads, group.width, self._device, generation
-            )
-        num = len(plan.records)
-        memo, tx_id = plan.memo, self._tx.next_id()
-        if (
-            memo is not None
-            and part.update_arrays is not None
-            and not part.update_arrays[0].shape[0]
-            and not group.pending_updates
-            and buffers.advance_resident(memo.last_transaction, tx_id, num, num_rows)
-        ):  # the last step's metadata, one token on: nothing to pack, copy or gather
-            return buffers.slots(num, num_rows)
-        width, tables = group.width, group.tables
-        if part.update_arrays is not None:
-            if group.pending_updates:  # never with a valid memo; kept exact all the same
-                pending = self._flat_updates(self._flush_updates(group, _Reservation()), width)
-                tables.write(*(torch.from_numpy(a).to(self._device) for a in pending))
-            flat, values, in_batch = part.update_arrays
-        else:
-            pending = bool(group.pending_updates)
-            flat, values = self._flat_updates(self._flush_updates(group, part), width)
-            in_batch = _NO_UPDATES[0]
-            if not pending and part.update_batch:  # the same entries in the batch's tables
-                in_batch = np.asarray(part.update_batch, dtype=np.int64) * width + flat % width
-            elif pending:
-                buffers.set_gathered(None, 0, 0)  # other rows' writes: gather anew
-        if flat.shape[0] > buffers.capacity:  # a long prefix attached since the last step
-            tables.write(*(torch.from_numpy(a).to(self._device) for a in (flat, values)))
-            flat, values, in_batch = (*_NO_UPDATES, _NO_UPDATES[0])
-            buffers.set_gathered(None, 0, 0)
-        rows = plan.rows
-        if rows is None:
-            rows = np.fromiter((rec.row for rec in plan.records), dtype=np.int64, count=num)
-        # the batch's tables as of the last step, when nothing but its own writes came since
-        reuse = buffers.gathered(rows, num_rows, tables.version) and (
-            in_batch.shape[0] == flat.shape[0]
-        )
-        buffers.upload(
-            plan.positions,
-            part.block_ids,
-            rows,
-            (flat, values, in_batch),
-            group.block_size,
-            num_rows,
-            tx_id,
-        )
-        count = flat.shape[0]
-        slots = buffers.slots(num, num_rows)
-        if count:
-            update_values = buffers.region(buffers.UPDATE_VALUE, count)
-            tables.write(buffers.region(buffers.UPDATE_INDEX, count), update_values)
-            if reuse:
-                buffers.tables_flat.index_copy_(
-                    0, buffers.region(buffers.UPDATE_BATCH, count), update_values
-                )
-        if not reuse:
-            tables.gather(buffers.region(buffers.TABLE_ROWS, num_rows), out=slots.block_tables)
-        buffers.set_gathered(rows, num_rows, tables.version)
-        return slots
-
-    # ---- legacy single-layer append --------------------------------------------------------
-    def append(self, request_ids: Sequence[RequestId], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one token per request (``k, v [B, Hkv, D]``) at its seq_len; num_layers == 1."""
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
-        group = self._groups[0]
-        k = self._check_token_kv("k", k, len(rids), group)
-        v = self._check_token_kv("v", v, len(rids), group)
-        if group.is_fp8:
-            k, v = group.quantize(k, v)
-        self.append_with(
-            rids, lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots)
-        )
-
-    def append_with(self, request_ids: Sequence[RequestId], writer: LayerWriter[T]) -> T:
-        """The legacy single-layer append with a caller-supplied writer (one token each).
-
-        Reserves one slot per request (all or nothing), calls ``writer(k_layer, v_layer, slots)``
-        and publishes the tokens; if the writer raises, the reservation is released and nothing
-        changes. Returns what the writer returned. ``slots`` are fresh tensors (with block tables
-        covering the new tokens) that the caller may keep.
-        """
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
-        if self._num_layers != 1:
-            raise RuntimeError(
-                f"append works only on a single-layer cache (num_layers={self._num_layers}); "
-                "use begin_token / write_token_layer / commit_token"
-            )
-        records = self._active_records(rids, "append to")
-        self._tx.ensure_none_open("append")
-        counts = [1] * len(records)
-        plan = self._plan(records, counts)
-        self._take_all(plan, one_each=True)
-        group, part = self._groups[0], plan.groups[0]
-        try:
-            slots = self._fresh_slots(group, plan, part)
-            result = writer(*self._layers[0], slots)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-        self._appended = True
-        self._publish(records, counts, plan.reserved(), [p.starts for p in plan.groups])
-        self._version += 1
-        return result
-
-    # ---- multi-layer token transactions ----------------------------------------------------
-    def begin_token(
-        self,
-        request_ids: Sequence[RequestId],
-        *,
-        pad_to: int | None = None,
-        backup_by_writer: bool = False,
-    ) -> TokenTransactionView:
-        """Reserve one slot per request in every group (taking a block where needed).
-
-        The transaction's device metadata sits in fixed-address buffers, so the layers of a step
-        captured in a CUDA graph can be replayed for a later step of the same batch. ``pad_to``
-        (>= the batch) adds padding rows that writers skip and decode sees as empty: a graph
-        captured for ``pad_to`` rows serves this smaller batch.
-
-        ``backup_by_writer`` (with ``restore_on_abort``): instead of copying the reserved slots
-        of every layer now, each layer's writer saves the old bytes of its slots into
-        :meth:`transaction_backup` before storing (the fused append kernel does, in the same
-        launch). Abort then restores the layers whose writer was called.
-        """
-        if not isinstance(backup_by_writer, bool):
-            raise TypeError(
-                f"backup_by_writer must be a bool, got {type(backup_by_writer).__name__}"
-            )
-        memo = self._memo
-        plan = None
-        if (
-            memo is not None
-            and type(request_ids) in (list, tuple)
-            and memo.matches(request_ids, self._version)
-        ):  # the batch of the last step, nothing else changed since: validated then
-            rids = memo.rids
-        else:
-            rids = self._check_ids(request_ids, unique=True, nonempty=True)
-            memo = None
-        num_rows = len(rids)
-        if pad_to is not None:
-            num_rows = check_positive_int("pad_to", pad_to)
-            if num_rows < len(rids):
-                raise ValueError(f"pad_to ({pad_to}) must be >= the batch size ({len(rids)})")
-        records = (
-            memo.records if memo is not None else self._active_records(rids, "begin a token for")
-        )
-        self._tx.ensure_none_open("begin a token transaction")
-        if memo is not None:
-            plan = self._memo_plan(memo)
-        if plan is None:  # the general path (also to raise a full request's exact error)
-            plan = self._plan(records, [1] * len(records))
-            self._take_all(plan, one_each=True)
-        try:
-            slots = [
-                self._fixed_slots(group, plan, part, num_rows)
-                for group, part in zip(self._groups, plan.groups, strict=True)
-            ]
-            return self._open(rids, plan, slots, one_each=True, backup_by_writer=backup_by_writer)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-
-    def begin_tokens(
-        self, request_ids: Sequence[RequestId], num_tokens: Sequence[int]
-    ) -> TokenTransactionView:
-        """Reserve ``num_tokens[i]`` consecutive slots for request ``i`` (a prompt import).
-
-        Same transaction rules as :meth:`begin_token`; each layer's write then takes
-        ``k, v [sum(num_tokens), Hkv, D]``, request by request in order. A window group stores
-        only the tokens its window keeps: its slots' ``token_rows`` (None when every token is
-        stored) lists the rows of ``k, v`` that go there, one per slot row.
-        """
-        rids = self._check_ids(request_ids, unique=True, nonempty=True)
-        counts = check_token_counts("num_tokens", num_tokens, len(rids))
-        records = self._active_records(rids, "begin tokens for")
-        self._tx.ensure_none_open("begin a token transaction")
-        plan = self._plan(records, counts)
-        self._take_all(plan, one_each=False)
-        try:
-            slots = [
-                self._fresh_slots(group, plan, part)
-                for group, part in zip(self._groups, plan.groups, strict=True)
-            ]
-            return self._open(rids, plan, slots)
-        except BaseException:
-            self._release(plan.reserved())
-            raise
-
-    def _open(
-        self,
-        rids: list[RequestId],
-        plan: _Plan,
-        slots: list[TransactionSlots],
-        one_each: bool = False,
-        backup_by_writer: bool = False,
-    ) -> TokenTransactionView:
-        records = plan.records
-        # views show SPEC's int32 metadata (the repeated-batch plan's positions already are)
-        positions = plan.positions.astype(np.int32, copy=False)
-        if one_each:  # a token at each request's length
-            starts, after = positions, positions + 1
-        else:
-            starts = np.fromiter((rec.seq_len for rec in records), np.int32, len(records))
-            after = starts + np.asarray(plan.counts, dtype=np.int32)
-        first = plan.groups[0]
-        block_ids = _every_token(first, positions.shape[0])
-        host = {
-            "positions": positions,
-            "block_ids": block_ids,
-            "offsets": positions % self._groups[0].block_size,
-            "seq_lens": starts,
-            "seq_lens_after": after,
-        }
-        tx = OpenTransaction(
-            self._tx.next_id(),
-            self._version + 1,
-            tuple(rids),
-            plan.counts,
-            [part.reserved for part in plan.groups],
-            [part.starts for part in plan.groups],
-            slots,
-            host,
-            first.table_rows,
-        )
-        tx.parts = plan.groups
-        tx.memo = plan.memo if one_each else None
-        tx.one_each = one_each
-        if self._restore_on_abort:  # per group [2L, T * Hkv, D] old bytes of the reserved slots
-            groups = zip(self._groups, slots, strict=True)
-            if backup_by_writer:  # filled layer by layer by the writers
-                tx.backups = [group.writer_backup(s.slot_rows.shape[0])[0] for group, s in groups]
-                tx.backup_complete = False
-            else:
-                tx.backups = [group.backup(s.slot_rows, fixed=one_each) for group, s in groups]
-        view = tx.view(TransactionState.OPEN, tx.cache_version, self._groups[0].width, self._device)
-        self._tx.start(tx)
-        self._version += 1
-        return view
-
-    def _check_next_layer(self, tx: OpenTransaction, layer_idx: object) -> int:
-        if type(layer_idx) is not int or layer_idx != tx.next_layer:
-            layer = self._check_layer_index(layer_idx)
-            done = f"layers 0..{tx.next_layer - 1} are written" if tx.next_layer else "none written"
-            raise RuntimeError(
-                f"token transaction {tx.transaction_id}: layer {layer} written out of order "
-                f"({done}); expected layer {tx.next_layer}"
-            )
-        if layer_idx >= self._num_layers:
-            self._check_layer_index(layer_idx)
-        return layer_idx
-
-    def write_token_layer(
-        self, tx: TokenTransactionView | int, layer_idx: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store ``k, v [num_tokens, Hkv, D]`` (bitwise, as given; an FP8 group quantizes
-        float rows with its scales) in the layer's reserved slots."""
-        open_tx = self._tx.resolve(tx)
-        self._check_next_layer(open_tx, layer_idx)
-        group = self._groups[self._layer_group[layer_idx]]
-        count = open_tx.num_tokens
-        k = self._check_token_kv("k", k, count, group)
-        v = self._check_token_kv("v", v, count, group)
-        if group.is_fp8 and k.dtype != group.dtype:
-            k, v = group.quantize(k, v)
-        self.write_token_layer_with(
-            open_tx.transaction_id,
-            layer_idx,
-            lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots),
-        )
-
-    def write_token_layer_with(
-        self, tx: TokenTransactionView | int, layer_idx: int, writer: LayerWriter[T]
-    ) -> T:
-        """Write the next layer of an open transaction with ``writer(k_layer, v_layer, slots)``.
-
-        ``k_layer, v_layer`` are the layer's views in its group's storage and ``slots`` that
-        group's reservation. The cache checks the transaction and the layer order and counts the
-        layer as written only when the writer returns; the writer must store exactly the
-        reserved slots (``slots.block_ids`` / ``slots.offsets``, skipping padding rows with
-        block id -1; rows ``slots.token_rows`` of the input when that is set). If it raises, the
-        transaction stays open with this layer unwritten (abort it: the backup restores any
-        bytes it overwrote). Returns what the writer returned.
-        """
-        open_tx = self._tx.resolve(tx)
-        layer = self._check_next_layer(open_tx, layer_idx)
-        k_layer, v_layer, group = self._layer_info[layer]
-        open_tx.attempted = layer + 1  # its bytes may change from here: abort restores it
-        result = writer(k_layer, v_layer, open_tx.group_slots[group])
-        open_tx.next_layer = layer + 1
-        return result
-
-    def write_all_layers_with(self, tx: TokenTransactionView | int, writer: Callable[[], T]) -> T:
-        """Write every layer of an open transaction with one call (a CUDA-graph replay).
-
-        Needs a transaction with no layer written yet; ``writer()`` must store every layer's
-        reserved slots (e.g. replay a graph captured over a step's layers).
-        """
-        open_tx = self._tx.resolve(tx)
-        if open_tx.next_layer != 0:
-            raise RuntimeError(
-                f"token transaction {open_tx.transaction_id} already has {open_tx.next_layer} "
-                "layer(s) written; write_all_layers_with needs a fresh transaction"
-            )
-        open_tx.attempted = self._num_layers
-        result = writer()
-        open_tx.next_layer = self._num_layers
-        return result
-
-    def transaction_backup(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> torch.Tensor | None:
-        """Where the writers of an open ``backup_by_writer`` transaction save the old bytes of
-        ``group``'s slots: ``[2 * layers_in_group, T * Hkv, D]`` in the group's dtype; layer
-        ``i`` of the group (its i-th layer) has K rows at ``[i]`` and V rows at
-        ``[layers_in_group + i]``, slot row ``t * Hkv + h`` for token ``t``, KV head ``h``.
-        Fixed addresses for a batch size (until a bigger batch replaces the slot buffers). None
-        when the transaction's backup is not the writers' (or there is none)."""
-        open_tx = self._tx.resolve(tx)
-        g = self._check_group(group)
-        if open_tx.backups is None or open_tx.backup_complete:
-            return None
-        return g.writer_backup(open_tx.backups[g.index].shape[1])[1]
-
-    def complete_backup(self, tx: TokenTransactionView | int) -> None:
-        """Copy every layer's reserved slots of an open ``backup_by_writer`` transaction into its
-        backup now: abort then restores all layers whatever the writers did (e.g. kernels
-        recorded in a CUDA graph capture that never ran). Needs no layer written yet."""
-        open_tx = self._tx.resolve(tx)
-        if open_tx.backups is None or open_tx.backup_complete:
-            return
-        if open_tx.attempted:
-            raise RuntimeError(
-                f"token transaction {open_tx.transaction_id} already has layers written; "
-                "complete_backup must come before the first"
-            )
-        for group, backup, slots in zip(
-            self._groups, open_tx.backups, open_tx.group_slots, strict=True
-        ):
-            backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
-        open_tx.backup_complete = True
-
-    def transaction_view(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> TokenTransactionView:
-        """A fresh detached view of an *open* transaction, with ``group``'s blocks (block id -1
-        for a token a window group does not store)."""
-        open_tx = self._tx.resolve(tx)
-        g = self._check_group(group)
-        override = None
-        if g.index:
-            part = open_tx.parts[g.index]
-            positions = open_tx.host["positions"]
-            override = (
-                _every_token(part, positions.shape[0]),
-                positions % g.block_size,
-                part.table_rows,
-            )
-        return open_tx.view(
-            TransactionState.OPEN, open_tx.cache_version, g.width, self._device, override
-        )
-
-    def layers_written(self, tx: TokenTransactionView | int) -> int:
-        """How many layers of an open transaction are written (they go in order from 0)."""
-        return self._tx.resolve(tx).next_layer
-
-    def transaction_slots(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> TransactionSlots:
-        """The open transaction's device metadata in ``group`` (the cache's own tensors: read,
-        never write)."""
-        open_tx = self._tx.resolve(tx)
-        if group == 0 and type(group) is int:
-            return open_tx.slots
-        return open_tx.group_slots[self._check_group(group).index]
-
-    def transaction_decode_inputs(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_tables, seq_lens after)`` of an open transaction in ``group``, for attending
-        over the new tokens (decode or extend). These are the cache's own device tensors (no
-        copy): read them, never write. The write path does not use them, so they cannot redirect
-        a write."""
-        slots = self.transaction_slots(tx, group=group)
-        batch = slots.batch
-        return slots.block_tables[:batch], slots.seq_lens_after[:batch]
-
-    def commit_token(
-        self, tx: TokenTransactionView | int, accept: Sequence[int] | None = None
-    ) -> TokenTransactionView:
-        """Publish the tokens: each request's seq_len grows by its reserved count, once; window
-        groups release the blocks now wholly before their window.
-
-        ``accept[i]`` (``0..count[i]``; None keeps every token) keeps only the first tokens of
-        request ``i``: the slots of the others get their old bytes back (as an abort puts them
-        back; with ``restore_on_abort=False`` they are left as written, past the request's
-        length) and reserved blocks left without a committed token return to the pool. A bad
-        ``accept`` raises and leaves the transaction open, unchanged.
-        """
-        open_tx = self._tx.resolve(tx)
-        if open_tx.next_layer != self._num_layers:
-            raise RuntimeError(
-                f"cannot commit token transaction {open_tx.transaction_id}: "
-                f"{open_tx.next_layer} of {self._num_layers} layers written"
-            )
-        if accept is not None:
-            counts = check_accept_counts(accept, open_tx.counts)
-            if counts != open_tx.counts:
-                return self._commit_part(open_tx, counts)
-        version = self._version + 1
-        view = open_tx.view(
-            TransactionState.COMMITTED, version, self._groups[0].width, self._device
-        )
-        memo = open_tx.memo
-        records = (
-            memo.records
-            if memo is not None
-            else [self._requests[rid] for rid in open_tx.request_ids]
-        )
-        self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
-        self._tx.close(TransactionState.COMMITTED, version)
-        # the next step of the same batch starts from arrays, if nothing else changed since
-        # this transaction began (one transaction at a time: nothing can, but be exact)
-        if not open_tx.one_each or self._has_window or self._version != open_tx.cache_version:
-            self._memo = None
-        elif memo is not None:
-            memo.advance([part.new for part in open_tx.parts], version, open_tx.transaction_id)
-        else:
-            self._memo = BatchMemo(records, len(self._groups), version, open_tx.transaction_id)
-        self._version = version
-        return view
-
-    def _commit_part(self, open_tx: OpenTransaction, accept: list[int]) -> TokenTransactionView:
-        """``commit_token`` keeping only ``accept[i]`` tokens of request ``i``."""
-        for group, part in zip(self._groups, open_tx.parts, strict=True):
-            if part.token_rows is not None:  # the kept tokens may be among the unstored ones
-                raise ValueError(
-                    f"transaction {open_tx.transaction_id} did not store every token in "
-                    f"sliding-window KV group {group.index} (more tokens than its window "
-                    f"{group.window} keeps): it commits whole or aborts"
-                )
-        records = [self._requests[rid] for rid in open_tx.request_ids]
-        kept = np.concatenate(
-            [np.arange(n) < a for n, a in zip(open_tx.counts, accept, strict=True)]
-        )  # [T] per token of the transaction: committed
-        if open_tx.backups is not None:  # every layer is written: each backup is whole
-            for group, backup, slots, part in zip(
-                self._groups, open_tx.backups, open_tx.group_slots, open_tx.parts, strict=True
-            ):
-                stored = kept if part.token_rows is None else kept[part.token_rows]
-                rejected = np.flatnonzero(~stored)
-                if not rejected.shape[0]:
-                    continue
-                heads = np.arange(group.num_kv_heads)
-                rows = (rejected[:, None] * group.num_kv_heads + heads).reshape(-1)
-                rows_t = torch.from_numpy(rows).to(self._device)
-                group.restore(
-                    slots.slot_rows.index_select(0, rows_t),
-                    backup.index_select(1, rows_t),
-                    len(group.layers),
-                )
-        # reserved blocks past the last accepted token go back; the rest are published
-        reserved, gone = [], []
-        for group, per_request, starts in zip(
-            self._groups, open_tx.reserved, open_tx.starts, strict=True
-        ):
-            keep_reserved, release = {}, []
-            for rec, a in zip(records, accept, strict=True):
-                blocks = per_request.get(rec.request_id)
-                if not blocks:
-                    continue
-                needed = -(-(rec.seq_len + a) // group.block_size) - starts[rec.request_id]
-                keep_reserved[rec.request_id] = blocks[: max(0, needed)]
-                if needed < len(blocks):
-                    release.append((rec.request_id, blocks[max(0, needed) :]))
-            reserved.append(keep_reserved)
-            gone.append((group, release))
-        version = self._version + 1
-        starts_host = open_tx.host["seq_lens"]
-        open_tx.host["seq_lens_after"] = starts_host + np.asarray(accept, dtype=starts_host.dtype)
-        table_rows = open_tx.table_rows() if callable(open_tx.table_rows) else open_tx.table_rows
-        first_kept = reserved[0]
-        open_tx.table_rows = [  # the committed view's tables show only the blocks kept
-            (row, first, end, first_kept.get(rid, ()) if taken else taken, start)
-            for rid, (row, first, end, taken, start) in zip(
-                open_tx.request_ids, table_rows, strict=True
-            )
-        ]
-        view = open_tx.view(
-            TransactionState.COMMITTED, version, self._groups[0].width, self._device
-        )
-        for group, release in gone:
-            for rid, blocks in release:
-                group.allocator.release(blocks, request_owner(rid))
-        self._publish(records, accept, reserved, open_tx.starts)
-        self._tx.close(TransactionState.COMMITTED, version)
-        self._memo = None  # lengths moved unevenly: the next step is planned afresh
-        self._version = version
-        return view
-
-    def abort_token(self, tx: TokenTransactionView | int) -> TokenTransactionView:
-        """Drop the tokens: release the blocks begin took; lengths stay as they were."""
-        open_tx = self._tx.resolve(tx)
-        version = self._version + 1
-        view = open_tx.view(TransactionState.ABORTED, version, self._groups[0].width, self._device)
-        # restore even with no layer counted: a writer that raised may have stored part of one
-        if open_tx.backups is not None:
-            complete, attempted = open_tx.backup_complete, open_tx.attempted
-            for group, backup, slots in zip(
-                self._groups, open_tx.backups, open_tx.group_slots, strict=True
-            ):
-                # writers' backups: only the attempted layers (the group's first ones) hold any
-                layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
-                group.restore(slots.slot_rows, backup, layers)
-        self._release(open_tx.reserved)
-        self._tx.close(TransactionState.ABORTED, version)
-        self._version = version
-        return view
-
     # ---- shared prefixes -----------------------------------------------------------------
     def _prefix_groups(self) -> list[LayerGroup]:
-        if self._has_window:
+        if not self._shares_prefixes:
             raise RuntimeError(
                 "shared prefixes need full-attention KV groups; this cache has "
                 f"{format_kv_spec(self._specs)!r}"
@@ -1639,12 +330,12 @@ class PagedKVCache:
 
     def attach_prefix(self, request_id: RequestId, prefix_id: PrefixId) -> None:
         """Start an empty active request with a resident prefix (its blocks shared)."""
-        record = self._record(request_id)
+        record = self._requests.record(request_id)
         pid = check_request_id("prefix_id", prefix_id)
         groups = self._prefix_groups()
         self._prefixes.block_ids(pid)  # ValueError when unknown
         self._tx.ensure_none_open("attach a prefix")
-        self._require_active(record, "attach a prefix to")
+        require_active(record, "attach a prefix to")
         if record.seq_len or record.num_blocks or record.prefix_id is not None:
             raise RuntimeError(
                 f"attach_prefix needs an empty request; {record.request_id!r} already holds "
@@ -1681,161 +372,14 @@ class PagedKVCache:
         """Resident prefixes in registration order."""
         return self._prefixes.ids()
 
-    # ---- observability -------------------------------------------------------------------
-    # ---- observability -------------------------------------------------------------------
+    # ---- observability (flashdec.cache.audit) ---------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
-        terminal = self._terminal
-        open_tx = self._tx.open
-        groups = [self._group_metrics(group, open_tx) for group in self._groups]
-        num_prefix_blocks = sum(g["num_prefix_blocks"] for g in groups)
-        num_used = sum(g["num_used_blocks"] for g in groups)
-        return {
-            "version": self._version,
-            "num_blocks": sum(g["num_blocks"] for g in groups),
-            "num_free_blocks": sum(g["num_free_blocks"] for g in groups),
-            "num_used_blocks": num_used,
-            "num_private_blocks": num_used - num_prefix_blocks,
-            "num_prefix_blocks": num_prefix_blocks,
-            "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in groups),
-            "prefix_cache_capacity_blocks": self._prefixes.capacity_blocks,
-            "num_requests": self._num_added,
-            "num_active_requests": len(self._active),
-            "num_finished_requests": terminal.count(RequestState.FINISHED),
-            "num_cancelled_requests": terminal.count(RequestState.CANCELLED),
-            "terminal_request_history_count": terminal.num_recent,
-            "terminal_request_history_limit": terminal.limit,
-            "num_prefixes": len(self._prefixes),
-            "prefix_refcount_total": self._prefixes.refcount_total(),
-            "num_prefix_evictions": self._prefixes.num_evictions,
-            "retained_transaction_state_count": 0 if open_tx is None else 1,
-            "terminal_transaction_history_count": len(self._tx.history),
-            "terminal_transaction_history_limit": self._tx.history_limit,
-            "num_committed_transactions": self._tx.num_committed,
-            "num_aborted_transactions": self._tx.num_aborted,
-            "groups": groups,
-        }
-
-    def _group_metrics(self, group: LayerGroup, open_tx: OpenTransaction | None) -> dict:
-        index = group.index
-        reserved = {} if open_tx is None else open_tx.reserved[index]
-        held = [
-            rec.run(index).num_held + len(reserved.get(rid, ()))
-            for rid, rec in self._active.items()
-        ]
-        used = group.allocator.num_used
-        prefix = group.prefixes.num_blocks
-        return {
-            "group": index,
-            "layers": list(group.layers),
-            "num_layers": len(group.layers),
-            "window": group.window,
-            "block_size": group.block_size,
-            "num_kv_heads": group.num_kv_heads,
-            "head_dim": group.head_dim,
-            "dtype": str(group.dtype).removeprefix("torch."),
-            "num_blocks": group.spec.num_blocks,
-            "num_free_blocks": group.allocator.num_free,
-            "num_used_blocks": used,
-            "num_private_blocks": used - prefix,
-            "num_prefix_blocks": prefix,
-            "num_reserved_blocks": sum(len(b) for b in reserved.values()),
-            "max_blocks_per_request": max(held, default=0),
-            "block_bound_per_request": group.block_bound,
-            "bytes_per_block": group.spec.block_bytes,
-            "bytes": group.spec.nbytes,
-            "used_bytes": used * group.spec.block_bytes,
-        }
+        return cache_metrics(self._groups, self._requests, self._tx, self._version)
 
     def validate_invariants(self) -> None:
         """RuntimeError on any inconsistency between requests, prefixes, blocks and the open
         transaction, in every group. O(blocks + active requests * table width): a terminal
         request holds nothing, so a block the allocator still gives one is reported as owned
         by neither an active request nor a prefix."""
-        open_tx = self._tx.open
-        active = self._active
-        attached: Counter[PrefixId] = Counter()
-        for rec in active.values():
-            if rec.prefix_id is not None:
-                attached[rec.prefix_id] += 1
-        for group in self._groups:
-            self._validate_group(group, open_tx)
-            group.prefixes.check_integrity(attached)
-        rows = [rec.row for rec in active.values()]
-        if len(set(rows)) != len(rows) or any(r < 0 for r in rows):
-            raise RuntimeError(f"active requests do not own distinct device-table rows: {rows}")
-        if any(g.tables.num_rows != self._tables.num_rows for g in self._groups):
-            raise RuntimeError("the KV groups' device tables have different row counts")
-        if open_tx is not None:
-            if not 0 <= open_tx.next_layer <= self._num_layers:
-                raise RuntimeError(f"open transaction at impossible layer {open_tx.next_layer}")
-            for rid in open_tx.request_ids:
-                rec = active.get(rid)
-                if rec is None or rec.state is not RequestState.ACTIVE:
-                    raise RuntimeError(f"open transaction lists non-active request {rid!r}")
-            for per_group in open_tx.reserved:
-                if not set(per_group) <= set(open_tx.request_ids):
-                    raise RuntimeError("open transaction reserved a block for a foreign request")
-        if len(self._tx.history) > self._tx.history_limit:
-            raise RuntimeError("terminal transaction history exceeds its limit")
-        terminal = self._terminal
-        if len(self._requests) != len(active) + terminal.num_recent:
-            raise RuntimeError(
-                f"{len(self._requests)} request records kept, expected {len(active)} active + "
-                f"{terminal.num_recent} recent terminal"
-            )
-        if terminal.num_recent > terminal.limit:
-            raise RuntimeError("terminal request history exceeds its limit")
-
-    def _validate_group(self, group: LayerGroup, open_tx: OpenTransaction | None) -> None:
-        index, bs, window = group.index, group.block_size, group.window
-        where = "" if self._single else f"KV group {index}: "
-        allocator, prefixes = group.allocator, group.prefixes
-        allocator.check_integrity()
-        owned = allocator.owned_blocks()
-        reserved = open_tx.reserved[index] if open_tx is not None else {}
-        num_private = 0
-        for rid, rec in self._active.items():
-            if rec.state is not RequestState.ACTIVE:
-                raise RuntimeError(f"{where}{rec.state.value} request {rid!r} is listed active")
-            run = rec.run(index)
-            held = owned.pop(request_owner(rid), [])
-            first, end = held_range(rec.seq_len, bs, window)
-            ok = (run.first_block, run.num_blocks) == (first, end)
-            if not ok or run.num_blocks > run.table.shape[0]:
-                raise RuntimeError(
-                    f"{where}request {rid!r}: seq_len {rec.seq_len} needs {end - first} "
-                    f"blocks, holds {run.num_held} (logical [{first}, {end}) expected, "
-                    f"[{run.first_block}, {run.num_blocks}) held)"
-                )
-            if run.table[run.num_blocks :].any():
-                raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
-            if rec.prefix_id is None:
-                if run.num_prefix_blocks:
-                    raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
-            else:
-                if rec.prefix_id not in prefixes:
-                    raise RuntimeError(
-                        f"{where}request {rid!r} uses unknown prefix {rec.prefix_id!r}"
-                    )
-                ids = prefixes.block_ids(rec.prefix_id)
-                if tuple(run.table[: run.num_prefix_blocks].tolist()) != ids:
-                    raise RuntimeError(
-                        f"{where}request {rid!r}: table does not start with its prefix"
-                    )
-            private = run.private_block_ids + list(reserved.get(rid, ()))
-            if sorted(private) != held:
-                raise RuntimeError(
-                    f"{where}request {rid!r}: private blocks {sorted(private)} != allocator's "
-                    f"{held}"
-                )
-            num_private += len(held)
-        for owner, ids in owned.items():
-            if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
-                raise RuntimeError(
-                    f"{where}blocks {ids} owned by {owner!r}, not an active request nor a prefix"
-                )
-            if sorted(prefixes.block_ids(owner[1])) != ids:
-                raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
-        if num_private + prefixes.num_blocks + allocator.num_free != group.spec.num_blocks:
-            raise RuntimeError(f"{where}free + private + prefix blocks != max_blocks")
+        check_invariants(self._groups, self._requests, self._tx, self._num_layers)

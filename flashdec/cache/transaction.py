@@ -1,10 +1,10 @@
-"""Token transactions: the one open reservation, its device metadata, and closed tombstones.
+"""Token transactions: the one open reservation, its undo (old bytes, kept blocks), and closed
+tombstones.
 
 A transaction reserves ``num_tokens[i]`` consecutive slots for request ``i`` (one per request for a
-decode step, a whole prompt for a prefill). Its device metadata (:class:`TransactionSlots`) is
-what the per-layer write paths and the decode kernel read; it lives in fixed-address buffers
-(:class:`SlotBuffers`) for one-token transactions, so a step that was captured in a CUDA graph can
-be replayed for the next step of the same batch after only the host-side ``begin_token``.
+decode step, a whole prompt for a prefill). Its device metadata
+(:class:`~flashdec.cache.slots.TransactionSlots`, built in ``flashdec.cache.slots``) is what the
+per-layer write paths and the decode kernel read.
 
 Callers get a *detached* :class:`TokenTransactionView`: it keeps its own host copies and makes
 device tensors only when a field is read, so editing a view can never redirect a write, and
@@ -16,22 +16,27 @@ bounded deque, to tell "already committed" from "unknown" for recent handles.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from flashdec.cache.state import RequestId
 
+if TYPE_CHECKING:
+    from flashdec.cache.layer_group import LayerGroup
+    from flashdec.cache.slots import TransactionSlots
+
 HISTORY_LIMIT = 256
 # per request of a transaction: (committed row of its table, first held block, committed end,
 # reserved blocks, logical index of the first reserved one); or a callable that makes that list
 TableRow = tuple[np.ndarray, int, int, Sequence[int], int]
 TableRows = Sequence[TableRow] | Callable[[], Sequence[TableRow]]
-PAD_BLOCK_ID = -1  # block id of a padding row: writers skip it, decode sees seq_len 0
 
 
 class TransactionState(StrEnum):
@@ -172,210 +177,6 @@ class Tombstone:
     state: TransactionState
 
 
-class TransactionSlots:
-    """Device metadata of one reservation, read by the write paths and by decode.
-
-    One row per reserved token (``positions``, ``block_ids``, ``offsets``; ``slot_rows`` has
-    ``num_kv_heads`` rows per token: the token's rows in a layer viewed as
-    ``[blocks * Hkv * block_size, D]``) and one row per request (``seq_lens``,
-    ``seq_lens_after``, ``block_tables``, ``request_slots``: a stable index per active request,
-    below :attr:`PagedKVCache.num_request_slots`, that a caller can key per-request device state
-    on). ``token_rows`` (None: row ``t`` is token ``t``) maps each row to the transaction's
-    token it stores, when a window group stores only some tokens of a prompt import; writers
-    then store ``k[token_rows]``. ``num_rows`` >= batch counts padding rows (block id
-    ``PAD_BLOCK_ID``, length 0, slot 0) that a CUDA graph captured for a bigger batch reads.
-    These are the cache's own tensors: read them, never write them.
-    """
-
-    __slots__ = (
-        "batch",
-        "block_ids",
-        "block_tables",
-        "generation",
-        "num_rows",
-        "num_tokens",
-        "offsets",
-        "positions",
-        "request_slots",
-        "seq_lens",
-        "seq_lens_after",
-        "slot_rows",
-        "token_rows",
-    )
-
-    def __init__(self, **fields: object) -> None:
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
-
-
-class SlotBuffers:
-    """Fixed-address device buffers for one-token transactions of up to ``capacity`` rows.
-
-    Every transaction fills one pageable host staging buffer and copies it to the device in one
-    transfer; the block tables are then gathered on the device from the cache's persistent
-    :class:`~flashdec.cache.device_tables.DeviceTables`. Views of these buffers keep their
-    addresses across transactions (and are built once per batch shape); the cache replaces the
-    whole object (new ``generation``) only when a bigger batch needs more rows. int64 throughout:
-    the index ops that read these buffers take int64 without a conversion launch.
-    """
-
-    # regions of ``capacity`` entries each, then the slot rows (capacity * num_kv_heads)
-    POSITIONS, BLOCK_IDS, OFFSETS, SEQ_LENS, SEQ_LENS_AFTER, TABLE_ROWS = range(6)
-    # device-table writes: flat index, block id, and the flat index of the same entry in the
-    # batch's gathered tables (applied there too when the gather is skipped)
-    UPDATE_INDEX, UPDATE_VALUE, UPDATE_BATCH = 6, 7, 8
-    NUM_REGIONS = 9
-
-    def __init__(
-        self, capacity: int, num_kv_heads: int, width: int, device: torch.device, generation: int
-    ) -> None:
-        self.capacity = capacity
-        self.num_kv_heads = num_kv_heads
-        self.device = device
-        self.generation = generation
-        # [2 * layers, capacity * Hkv, D]: the old bytes of a transaction's slots when its
-        # writers save them (made on first use; replaced with these buffers, so a CUDA graph
-        # that wrote it is recaptured through the generation like the rest)
-        self.writer_backup: torch.Tensor | None = None
-        size = self.NUM_REGIONS * capacity + capacity * num_kv_heads
-        # pageable, one copy, no events: a non_blocking copy from pageable memory stages the host
-        # bytes before it returns (measured on the H200 host: 5 us, and rewriting the buffer right
-        # after never changed what arrived), while pinned memory needs an event per upload (record
-        # ~11 us with its current_stream lookup, plus a synchronize before the buffer is reused)
-        self._staging = torch.zeros(size, dtype=torch.int64)
-        self._host = self._staging.numpy()
-        self._per_row = self._host[: 6 * capacity].reshape(6, capacity)
-        # padding rows: position 0, block id PAD_BLOCK_ID, offset 0, lengths 0, table row 0
-        self._padding = np.array([[0], [PAD_BLOCK_ID], [0], [0], [0], [0]], dtype=np.int64)
-        self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(capacity, width, dtype=torch.int64, device=device)
-        self.tables_flat = self.tables.view(-1)
-        # what ``tables`` holds: the device-table rows gathered (as bytes), their count and the
-        # device tables' version then; None when unknown
-        self._gathered: tuple[bytes, int, int] | None = None
-        self._views: dict[tuple, object] = {}  # fixed views, made once per shape
-        # whose metadata ``device_buffer`` holds: (transaction id, batch, rows), or None
-        self.resident: tuple[int, int, int] | None = None
-        self._increments: dict[tuple[int, int], torch.Tensor] = {}  # see advance_resident
-        self._heads = np.arange(num_kv_heads, dtype=np.int64)
-
-    def _at(self, region: int, count: int) -> slice:
-        start = region * self.capacity
-        return slice(start, start + count)
-
-    def upload(
-        self,
-        positions: np.ndarray,
-        block_ids: np.ndarray,
-        table_rows: np.ndarray,
-        updates: tuple[np.ndarray, np.ndarray, np.ndarray],
-        block_size: int,
-        num_rows: int,
-        transaction_id: int,
-    ) -> None:
-        """Pack transaction ``transaction_id`` into the staging buffer and copy it to the device.
-
-        Rows ``[len(positions), num_rows)`` become padding (block id ``PAD_BLOCK_ID``, length 0).
-        ``updates``: the device-table writes (flat index, block id, flat index in the batch's
-        tables; the last may be empty when the tables are gathered anew).
-        """
-        host = self._host
-        per_row = self._per_row  # [6, capacity] view of the six per-row regions
-        batch = positions.shape[0]
-        offsets = positions % block_size
-        # one assignment per line of fields (few numpy calls: each costs microseconds)
-        per_row[:, :batch] = (positions, block_ids, offsets, positions, positions + 1, table_rows)
-        if num_rows > batch:
-            per_row[:, batch:num_rows] = self._padding
-        count = updates[0].shape[0]
-        if count:
-            host[self._at(self.UPDATE_INDEX, count)] = updates[0]
-            host[self._at(self.UPDATE_VALUE, count)] = updates[1]
-            if updates[2].shape[0]:
-                host[self._at(self.UPDATE_BATCH, count)] = updates[2]
-        start = self.NUM_REGIONS * self.capacity
-        slot_rows = host[start : start + batch * self.num_kv_heads].reshape(batch, -1)
-        # row of (block, head, offset) in a layer viewed as [blocks * Hkv * block_size, D]
-        heads = self._heads
-        np.add(
-            (block_ids * (heads.shape[0] * block_size) + offsets)[:, None],
-            heads * block_size,
-            out=slot_rows,
-        )
-        self.device_buffer.copy_(self._staging, non_blocking=True)
-        self.resident = (transaction_id, batch, num_rows)
-
-    def advance_resident(
-        self, previous_id: int, transaction_id: int, batch: int, num_rows: int
-    ) -> bool:
-        """When the device buffer holds transaction ``previous_id``'s metadata for this batch
-        shape, move it on the device to the next token of every row — positions, offsets, both
-        lengths and slot rows + 1, block ids and table rows as they are — and mark it as
-        ``transaction_id``'s: one small add instead of packing and copying. Valid only when no
-        row's next token starts a block (the caller knows). False, nothing done, otherwise."""
-        if self.resident != (previous_id, batch, num_rows):
-            return False
-        increment = self._increments.get((batch, num_rows))
-        if increment is None:
-            if len(self._increments) >= 8:
-                self._increments.clear()
-            ones = np.zeros(self.device_buffer.shape[0], dtype=np.int64)
-            for region in (self.POSITIONS, self.OFFSETS, self.SEQ_LENS, self.SEQ_LENS_AFTER):
-                ones[self._at(region, batch)] = 1
-            start = self.NUM_REGIONS * self.capacity
-            ones[start : start + batch * self.num_kv_heads] = 1
-            increment = torch.from_numpy(ones).to(self.device)
-            self._increments[(batch, num_rows)] = increment
-        self.device_buffer.add_(increment)
-        self.resident = (transaction_id, batch, num_rows)
-        return True
-
-    def gathered(self, rows: np.ndarray, num_rows: int, version: int) -> bool:
-        """Whether ``tables`` already holds device-table rows ``rows`` (then ``num_rows``
-        total) as of device-table ``version``: the same batch as the last step, nothing else
-        written since. Padding rows keep a copy of row 0 from some earlier gather: they are
-        never read (length 0), and hold in-range ids either way."""
-        gathered = self._gathered
-        return (
-            gathered is not None
-            and gathered[1] == num_rows
-            and gathered[2] == version
-            and gathered[0] == rows.tobytes()
-        )
-
-    def set_gathered(self, rows: np.ndarray | None, num_rows: int, version: int) -> None:
-        self._gathered = None if rows is None else (rows.tobytes(), num_rows, version)
-
-    def region(self, region: int, count: int) -> torch.Tensor:
-        key = (region, count)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views[key] = self.device_buffer[self._at(region, count)]
-        return view
-
-    def slots(self, batch: int, num_rows: int) -> TransactionSlots:
-        key = ("slots", batch, num_rows)
-        slots = self._views.get(key)
-        if slots is None:
-            start = self.NUM_REGIONS * self.capacity
-            slots = self._views[key] = TransactionSlots(
-                batch=batch,
-                num_rows=num_rows,
-                num_tokens=batch,
-                generation=self.generation,
-                positions=self.region(self.POSITIONS, num_rows),
-                block_ids=self.region(self.BLOCK_IDS, num_rows),
-                offsets=self.region(self.OFFSETS, num_rows),
-                seq_lens=self.region(self.SEQ_LENS, num_rows),
-                seq_lens_after=self.region(self.SEQ_LENS_AFTER, num_rows),
-                slot_rows=self.device_buffer[start : start + batch * self.num_kv_heads],
-                block_tables=self.tables[:num_rows],
-                request_slots=self.region(self.TABLE_ROWS, num_rows),
-                token_rows=None,
-            )
-        return slots
-
-
 class OpenTransaction:
     """Everything the cache keeps for the one open transaction."""
 
@@ -434,6 +235,102 @@ class OpenTransaction:
         self.backup_complete = True
         self.one_each = False  # one token per request (begin_token)
         self.memo = None  # the repeated batch it was planned from (BatchMemo), if any
+
+    # ---- undo: the old bytes of the reserved slots and the blocks a partial commit keeps ----
+    def save_backups(self, groups: Sequence[LayerGroup], by_writer: bool, fixed: bool) -> None:
+        """Per group ``[2L, T * Hkv, D]`` old bytes of the reserved slots, for abort (and the
+        rejected tokens of a partial commit). ``by_writer``: the writers fill them layer by
+        layer (in the slot buffers' writer backup); ``fixed``: a one-token step's reused
+        buffer."""
+        pairs = zip(groups, self.group_slots, strict=True)
+        if by_writer:
+            self.backups = [group.writer_backup(s.slot_rows.shape[0])[0] for group, s in pairs]
+            self.backup_complete = False
+        else:
+            self.backups = [group.backup(s.slot_rows, fixed=fixed) for group, s in pairs]
+
+    def writer_backup(self, group: LayerGroup) -> torch.Tensor | None:
+        """Where ``group``'s writers save old bytes (the group's dtype), None when the backup is
+        not theirs (or there is none)."""
+        if self.backups is None or self.backup_complete:
+            return None
+        return group.writer_backup(self.backups[group.index].shape[1])[1]
+
+    def complete_backup(self, groups: Sequence[LayerGroup]) -> None:
+        """Copy every layer's reserved slots into a writers' backup now (no layer written yet)."""
+        if self.backups is None or self.backup_complete:
+            return
+        if self.attempted:
+            raise RuntimeError(
+                f"token transaction {self.transaction_id} already has layers written; "
+                "complete_backup must come before the first"
+            )
+        for group, backup, slots in zip(groups, self.backups, self.group_slots, strict=True):
+            backup.copy_(group.slot_rows.index_select(1, slots.slot_rows))
+        self.backup_complete = True
+
+    def restore_all(self, groups: Sequence[LayerGroup]) -> None:
+        """Abort: put back the old bytes of every layer a writer was called for (even with no
+        layer counted: a writer that raised may have stored part of one)."""
+        if self.backups is None:
+            return
+        complete, attempted = self.backup_complete, self.attempted
+        for group, backup, slots in zip(groups, self.backups, self.group_slots, strict=True):
+            # writers' backups: only the attempted layers (the group's first ones) hold any
+            layers = len(group.layers) if complete else bisect_left(group.layers, attempted)
+            group.restore(slots.slot_rows, backup, layers)
+
+    def restore_rejected(self, groups: Sequence[LayerGroup], kept: np.ndarray) -> None:
+        """A partial commit: put back the old bytes of the tokens not ``kept`` (``[T]`` bool,
+        per token of the transaction). Every layer is written, so each backup is whole."""
+        if self.backups is None:
+            return
+        for group, backup, slots, part in zip(
+            groups, self.backups, self.group_slots, self.parts, strict=True
+        ):
+            stored = kept if part.token_rows is None else kept[part.token_rows]
+            rejected = np.flatnonzero(~stored)
+            if not rejected.shape[0]:
+                continue
+            heads = np.arange(group.num_kv_heads)
+            rows = (rejected[:, None] * group.num_kv_heads + heads).reshape(-1)
+            rows_t = torch.from_numpy(rows).to(group.device)
+            group.restore(
+                slots.slot_rows.index_select(0, rows_t),
+                backup.index_select(1, rows_t),
+                len(group.layers),
+            )
+
+    def split_reserved(
+        self, records: Sequence, accept: Sequence[int], block_sizes: Sequence[int]
+    ) -> tuple[list[dict[RequestId, list[int]]], list[list[tuple[RequestId, list[int]]]]]:
+        """Per group the reserved blocks the first ``accept[i]`` tokens still need (to publish)
+        and those past them (to release), as ``(request id, blocks)``; and the views' tables
+        from now on show only the kept ones."""
+        kept, gone = [], []
+        for per_request, starts, bs in zip(self.reserved, self.starts, block_sizes, strict=True):
+            keep_reserved, release = {}, []
+            for rec, a in zip(records, accept, strict=True):
+                blocks = per_request.get(rec.request_id)
+                if not blocks:
+                    continue
+                needed = -(-(rec.seq_len + a) // bs) - starts[rec.request_id]
+                keep_reserved[rec.request_id] = blocks[: max(0, needed)]
+                if needed < len(blocks):
+                    release.append((rec.request_id, blocks[max(0, needed) :]))
+            kept.append(keep_reserved)
+            gone.append(release)
+        host = self.host
+        host["seq_lens_after"] = host["seq_lens"] + np.asarray(accept, dtype=host["seq_lens"].dtype)
+        table_rows = self.table_rows() if callable(self.table_rows) else self.table_rows
+        first_kept = kept[0]
+        self.table_rows = [  # the committed view's tables show only the blocks kept
+            (row, first, end, first_kept.get(rid, ()) if taken else taken, start)
+            for rid, (row, first, end, taken, start) in zip(
+                self.request_ids, table_rows, strict=True
+            )
+        ]
+        return kept, gone
 
     def view(
         self,

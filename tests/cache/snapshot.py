@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
+from tests.cache.helpers import request_first_block
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -25,7 +26,7 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
             cache.request_state(rid),
             cache.seq_len(rid),
             [cache.request_block_ids(rid, group=g) for g in groups],
-            [cache.request_first_block(rid, group=g) for g in groups],
+            [request_first_block(cache, rid, group=g) for g in groups],
             cache.request_prefix(rid),
         )
         for rid in cache.request_ids()

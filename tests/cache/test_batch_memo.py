@@ -117,7 +117,7 @@ def test_steps_inside_held_blocks_advance_the_device_metadata_in_place(device, m
     """Between block boundaries the last step's device metadata is moved one token on by one
     add (no packing, no copy); every step still equals the twin's re-planned upload, and an
     abort, another row count or a boundary falls back to the full upload."""
-    from flashdec.cache.transaction import SlotBuffers
+    from flashdec.cache.slots import SlotBuffers
 
     advanced = []
     real = SlotBuffers.advance_resident

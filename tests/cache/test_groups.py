@@ -9,6 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, lifetime_blocks, window_block_bound
 from flashdec.cache import KVGroupSpec, PagedKVCache, parse_kv_spec
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
+from tests.cache.helpers import decode_inputs, request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 
 # a full group (2 layers, 2 KV heads, D 8, blocks of 4) and a window group (1 layer, 1 KV head,
@@ -85,7 +86,7 @@ def test_construction_and_read_api():
     assert k0.shape == v0.shape == (2, 32, 2, 4, 8) and k1.shape == (1, 12, 1, 2, 4)
     assert cache.layer_kv(2)[0].data_ptr() == k0[1].data_ptr()
     assert cache.layer_kv(1)[1].data_ptr() == v1[0].data_ptr()
-    assert cache.group_num_blocks(1) == 12 == cache.group_free_blocks(1)
+    assert cache.kv_groups[1].num_blocks == 12 == cache.group_free_blocks(1)
     assert cache.max_blocks == cache.num_free_blocks == 44
     # one token limit: the full pool's 32 * 4 tokens, in each group's blocks
     assert cache.group_max_blocks_per_seq(0) == 32 and cache.group_max_blocks_per_seq(1) == 64
@@ -175,7 +176,7 @@ def test_window_group_holds_a_bounded_number_of_blocks_over_a_long_generation():
     # flat once past the window, and exactly the lifetime commitment the scheduler counts
     assert max(peaks) == max(peaks[10:]) == lifetime_blocks(40, 2, 5) == 3 <= bound
     assert min(peaks[10:]) == 3 and set(committed[10:]) == {2, 3}
-    assert cache.request_first_block("a", group=1) == (40 + 1 - 5) // 2
+    assert request_first_block(cache, "a", group=1) == (40 + 1 - 5) // 2
     for rid in ("a", "b"):
         history.check_readable(rid)
     cache.finish_request("a")
@@ -198,7 +199,7 @@ def test_decode_over_the_window_group_matches_the_dense_reference():
         for layer in range(cache.num_layers):
             g = cache.layer_group(layer)
             spec = cache.kv_groups[g]
-            tables, lens = cache.transaction_decode_inputs(tx, group=g)
+            tables, lens = decode_inputs(cache, tx, group=g)
             q = torch.randn(3, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
             k_layer, v_layer = cache.layer_kv(layer)
             out = paged_decode_attention_ref(
@@ -254,13 +255,13 @@ def test_prompt_import_longer_than_the_window_stores_only_the_tail():
     cache.commit_token(tx)
     cache.validate_invariants()
     assert len(cache.request_block_ids("long", group=1)) == blocks_for_tokens(23, 2, 5) == 3
-    assert cache.request_first_block("long", group=1) == 9
+    assert request_first_block(cache, "long", group=1) == 9
     history.check_readable("long")
     history.check_readable("short")
     # a second import on top of held blocks skips past them and releases them at commit
     history.prefill(["long"], [10])
     cache.validate_invariants()
-    assert cache.request_first_block("long", group=1) == (33 + 1 - 5) // 2
+    assert request_first_block(cache, "long", group=1) == (33 + 1 - 5) // 2
     history.check_readable("long")
     for _ in range(3):
         history.step(["long", "short"])
@@ -278,7 +279,7 @@ def test_window_of_one_keeps_nothing_between_steps():
         tx = cache.begin_token(["a"])
         assert cache.metrics()["groups"][0]["max_blocks_per_request"] == 1
         history.write(tx, ["a"], [1])
-        tables, lens = cache.transaction_decode_inputs(tx)
+        tables, lens = decode_inputs(cache, tx)
         k_layer, _ = cache.layer_kv(0)
         pos = int(lens[0]) - 1
         block = int(tables[0, pos // 2])
@@ -291,7 +292,7 @@ def test_window_of_one_keeps_nothing_between_steps():
 def test_failure_at_every_layer_of_a_multi_group_transaction_rolls_back_bit_identically(
     monkeypatch,
 ):
-    import flashdec.cache.paged_kv_cache as facade
+    import flashdec.cache.token_steps as facade
 
     cache = make()
     history = History(cache, seed=2)
@@ -400,16 +401,16 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
         v_fp8[0, block, :, 0].float(),
         (k[0] / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float(),
     )
-    with pytest.raises(RuntimeError, match="set scales before the first transaction"):
-        cache.set_kv_scales(0, 1.0, 1.0)
     fresh = PagedKVCache(kv_spec=spec, device="cpu")
     assert fresh.group_kv_scales(0)[0].tolist() == [1.0, 1.0]
-    fresh.set_kv_scales(0, 2.0, torch.tensor([1.0, 3.0]))
-    assert fresh.group_kv_scales(0)[1].tolist() == [1.0, 3.0]
+    scaled = PagedKVCache(
+        kv_spec=spec, device="cpu", kv_scales=[(2.0, torch.tensor([1.0, 3.0])), None]
+    )
+    assert scaled.group_kv_scales(0)[1].tolist() == [1.0, 3.0]
     with pytest.raises(ValueError, match="takes no scales"):
-        fresh.set_kv_scales(1, 2.0, 2.0)
+        PagedKVCache(kv_spec=spec, device="cpu", kv_scales=[None, (2.0, 2.0)])
     with pytest.raises(ValueError, match="finite and > 0"):
-        fresh.set_kv_scales(0, 0.0, 1.0)
+        PagedKVCache(kv_spec=spec, device="cpu", kv_scales=[(0.0, 1.0), None])
 
 
 def test_groups_accept_kvgroupspec_sequences():

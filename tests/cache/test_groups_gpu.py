@@ -9,6 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, window_block_bound
 from flashdec.cache import PagedKVCache
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
+from tests.cache.helpers import decode_inputs
 from tests.cache.snapshot import snapshot
 from tests.cache.test_groups import History
 
@@ -33,7 +34,7 @@ def test_long_generation_keeps_window_blocks_bounded_and_decodes_like_dense():
             for layer in range(cache.num_layers):
                 g = cache.layer_group(layer)
                 spec = cache.kv_groups[g]
-                tables, lens = cache.transaction_decode_inputs(tx, group=g)
+                tables, lens = decode_inputs(cache, tx, group=g)
                 q = torch.randn(4, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
                 q = q.to(device="cuda", dtype=spec.dtype)
                 k_layer, v_layer = cache.layer_kv(layer)

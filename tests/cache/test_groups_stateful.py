@@ -21,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from flashdec._blocks import blocks_for_tokens, held_block_range, lifetime_blocks
 from flashdec.cache import KVGroupSpec, PagedKVCache
-from flashdec.cache.paged_kv_cache import torch_scatter
+from flashdec.cache.token_steps import torch_scatter
+from tests.cache.helpers import request_first_block
 from tests.cache.snapshot import assert_same_state, snapshot
 from tests.profiles import examples
 
@@ -290,7 +291,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
             assert cache.group_free_blocks(g) == self.free(g) == groups[g]["num_free_blocks"]
             for rid in self.active():
                 assert len(cache.request_block_ids(rid, group=g)) == self.held(g, rid)
-                if cache.request_first_block(rid, group=g):
+                if request_first_block(cache, rid, group=g):
                     event("a window group released blocks")
         for rid in self.active():
             assert cache.seq_len(rid) == self.length(rid)

@@ -13,6 +13,7 @@ import torch
 from benchmarks._common import line_events
 from flashdec.cache import PagedKVCache, RequestState
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, IdSet, TerminalHistory
+from tests.cache.helpers import request_first_block
 from tests.cache.snapshot import assert_same_state, snapshot
 
 LIMIT = TERMINAL_HISTORY_LIMIT
@@ -97,7 +98,7 @@ def test_a_terminal_request_keeps_its_state_for_ever_and_its_record_while_recent
     # the newest terminal records are whole; an older one holds nothing and has lost its length
     assert cache.seq_len("new") == 3 and cache.request_block_ids("new") == []
     assert cache.request_block_ids("old1") == [] and cache.request_prefix("old1") is None
-    assert cache.request_first_block("old1") == 0
+    assert request_first_block(cache, "old1") == 0
     with pytest.raises(ValueError, match="no longer kept"):
         cache.seq_len("old1")
     with pytest.raises(ValueError, match="unknown request id"):

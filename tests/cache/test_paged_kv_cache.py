@@ -323,14 +323,17 @@ def test_metrics_report_the_agreed_keys(cache):
 @pytest.mark.parametrize(
     ("corrupt", "match"),
     [
-        (lambda c: setattr(c._requests["a"], "seq_len", 5), "needs 3 blocks, holds 2"),
-        (lambda c: c._requests["a"].table.__setitem__(1, 7), "private blocks"),
-        (lambda c: c._requests["a"].table.__setitem__(5, 1), "padding"),
+        (lambda c: setattr(c._requests.records["a"], "seq_len", 5), "needs 3 blocks, holds 2"),
+        (lambda c: c._requests.records["a"].table.__setitem__(1, 7), "private blocks"),
+        (lambda c: c._requests.records["a"].table.__setitem__(5, 1), "padding"),
         (lambda c: c._allocator.allocate(1, ("request", "b")), "private blocks"),
         (lambda c: c._allocator.allocate(1, "stray"), "not an active request nor a prefix"),
         (lambda c: setattr(c._prefixes._prefixes["p"], "refcount", 2), "refcount 2 but 1"),
-        (lambda c: setattr(c._requests["b"], "num_prefix_blocks", 0), "prefix"),
-        (lambda c: c._allocator.release([c._requests["a"].table[0].item()]), "private blocks"),
+        (lambda c: setattr(c._requests.records["b"], "num_prefix_blocks", 0), "prefix"),
+        (
+            lambda c: c._allocator.release([c._requests.records["a"].table[0].item()]),
+            "private blocks",
+        ),
     ],
 )
 def test_validate_invariants_detects_corruption(cache, corrupt, match):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
+from tests.cache.helpers import request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 from tests.cache.util import make_cache, tokens
 
@@ -86,7 +87,7 @@ def _slots(cache, rid, g) -> list[tuple[int, int]]:
     """(block, offset) of every token of ``rid`` that group ``g`` holds."""
     bs = cache.kv_groups[g].block_size
     table = cache.block_tables([rid], group=g)[0].tolist()
-    first = cache.request_first_block(rid, group=g)
+    first = request_first_block(cache, rid, group=g)
     return [(table[p // bs], p % bs) for p in range(first * bs, cache.seq_len(rid))]
 
 

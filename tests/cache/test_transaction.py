@@ -7,6 +7,7 @@ import torch
 
 from flashdec.cache import TokenTransactionView, TransactionState
 from flashdec.cache.transaction import HISTORY_LIMIT, TransactionLog
+from tests.cache.helpers import decode_inputs
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 from tests.cache.util import commit_token, make_cache, prefix_blocks, stored, tokens
 
@@ -121,7 +122,7 @@ def test_abort_without_restore_still_releases_blocks():
 
 def test_failing_write_leaves_transaction_open_and_abort_restores(cache, monkeypatch):
     """Fault injection at every layer: the failing write changes nothing, abort undoes the rest."""
-    import flashdec.cache.paged_kv_cache as facade
+    import flashdec.cache.token_steps as facade
 
     cache.add_request("a")
     commit_token(cache, ["a"], seed=1)
@@ -234,12 +235,12 @@ def test_mutations_while_open_are_rejected():
     cache.finish_request("b")  # fine once closed
 
 
-def test_transaction_decode_inputs_cover_the_new_token(cache):
+def test_transaction_slots_cover_the_new_token(cache):
     cache.add_request("a")
     commit_token(cache, ["a"], seed=1)
     commit_token(cache, ["a"], seed=2)
     tx = cache.begin_token(["a"])
-    tables, lens = cache.transaction_decode_inputs(tx)
+    tables, lens = decode_inputs(cache, tx)
     assert lens.tolist() == [3]
     assert tables[0, 1].item() == tx.block_ids[0].item()
     cache.abort_token(tx)
@@ -258,7 +259,7 @@ def test_write_path_does_no_host_sync(cache, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
     cache.write_token_layer(tx, 0, k, k)
     cache.write_token_layer_with(tx, 1, lambda k_layer, v_layer, slots: None)
-    cache.transaction_decode_inputs(tx)
+    decode_inputs(cache, tx)
     monkeypatch.undo()
     cache.commit_token(tx)
 

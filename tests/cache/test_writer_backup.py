@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
-from flashdec.cache.paged_kv_cache import torch_scatter
+from flashdec.cache.token_steps import torch_scatter
 from tests.cache.snapshot import assert_rejected, snapshot
 from tests.cache.test_groups import History, make
 from tests.cache.util import commit_token, make_cache, tokens

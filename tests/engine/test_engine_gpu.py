@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from tests.cache.helpers import decode_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +44,7 @@ def test_engine_step_matches_reference_on_gpu(dtype, hq, hkv, dim):
             out = engine.step_layer(tx, layer, q, k, v)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        tables, lens = cache.transaction_decode_inputs(tx)
+        tables, lens = decode_inputs(cache, tx)
         k_layer, v_layer = cache.layer_kv(layer)
         ref = paged_decode_attention_ref(apply_rope(q, positions), k_layer, v_layer, tables, lens)
         tol = 2e-2 if dtype == torch.bfloat16 else 3e-3

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from tests.cache.helpers import decode_inputs
 from tests.engine.conftest import graphed_step, make_engine, run_step
 
 LAYERS, HQ, HKV, D, BS = 3, 8, 2, 64, 16
@@ -64,7 +65,7 @@ def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
         positions = eager.cache.seq_lens_tensor(rids)
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in range(LAYERS)]
-        tables, lens = eager.cache.transaction_decode_inputs(tx)
+        tables, lens = decode_inputs(eager.cache, tx)
         refs = [
             paged_decode_attention_ref(
                 apply_rope(inputs[i][0], positions), *eager.cache.layer_kv(i), tables, lens

@@ -5,6 +5,7 @@ import torch
 
 from flashdec import apply_rope, paged_decode_attention_ref
 from flashdec.engine import EngineRequestState
+from tests.cache.helpers import decode_inputs
 from tests.cache.snapshot import snapshot
 from tests.engine.conftest import BS, HKV, NUM_LAYERS, D, layer_inputs, make_engine, run_step
 
@@ -56,7 +57,7 @@ def test_step_layers_match_reference(append_backend, decode_backend, gen):
         q, k, v = layer_inputs(3, gen)
         out = engine.step_layer(tx, layer, q, k, v)
         k_layer, v_layer = cache.layer_kv(layer)
-        tables, lens = cache.transaction_decode_inputs(tx)
+        tables, lens = decode_inputs(cache, tx)
         q_rot = apply_rope(q, positions, rotary_dim=8)
         ref = paged_decode_attention_ref(q_rot, k_layer, v_layer, tables, lens)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
