@@ -64,6 +64,7 @@ def simulate(
     policy: str = "lifetime",
     max_steps: int = 2000,
     keep_history: bool = False,
+    max_step_tokens: int | None = None,
 ) -> SimResult:
     prefix_blocks = sum(p.num_blocks for p in prefixes)
     cache = PagedKVCache(
@@ -100,7 +101,13 @@ def simulate(
                 ]
                 out.aged_context[w.request_id] = len(snap.active) + len(ahead)
 
-    loop = ServingLoop(engine, make_scheduler(policy, config), _ZeroKV(engine), on_plan=observe)
+    loop = ServingLoop(
+        engine,
+        make_scheduler(policy, config),
+        _ZeroKV(engine),
+        on_plan=observe,
+        max_step_tokens=max_step_tokens,  # a budget: prompts arrive in chunks over steps
+    )
     run = run_loop(loop, zip(arrivals, specs, strict=True), max_steps=max_steps)
     for record in run.steps:
         out.stalls += len(record.stuck)

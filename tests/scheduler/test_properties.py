@@ -97,11 +97,19 @@ def test_decisions_respect_caps_and_reserve(snapshot, config, policy):
 
 @pytest.mark.large
 @settings(max_examples=examples(150, ci=40), deadline=None)
-@given(traces(), configs)
-def test_lifetime_never_stalls_and_everything_admitted_completes(trace, config):
+@given(traces(), configs, st.one_of(st.none(), st.integers(1, 8)))
+def test_lifetime_never_stalls_and_everything_admitted_completes(trace, config, budget):
+    """Also with a step budget, where prompts arrive in chunks over several steps (the
+    lifetime commitment is taken at admission, whole)."""
     specs, arrivals, bs, num_blocks, prefixes = trace
     out = simulate(
-        specs, arrivals, block_size=bs, num_blocks=num_blocks, config=config, prefixes=prefixes
+        specs,
+        arrivals,
+        block_size=bs,
+        num_blocks=num_blocks,
+        config=config,
+        prefixes=prefixes,
+        max_step_tokens=budget,
     )
     assert out.stalls == 0  # no admitted request ever found its next block missing
     assert set(out.finished_at) == set(out.admitted_at)
