@@ -18,11 +18,9 @@ one-group cache takes exactly the path it always took.
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -36,7 +34,7 @@ from flashdec._checks import (
     resolve_sm_scale,
 )
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
-from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, IdSet, TerminalHistory
+from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.engine.layer_ops import (
     APPEND_BACKENDS,
     DECODE_BACKENDS,
@@ -50,46 +48,19 @@ from flashdec.engine.layer_ops import (
 )
 from flashdec.engine.snapshot import (
     cache_group_shapes,
-    cache_snapshot,
-    grouped_active_row,
-    one_group_active_row,
-    snapshot_from_cache,
 )
+from flashdec.engine.states import FROM_CACHE, EngineRequestState
+from flashdec.engine.submissions import SubmissionQueue
 from flashdec.kernels import triton_runs_on
 from flashdec.scheduler import (
-    ActiveRequest,
     BlockAwareScheduler,
-    PrefixInfo,
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
-    WaitingQueue,
-    WaitingView,
-    counters_of,
 )
 
 log = logging.getLogger("flashdec")
 T = TypeVar("T")
-
-
-class EngineRequestState(enum.StrEnum):
-    """Where a request is from the engine's point of view (a superset of the cache's states)."""
-
-    WAITING = "waiting"  # known to the engine, not yet in the cache
-    ACTIVE = "active"
-    FINISHED = "finished"
-    CANCELLED = "cancelled"
-    REJECTED = "rejected"  # the scheduler decided it can never fit
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_FROM_CACHE = {
-    RequestState.ACTIVE: EngineRequestState.ACTIVE,
-    RequestState.FINISHED: EngineRequestState.FINISHED,
-    RequestState.CANCELLED: EngineRequestState.CANCELLED,
-}
 
 
 @dataclass(frozen=True)
@@ -283,17 +254,10 @@ class DecodeEngine:
         self._waiting: dict[Any, RequestSpec | None] = {}  # insertion order
         # rejected / cancelled while waiting: every state, and the newest ids listed
         self._closed = TerminalHistory(EngineRequestState.REJECTED, TERMINAL_HISTORY_LIMIT)
-        self._specs: dict[Any, RequestSpec] = {}  # scheduler-managed, waiting or active
         self._mode: str | None = None  # "unscheduled" or "scheduled", fixed by the first request
-        self._orders = IdSet()  # submission orders ever used (never reused, like ids)
-        # scheduler-managed waiting requests with their wait/skip counters (a persistent
-        # structure: a snapshot takes an O(1) view) and the active ones' service-wait counters;
-        # both stay zero unless a ServingLoop advances them (advance_fairness)
-        self._queue = WaitingQueue()
-        self._service_wait: dict[Any, int] = {}
-        self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
-        # the decision applied last and the queue before it, while revert_decision may undo it
-        self._applied: tuple[SchedulerDecision, Any] | None = None
+        # scheduler-managed requests: specs, the waiting queue and the fairness counters (the
+        # serving loop drives them); the SPEC's submit/snapshot/apply delegate to it
+        self.submissions = SubmissionQueue(self)
 
     @property
     def group_shapes(self) -> tuple[tuple[int, int | None], ...]:
@@ -324,7 +288,7 @@ class DecodeEngine:
         if closed is not None:
             return closed
         check_request_id("request id", request_id)
-        return _FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
+        return FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
 
     def request_ids(self, state: EngineRequestState | None = None) -> list:
         """The requests this engine knows, optionally only those in ``state``: every waiting
@@ -398,67 +362,23 @@ class DecodeEngine:
 
     def _forget(self, request_id) -> None:
         """Drop what the engine keeps of a request that just became terminal."""
-        self._specs.pop(request_id, None)
-        self._service_wait.pop(request_id, None)
-        self._active_rows.pop(request_id, None)
+        self.submissions.forget(request_id)
 
     def _leave_queue(self, request_id, state: EngineRequestState | None) -> None:
+        """A request stops waiting: admitted (``state`` None), rejected or cancelled."""
         spec = self._waiting.pop(request_id)
         if spec is not None:
-            self._queue.remove(request_id)
+            self.submissions.remove(request_id)
         if state is not None:
             self._closed.add(request_id, state)
             self._forget(request_id)
 
     # ------------------------------------------------------------------ scheduler-managed
     def submit_request(self, spec: RequestSpec) -> None:
-        """Queue a scheduler-managed request; the scheduler admits or rejects it later.
-
-        A request with a prefix needs that prefix resident now, covering its whole context.
-        """
-        self._require_no_open_step("submit_request")
-        if not isinstance(spec, RequestSpec):
-            raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
-        self._check_new_id(spec.request_id, "scheduled")
-        if spec.prefix_id is not None:
-            if spec.prefix_id not in self.cache.prefix_ids():
-                raise ValueError(
-                    f"prefix {spec.prefix_id!r} must be registered before requests use it"
-                )
-            num_tokens = self.cache.prefix_state(spec.prefix_id).num_tokens
-            if spec.initial_context_tokens != num_tokens:
-                raise ValueError(
-                    f"a prefix request's context must be its prefix: prefix {spec.prefix_id!r} "
-                    f"holds {num_tokens} tokens, spec says {spec.initial_context_tokens}"
-                )
-        if spec.submission_order in self._orders:
-            raise ValueError(f"submission_order {spec.submission_order} is already used")
-        # the queue checks the order against every waiting request and takes the lifetime
-        # geometry of the resident prefixes (which cannot change while anything waits)
-        self._queue.submit(
-            spec,
-            block_size=self._block_size,
-            prefixes=self._prefix_infos(),
-            group_shapes=self._group_shapes,
-        )
-        self._mode = "scheduled"
-        self._orders.add(spec.submission_order)
-        self._specs[spec.request_id] = spec
-        self._waiting[spec.request_id] = spec
-
-    def request_spec(self, request_id: object) -> RequestSpec:
-        """The spec of a waiting or active scheduler-managed request (a terminal request's
-        is not kept)."""
-        state = self.request_state(request_id)
-        spec = self._specs.get(request_id)
-        if spec is None:
-            if self._mode == "scheduled":  # every request is then: this one is terminal
-                raise ValueError(
-                    f"request {request_id!r} is {state.value}: only a waiting or active "
-                    "request's spec is kept"
-                )
-            raise ValueError(f"request {request_id!r} is not scheduler-managed")
-        return spec
+        """Queue a scheduler-managed request; the scheduler admits or rejects it later (SPEC §5;
+        the queue is :attr:`submissions`). A request with a prefix needs that prefix resident
+        now, covering its whole context."""
+        self.submissions.submit_request(spec)
 
     def scheduling_snapshot(
         self,
@@ -467,65 +387,12 @@ class DecodeEngine:
         waiting_skip_counts: Mapping | None = None,
         active_service_wait_steps: Mapping | None = None,
     ) -> SchedulingSnapshot:
-        """K/V-free metadata for the scheduler, read from the live cache.
-
-        Without counter arguments the snapshot carries the engine's own counters (zero unless a
-        :class:`ServingLoop` advances them) and costs O(active requests): the waiting queue is
-        an O(1) view of a persistent structure. Explicit counters build every row (O(waiting)).
-        """
-        self._require_no_open_step("scheduling_snapshot")
-        if (
-            waiting_wait_steps is None
-            and waiting_skip_counts is None
-            and (active_service_wait_steps is None)
-        ):
-            return self._own_snapshot(step)
-        return snapshot_from_cache(
-            self.cache,
-            step=step,
-            specs=self._specs,
-            waiting_ids=[rid for rid, spec in self._waiting.items() if spec is not None],
-            active_ids=self._scheduled_active_ids(),
-            waiting_wait_steps=waiting_wait_steps,
-            waiting_skip_counts=waiting_skip_counts,
-            active_service_wait_steps=active_service_wait_steps,
+        """K/V-free metadata for the scheduler, read from the live cache (SPEC §5; see
+        :meth:`SubmissionQueue.scheduling_snapshot`): without counter arguments, the queue's
+        own counters (zero unless a :class:`ServingLoop` advances them)."""
+        return self.submissions.scheduling_snapshot(
+            step, waiting_wait_steps, waiting_skip_counts, active_service_wait_steps
         )
-
-    def _prefix_infos(self) -> tuple[PrefixInfo, ...]:
-        cache = self.cache
-        states = (cache.prefix_state(pid) for pid in cache.prefix_ids())
-        return tuple(
-            PrefixInfo(p.prefix_id, p.num_blocks, p.num_tokens, p.refcount) for p in states
-        )
-
-    def _own_snapshot(self, step: int) -> SchedulingSnapshot:
-        """The snapshot with the engine's counters, in O(active): rows of unchanged active
-        requests are reused (equal snapshots then compare element by identity). A cache with
-        KV layer groups (or one window group) gets every group's pool and each request's
-        blocks per group."""
-        cache, specs, shapes = self.cache, self._specs, self._group_shapes
-        prefixes = self._prefix_infos()
-        prefix_map = {p.prefix_id: p for p in prefixes}
-        if shapes:
-            make_row = partial(grouped_active_row, cache, shapes, prefix_map)
-        else:
-            make_row = partial(one_group_active_row, cache, self._block_size, prefix_map)
-        rows, cached = [], self._active_rows
-        for rid in self._scheduled_active_ids():
-            tokens = cache.seq_len(rid)
-            wait = self._service_wait.get(rid, 0)
-            row = cached.get(rid)
-            if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
-                row = cached[rid] = make_row(specs[rid], tokens, wait)
-            rows.append(row)
-        return cache_snapshot(
-            cache, step, prefixes, tuple(rows), self._queue.view(), grouped=bool(shapes)
-        )
-
-    def _scheduled_active_ids(self) -> list:
-        if self._mode != "scheduled":
-            return []
-        return self.cache.request_ids(RequestState.ACTIVE)
 
     def apply_scheduler_decision(
         self,
@@ -534,129 +401,11 @@ class DecodeEngine:
         scheduler: BlockAwareScheduler,
         snapshot: SchedulingSnapshot,
     ) -> SchedulerDecision:
-        """Admit and reject what ``decision`` says, after proving it is current and canonical.
-
-        The snapshot is rebuilt from the live engine (keeping the snapshot's fairness counters)
-        and the canonical lifetime policy ``BlockAwareScheduler(scheduler.config)`` is re-run on
-        it; the decision must equal that result exactly. Anything else — a stale snapshot, a
-        decision from another snapshot or config, an edited or non-canonical decision — is
-        rejected before any request is admitted or rejected. Returns the applied decision.
-        """
-        self._require_no_open_step("apply_scheduler_decision")
-        if not isinstance(decision, SchedulerDecision):
-            raise TypeError(f"decision must be a SchedulerDecision, got {type(decision).__name__}")
-        if not isinstance(scheduler, BlockAwareScheduler):
-            raise TypeError(
-                f"scheduler must be a BlockAwareScheduler, got {type(scheduler).__name__}"
-            )
-        if not isinstance(snapshot, SchedulingSnapshot):
-            raise TypeError(f"snapshot must be a SchedulingSnapshot, got {type(snapshot).__name__}")
-        if decision.snapshot != snapshot:
-            raise ValueError("decision was not planned from the given snapshot")
-        if decision.config != scheduler.config:
-            raise ValueError(
-                f"decision was planned with {decision.config}, the scheduler has {scheduler.config}"
-            )
-        if isinstance(snapshot.waiting, WaitingView):  # built from this engine's own counters
-            live = self.scheduling_snapshot(snapshot.step)
-        else:
-            live = self.scheduling_snapshot(snapshot.step, **counters_of(snapshot).as_kwargs())
-        if live != snapshot:
-            raise RuntimeError(
-                "stale scheduler decision: the engine changed since the snapshot was taken "
-                f"(cache version {snapshot.cache_version} -> {live.cache_version})"
-            )
-        canonical = BlockAwareScheduler(scheduler.config).plan(live)
-        if canonical != decision:
-            raise ValueError(
-                "decision is not the canonical lifetime-policy decision for this snapshot "
-                f"(expected admit={canonical.admit}, reject={canonical.reject}, "
-                f"batch={canonical.batch}; got admit={decision.admit}, "
-                f"reject={decision.reject}, batch={decision.batch})"
-            )
-        self.apply_trusted_decision(decision)
-        return decision
-
-    def apply_trusted_decision(self, decision: SchedulerDecision) -> None:
-        """Admit and reject without re-planning: for a decision the caller planned itself from
-        a snapshot of this engine taken since its last change (the serving loop's path, also for
-        the greedy and cancel baselines)."""
-        self._require_no_open_step("apply_trusted_decision")
-        checkpoint = self._queue.checkpoint()
-        for rid in decision.admit:
-            spec = self._specs[rid]
-            self.cache.add_request(rid)
-            if spec.prefix_id is not None:
-                self.cache.attach_prefix(rid, spec.prefix_id)
-            self._leave_queue(rid, None)
-        for rid in decision.reject:
-            self._leave_queue(rid, EngineRequestState.REJECTED)
-        self._applied = (decision, checkpoint)
-
-    def revert_decision(self, decision: SchedulerDecision) -> None:
-        """Take back the decision applied last, for a serving step that failed before it
-        decoded anything: its admitted requests leave the cache (with any prompt imported for
-        them) and its rejected ones wait again, all with the fairness counters they had.
-
-        RuntimeError (nothing changed) unless ``decision`` is the one applied last, the waiting
-        queue has not changed since (no submission, cancellation or ``advance_fairness``) and
-        no request it admitted has finished, been cancelled or decoded a token.
-        """
-        self._require_no_open_step("revert_decision")
-        applied = self._applied
-        if applied is None or applied[0] is not decision:
-            raise RuntimeError(
-                "only the decision applied last can be reverted, before the step ends"
-            )
-        cache, specs = self.cache, self._specs
-        for rid in decision.admit:
-            context = specs[rid].initial_context_tokens
-            if cache.request_state(rid) is not RequestState.ACTIVE or cache.seq_len(rid) > context:
-                raise RuntimeError(f"request {rid!r} has moved on since it was admitted")
-        removed = (*decision.admit, *decision.reject)
-        self._queue.restore(applied[1], removed)  # RuntimeError when anything else changed
-        self._applied = None
-        for rid in decision.admit:
-            cache.discard_request(rid)
-            self._service_wait.pop(rid, None)
-            self._active_rows.pop(rid, None)
-        waiting = decision.snapshot.waiting_view
-        for rid in decision.reject:  # rejecting forgot the spec: the snapshot still has it
-            self._closed.discard(rid)
-            specs[rid] = waiting.get(rid).spec
-        for rid in removed:
-            self._waiting[rid] = specs[rid]
-
-    def advance_fairness(
-        self, decision: SchedulerDecision, served: Collection, departed: Collection
-    ) -> None:
-        """Move the counters past the step ``decision`` planned (after it was applied): every
-        request still waiting waits one step more and counts a skip if a later submission was
-        admitted; a served active request's service wait resets, any other's grows. O(log n +
-        active). The serving loop calls this; manual scheduling leaves the counters at zero."""
-        self._applied = None  # the step is over: its decision can no longer be reverted
-        admitted = decision.admit
-        # an admitted request may be terminal already (done at its prompt): its spec is then
-        # the snapshot's
-        specs, waiting = self._specs, decision.snapshot.waiting_view
-        newest = max(
-            (
-                (specs[rid] if rid in specs else waiting.get(rid).spec).submission_order
-                for rid in admitted
-            ),
-            default=None,
+        """Admit and reject what ``decision`` says after proving it current and canonical (SPEC
+        §5, §6; see :meth:`SubmissionQueue.apply_scheduler_decision`). Returns it."""
+        return self.submissions.apply_scheduler_decision(
+            decision, scheduler=scheduler, snapshot=snapshot
         )
-        self._queue.advance(newest)
-        service = self._service_wait
-        for rid in departed:
-            service.pop(rid, None)
-            self._active_rows.pop(rid, None)
-        for rid in self._scheduled_active_ids():
-            service[rid] = 0 if rid in served else service.get(rid, 0) + 1
-
-    def max_service_wait(self) -> int:
-        """The longest any active request has gone undecoded (steps), as the loop counts."""
-        return max(self._service_wait.values(), default=0)
 
     # ------------------------------------------------------------------ single-layer step
     def step(
@@ -748,7 +497,7 @@ class DecodeEngine:
         """ValueError when a scheduled request would take more tokens than its lifetime
         commitment has left, or a window group more than its window allows in one step."""
         self._explain_batch(request_ids, "step")
-        specs, cache = self._specs, self.cache
+        specs, cache = self.submissions.specs, self.cache
         for i, (rid, n) in enumerate(zip(request_ids, counts, strict=True)):
             spec = specs.get(rid) if type(rid) in (str, int) else None
             if spec is None or cache.request_state(rid) is not RequestState.ACTIVE:
