@@ -3,7 +3,9 @@
 The engine owns no block and no length: :class:`~flashdec.cache.PagedKVCache` stays the single
 source of truth for every request it holds (active, finished, cancelled). The engine adds only
 what exists before a request reaches the cache — waiting (with its spec when a scheduler manages
-it), rejected, or cancelled while waiting — so the two can never disagree about a state.
+it), rejected, or cancelled while waiting — so the two can never disagree about a state. The
+scheduler-managed requests' specs, waiting queue and fairness counters are its ``submissions``
+(:mod:`flashdec.engine.submissions`), which the serving loop drives.
 
 A step is ``begin_step`` (all validation, the reservation, one metadata upload) → ``step_layer``
 per layer (a thin launch of RoPE + append and decode over fixed-address buffers) →
@@ -12,8 +14,8 @@ graph (``capture_step``) and replayed for later steps of the same batch (``repla
 
 Over a cache with several KV layer groups (SPEC §8.2) each layer runs in its group: its storage,
 block tables and lengths, its geometry (RoPE and the softmax scale follow the group's head_dim)
-and its sliding window; each group has its own decode plan and workspace per step. A classic
-one-group cache takes exactly the path it always took.
+and its sliding window; each group has its own decode plan, workspace and bound launch per step.
+One group is the normal case of the same path (no separate one-group methods).
 """
 
 from __future__ import annotations
@@ -75,70 +77,63 @@ class StepResult:
 
 
 class _OpenStep:
-    """Engine-side state of the one open transaction (the cache keeps the reservation)."""
+    """Engine-side state of the one open transaction (the cache keeps the reservation).
+
+    Everything a layer needs is kept per KV layer group (one entry each; one group is the
+    normal case): the group's slots, decode plan, outputs, input shapes and bound launch.
+    """
 
     __slots__ = (
         "backups",
         "bound",
         "decode",
-        "group_decode",
-        "group_layer_outputs",
-        "group_outputs",
-        "group_shapes",
         "group_slots",
         "kind",
-        "kv_shape",
         "layer_outputs",
         "max_len_after",
         "num_rows",
         "num_tokens",
         "outputs",
         "positions",
-        "q_shape",
         "query_lens",
         "request_ids",
         "seq_lens_after",
+        "shapes",
         "slots",
         "transaction_id",
     )
 
     def __init__(
-        self, kind: str, view: TokenTransactionView, slots, positions, lens_after, group_slots=()
+        self, kind: str, view: TokenTransactionView, group_slots: tuple, positions, lens_after
     ):
         # "decode" (one token each), "extend" (n >= 1 tokens each, attended in the step) or
         # "prefill" (a prompt import of caller-built K/V)
         self.kind = kind
         self.transaction_id = view.transaction_id
         self.request_ids = view.request_ids
-        self.slots = slots  # group 0's
+        self.group_slots = group_slots  # every group's slots
+        self.slots = slots = group_slots[0]
         self.num_rows = slots.num_rows
         self.num_tokens = view.num_tokens  # tokens of the transaction (every group's input rows)
         # tuples, as StepResult reports them (begin_step makes tuples: no copy on its path)
         self.positions: tuple[int, ...] = tuple(positions)
         self.seq_lens_after: tuple[int, ...] = tuple(lens_after)
         self.max_len_after = max(lens_after)
-        self.decode: DecodeState | None = None
-        self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
-        self.layer_outputs: tuple[torch.Tensor, ...] = ()  # its views per layer (one unbind)
-        self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
-        self.kv_shape = (slots.num_rows if kind == "decode" else self.num_tokens, 0, 0)
-        # with several KV layer groups, the same per group (one entry each)
-        self.group_slots = group_slots
-        self.group_decode: list[DecodeState | None] = [None] * len(group_slots)
-        self.group_outputs: list[torch.Tensor | None] = [None] * len(group_slots)  # [Lg, ...]
-        self.group_layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(group_slots)
-        self.group_shapes: list[tuple | None] = [None] * len(group_slots)  # (q, kv) shapes
+        count = len(group_slots)
+        self.decode: list[DecodeState | None] = [None] * count
+        # [layers of the group, rows, Hq, D]: every layer's attention, and its views per layer
+        self.outputs: list[torch.Tensor | None] = [None] * count
+        self.layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * count
+        self.shapes: list[tuple | None] = [None] * count  # (q, k/v) shapes of the first layer
         # per group: where the fused append saves the slots' old bytes (None: the cache did)
         self.backups: tuple[torch.Tensor | None, ...] = ()
-        # the single-group fast path's launch and the q, k, v strides it was bound to
-        self.bound: tuple | None = None
+        # per group: the fast path's launch, the q, k, v strides it was bound to, the outputs
+        self.bound: list[tuple | None] = [None] * count
         self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
 
     @property
     def generations(self) -> tuple[int, ...]:
         """The slot buffers' generation in every group (a captured graph reads them)."""
-        if not self.group_slots:
-            return (self.slots.generation,)
         return tuple(slots.generation for slots in self.group_slots)
 
 
@@ -230,7 +225,6 @@ class DecodeEngine:
         self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
         self._num_groups = len(specs)
         self._num_layers = cache.num_layers
-        self._multi = len(specs) > 1  # several KV layer groups: the per-group paths
         self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
         # each layer's index inside its group (its row of the group's per-step outputs)
         self._layer_local = tuple(
@@ -239,7 +233,8 @@ class DecodeEngine:
         self._group_views = tuple(
             [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
         )
-        self._group_decode_states: list[DecodeState | None] = [None] * len(specs)
+        # per group: the decode plan reused while the layout holds
+        self._decode_states: list[DecodeState | None] = [None] * len(specs)
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
@@ -247,7 +242,6 @@ class DecodeEngine:
         # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
         self._device_index = cache.device.index if cache.device.type == "cuda" else -1
         self._open: _OpenStep | None = None
-        self._decode_state: DecodeState | None = None  # reused while the layout holds
         self._capturing = False
         # the lifecycle before and beside the cache; what stays of a terminal request is
         # bounded (flashdec.cache.history): a server runs without end
@@ -475,16 +469,14 @@ class DecodeEngine:
         except (ValueError, RuntimeError):
             self._explain_batch(request_ids, "step")
             raise
-        slots = cache.transaction_slots(view)
         # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
         positions = tuple(view.host_positions.tolist())
         step = _OpenStep(
             "decode",
             view,
-            slots,
+            self._all_group_slots(view),
             positions,
             tuple(map((1).__add__, positions)),
-            self._all_group_slots(view),
         )
         if by_writer:
             step.backups = tuple(
@@ -523,23 +515,16 @@ class DecodeEngine:
         view = cache.begin_tokens(list(rids), counts)
         starts = view.host_seq_lens.tolist()
         after = [s + n for s, n in zip(starts, counts, strict=True)]
-        step = _OpenStep(
-            "extend",
-            view,
-            cache.transaction_slots(view),
-            starts,
-            after,
-            self._all_group_slots(view),
-        )
+        step = _OpenStep("extend", view, self._all_group_slots(view), starts, after)
         step.query_lens = torch.tensor(counts, dtype=torch.int32, device=cache.device)
         self._open = step
         return view
 
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
-        """Every group's slots of a transaction (empty for a one-group cache: ``slots``)."""
-        if not self._multi:
-            return ()
+        """Every group's slots of a transaction."""
         cache = self.cache
+        if self._num_groups == 1:  # begin_step's cost: no generator for the common case
+            return (cache.transaction_slots(view),)
         return tuple(cache.transaction_slots(view, group=g) for g in range(self._num_groups))
 
     def step_layer(
@@ -554,36 +539,24 @@ class DecodeEngine:
         try:
             if step.kind != "decode":
                 return self._extend_layer(step, layer_idx, q, k, v)
-            if self._multi:
-                return self._group_layer(step, layer_idx, q, k, v)
-            self._check_layer_inputs(step, q, k, v)
+            groups = self._layer_groups  # the layer's KV group (_group_of, inlined: per layer)
+            if type(layer_idx) is int and 0 <= layer_idx < self._num_layers:
+                g = groups[layer_idx]
+            else:
+                g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+            self._check_layer_inputs(step, g, q, k, v)
             if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "step_layer is being captured in a CUDA graph outside capture_step: the "
                     "engine would count layers the graph has not run yet; use capture_step"
                 )
             if self._fused_triton:
-                return self._fast_layer(step, layer_idx, q, k, v)
-            q_rot = self._write_rope(step, layer_idx, 0, q, k, v)
-            return self._decode_layer(step, layer_idx, q_rot)
+                return self._fast_layer(step, layer_idx, g, q, k, v)
+            q_rot = self._write_rope(step, layer_idx, g, q, k, v)
+            return self._decode_layer(step, layer_idx, g, q_rot)
         except BaseException:
             self._abort_open_step()
             raise
-
-    def _group_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """``step_layer`` on a cache with several KV layer groups: the layer's group's
-        storage, slots, geometry and window."""
-        g = self._group_of(layer_idx)
-        self._check_group_layer_inputs(step, g, q, k, v)
-        if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "step_layer is being captured in a CUDA graph outside capture_step: the "
-                "engine would count layers the graph has not run yet; use capture_step"
-            )
-        if self._fused_triton:
-            return self._fast_group_layer(step, layer_idx, g, q, k, v)
-        q_rot = self._write_rope(step, layer_idx, g, q, k, v)
-        return self._decode_group_layer(step, layer_idx, g, q_rot)
 
     def _group_of(self, layer_idx: object) -> int:
         """The KV group of a layer (TypeError / ValueError for a bad index)."""
@@ -612,7 +585,7 @@ class DecodeEngine:
             )
         g = self._group_of(layer_idx)
         q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self._dtype)
-        slots = step.group_slots[g] if step.group_slots else step.slots
+        slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
         return extend_attention(
@@ -692,7 +665,7 @@ class DecodeEngine:
             self._capturing = False
         graph.replay()
         return CapturedStep(
-            self, graph, output, step.num_rows, step.generations, (step.decode, *step.group_decode)
+            self, graph, output, step.num_rows, step.generations, tuple(step.decode)
         )
 
     def replay_step(self, tx, captured: CapturedStep) -> Any:
@@ -716,10 +689,9 @@ class DecodeEngine:
         self._require_no_open_step("begin_prefill")
         rids = self._check_batch(request_ids, "prefill")
         view = self.cache.begin_tokens(list(rids), num_tokens)
-        slots = self.cache.transaction_slots(view)
         starts = [self.cache.seq_len(rid) for rid in rids]
         after = [s + n for s, n in zip(starts, num_tokens, strict=True)]
-        self._open = _OpenStep("prefill", view, slots, starts, after, self._all_group_slots(view))
+        self._open = _OpenStep("prefill", view, self._all_group_slots(view), starts, after)
         return view
 
     def prefill_layer(self, tx, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -888,13 +860,17 @@ class DecodeEngine:
         self._open = None
         self.cache.abort_token(tx_id)
 
-    def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
-        try:  # the common case: the shapes, dtype and device of the step's first layer
-            kv_shape, device = step.kv_shape, self._device_index
+    def _check_layer_inputs(self, step: _OpenStep, g: int, q, k, v) -> None:
+        """Checks of a layer's inputs in its group ``g`` (its Hkv, D); after the group's first
+        layer only a comparison with that layer's shapes, dtype and device."""
+        seen = step.shapes[g]
+        try:  # the common case: the shapes, dtype and device of the group's first layer
+            device = self._device_index
             if (
-                q.shape == step.q_shape
-                and k.shape == kv_shape
-                and v.shape == kv_shape
+                seen is not None
+                and q.shape == seen[0]
+                and k.shape == seen[1]
+                and v.shape == seen[1]
                 and q.dtype is self._dtype
                 and k.dtype is q.dtype
                 and v.dtype is q.dtype
@@ -905,82 +881,40 @@ class DecodeEngine:
                 return
         except AttributeError:  # not tensors: the full check says what is wrong
             pass
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, dtype=self._dtype)
-        if step.q_shape is not None and q.shape != step.q_shape:
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
+        if seen is not None and q.shape != seen[0]:
+            where = "this step" if self._num_groups == 1 else f"KV group {g} in this step"
             raise ValueError(
-                f"q has {q.shape[1]} heads but earlier layers of this step had {step.q_shape[1]}"
+                f"q has {q.shape[1]} heads but earlier layers of {where} had {seen[0][1]}"
             )
-        step.q_shape, step.kv_shape = q.shape, k.shape
+        step.shapes[g] = (q.shape, k.shape)
 
-    def _fast_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """Fused RoPE + append and Triton decode bound once per batch shape (the common path):
-        per layer only the layer's tensors are read, every other argument was bound once."""
-        state = self._decode_state_of(step, q.shape[1])
-        outs = step.layer_outputs
-        if not outs:  # one allocation per step for every layer's output, and one unbind
-            outputs = step.outputs = torch.empty(
-                (self._num_layers, *q.shape), dtype=q.dtype, device=q.device
-            )
-            outs = step.layer_outputs = outputs.unbind(0)
-        out = outs[layer_idx]
+    def _fast_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+        """Fused RoPE + append and Triton decode bound once per group and batch shape (the
+        common path): per layer only the layer's tensors are read, every other argument was
+        bound once."""
         strides = (q.stride(), k.stride(), v.stride())
-        bound = step.bound
-        if bound is not None and bound[1] == strides:  # as the step's earlier layers
-            launch = bound[0]
-        else:
-            backup = step.backups[0] if step.backups else None
-            launch = state.bound(
-                self.rope, step.slots, self.sm_scale, q, k, v, self._layer_views, backup, out
-            )
-            step.bound = (launch, strides)
+        bound = step.bound[g]
+        if bound is None or bound[1] != strides:  # the group's first layer (or new strides)
+            bound = step.bound[g] = self._bind(step, g, q, k, v, strides)
+        launch, _, outs = bound
+        local = self._layer_local[layer_idx]
+        out = outs[local]
         self.cache.write_token_layer_with(
-            step.transaction_id, layer_idx, lambda *_: launch(layer_idx, q, k, v, out)
+            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
         )
         return out
 
-    def _decode_state_of(self, step: _OpenStep, num_heads: int) -> DecodeState:
-        state = step.decode
-        if state is None:
-            state = self._decode_state
-            if state is None or not state.fits(
-                self.cache, step.num_rows, num_heads, step.max_len_after
-            ):
-                state = self._decode_state = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after, dtype=self._dtype
-                )
-            step.decode = state
-        return state
-
-    def _check_group_layer_inputs(self, step: _OpenStep, g: int, q, k, v) -> None:
-        """``_check_layer_inputs`` for a layer of group ``g`` (its Hkv, D and dtype)."""
-        seen = step.group_shapes[g]
-        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
-        if seen is not None and shapes == (seen[0], seen[1], seen[1]):
-            dtype = self._dtype
-            if q.dtype is dtype and k.dtype is dtype and v.dtype is dtype:
-                device = self.cache.device
-                if q.device == device and k.device == device and v.device == device:
-                    return  # the common case: same shapes as the group's first layer
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
-        if seen is not None and q.shape != seen[0]:
-            raise ValueError(
-                f"q has {q.shape[1]} heads but earlier layers of KV group {g} in this step had "
-                f"{seen[0][1]}"
+    def _bind(self, step: _OpenStep, g: int, q, k, v, strides: tuple) -> tuple:
+        """Group ``g``'s bound launch for the step (its plan, slots, window, backup), the
+        strides it was bound to and its layers' outputs (one allocation per step and group)."""
+        state = self._decode_state(step, g, q.shape[1])
+        outs = step.layer_outputs[g]
+        if not outs:
+            outputs = step.outputs[g] = torch.empty(
+                (len(self._group_views[g]), *q.shape), dtype=q.dtype, device=q.device
             )
-        step.group_shapes[g] = (q.shape, k.shape)
-
-    def _fast_group_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
-        """``_fast_layer`` for a layer of group ``g``: its plan, slots and window."""
-        state = self._group_decode_state(step, g, q.shape[1])
-        outs = step.group_layer_outputs[g]
-        if not outs:  # one allocation per step and group for its layers' outputs
-            count = len(self._group_views[g])
-            outputs = step.group_outputs[g] = torch.empty(
-                (count, *q.shape), dtype=q.dtype, device=q.device
-            )
-            outs = step.group_layer_outputs[g] = outputs.unbind(0)
-        local = self._layer_local[layer_idx]
-        out = outs[local]
+            outs = step.layer_outputs[g] = outputs.unbind(0)
         backup = step.backups[g] if step.backups else None
         launch = state.bound(
             self._ropes[g],
@@ -991,29 +925,28 @@ class DecodeEngine:
             v,
             self._group_views[g],
             backup,
-            out,
+            outs[0],
         )
-        self.cache.write_token_layer_with(
-            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
-        )
-        return out
+        return launch, strides, outs
 
-    def _group_decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
-        state = step.group_decode[g]
+    def _decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
+        """Group ``g``'s decode plan and workspace for the step (the last one while it fits)."""
+        state = step.decode[g]
         if state is None:
-            state = self._group_decode_states[g]
+            state = self._decode_states[g]
             if state is None or not state.fits(
                 self.cache, step.num_rows, num_heads, step.max_len_after
             ):
-                state = self._group_decode_states[g] = DecodeState(
+                state = self._decode_states[g] = DecodeState(
                     self.cache, step.num_rows, num_heads, step.max_len_after, g, self._dtype
                 )
-            step.group_decode[g] = state
+            step.decode[g] = state
         return state
 
-    def _decode_group_layer(
+    def _decode_layer(
         self, step: _OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
     ) -> torch.Tensor:
+        """Decode of a layer whose RoPE + append is written (the unbound backends)."""
         k_layer, v_layer = self._layer_views[layer_idx]
         slots = step.group_slots[g]
         if self.decode_backend == "torch":
@@ -1028,29 +961,11 @@ class DecodeEngine:
                 self._windows[g],
                 *self._scales[g],
             )
-        state = self._group_decode_state(step, g, q_rot.shape[1])
+        state = self._decode_state(step, g, q_rot.shape[1])
+        # each layer's output outlives the shared workspace
         return state.decode(
             q_rot, k_layer, v_layer, slots, self._sm_scales[g], torch.empty_like(q_rot)
         )
-
-    def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
-        k_layer, v_layer = self.cache.layer_kv(layer_idx)
-        slots = step.slots
-        if self.decode_backend == "torch":
-            return torch_paged_decode(
-                q_rot,
-                k_layer,
-                v_layer,
-                slots.block_tables,
-                slots.seq_lens_after,
-                step.max_len_after,
-                self.sm_scale,
-                self._windows[0],
-                *self._scales[0],
-            )
-        state = self._decode_state_of(step, q_rot.shape[1])
-        # each layer's output outlives the shared workspace
-        return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))
 
 
 def _check_batch_type(request_ids: object) -> None:
