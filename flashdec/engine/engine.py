@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -42,16 +41,16 @@ from flashdec.engine.layer_ops import (
     DECODE_BACKENDS,
     DecodeState,
     Rope,
+    check_prompt_layers,
     check_step_inputs,
     extend_attention,
     torch_paged_decode,
     write_plain_layer,
     write_rope_layer,
 )
-from flashdec.engine.snapshot import (
-    cache_group_shapes,
-)
+from flashdec.engine.snapshot import cache_group_shapes
 from flashdec.engine.states import FROM_CACHE, EngineRequestState
+from flashdec.engine.step import CapturedStep, OpenStep, StepResult
 from flashdec.engine.submissions import SubmissionQueue
 from flashdec.kernels import triton_runs_on
 from flashdec.scheduler import (
@@ -63,101 +62,6 @@ from flashdec.scheduler import (
 
 log = logging.getLogger("flashdec")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What a committed step published: tokens for every listed request, all layers."""
-
-    transaction_id: int
-    request_ids: tuple
-    positions: tuple[int, ...]  # where each request's first new token went (= pre-step seq_len)
-    seq_lens: tuple[int, ...]  # committed lengths after the step
-    num_layers: int
-
-
-class _OpenStep:
-    """Engine-side state of the one open transaction (the cache keeps the reservation).
-
-    Everything a layer needs is kept per KV layer group (one entry each; one group is the
-    normal case): the group's slots, decode plan, outputs, input shapes and bound launch.
-    """
-
-    __slots__ = (
-        "backups",
-        "bound",
-        "decode",
-        "group_slots",
-        "kind",
-        "layer_outputs",
-        "max_len_after",
-        "num_rows",
-        "num_tokens",
-        "outputs",
-        "positions",
-        "query_lens",
-        "request_ids",
-        "seq_lens_after",
-        "shapes",
-        "slots",
-        "transaction_id",
-    )
-
-    def __init__(
-        self, kind: str, view: TokenTransactionView, group_slots: tuple, positions, lens_after
-    ):
-        # "decode" (one token each), "extend" (n >= 1 tokens each, attended in the step) or
-        # "prefill" (a prompt import of caller-built K/V)
-        self.kind = kind
-        self.transaction_id = view.transaction_id
-        self.request_ids = view.request_ids
-        self.group_slots = group_slots  # every group's slots
-        self.slots = slots = group_slots[0]
-        self.num_rows = slots.num_rows
-        self.num_tokens = view.num_tokens  # tokens of the transaction (every group's input rows)
-        # tuples, as StepResult reports them (begin_step makes tuples: no copy on its path)
-        self.positions: tuple[int, ...] = tuple(positions)
-        self.seq_lens_after: tuple[int, ...] = tuple(lens_after)
-        self.max_len_after = max(lens_after)
-        count = len(group_slots)
-        self.decode: list[DecodeState | None] = [None] * count
-        # [layers of the group, rows, Hq, D]: every layer's attention, and its views per layer
-        self.outputs: list[torch.Tensor | None] = [None] * count
-        self.layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * count
-        self.shapes: list[tuple | None] = [None] * count  # (q, k/v) shapes of the first layer
-        # per group: where the fused append saves the slots' old bytes (None: the cache did)
-        self.backups: tuple[torch.Tensor | None, ...] = ()
-        # per group: the fast path's launch, the q, k, v strides it was bound to, the outputs
-        self.bound: list[tuple | None] = [None] * count
-        self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
-
-    @property
-    def generations(self) -> tuple[int, ...]:
-        """The slot buffers' generation in every group (a captured graph reads them)."""
-        return tuple(slots.generation for slots in self.group_slots)
-
-
-class CapturedStep:
-    """A CUDA graph over the layers of one step, replayable for later steps of the same batch.
-
-    ``output`` is what the captured body returned (tensors the graph rewrites on every replay).
-    """
-
-    def __init__(self, engine, graph, output, num_rows: int, generation, keep: tuple):
-        self.engine = engine
-        self.graph = graph
-        self.output = output
-        self.num_rows = num_rows
-        self.generation = generation  # the slot buffers' generation(s) it read
-        self._keep = keep  # buffers the graph reads (its decode workspaces)
-
-    def fits(self, tx) -> bool:
-        """Whether ``replay_step(tx, self)`` is valid: the open step ``tx`` has this graph's
-        rows and reads the same slot buffers (a bigger batch since the capture replaces them)."""
-        return self._fits(self.engine._require_open_step(tx, "decode"))
-
-    def _fits(self, step: _OpenStep) -> bool:
-        return (self.num_rows, self.generation) == (step.num_rows, step.generations)
 
 
 class DecodeEngine:
@@ -241,7 +145,7 @@ class DecodeEngine:
         self._dtype = self.activation_dtype
         # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
         self._device_index = cache.device.index if cache.device.type == "cuda" else -1
-        self._open: _OpenStep | None = None
+        self._open: OpenStep | None = None
         self._capturing = False
         # the lifecycle before and beside the cache; what stays of a terminal request is
         # bounded (flashdec.cache.history): a server runs without end
@@ -471,7 +375,7 @@ class DecodeEngine:
             raise
         # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
         positions = tuple(view.host_positions.tolist())
-        step = _OpenStep(
+        step = OpenStep(
             "decode",
             view,
             self._all_group_slots(view),
@@ -515,7 +419,7 @@ class DecodeEngine:
         view = cache.begin_tokens(list(rids), counts)
         starts = view.host_seq_lens.tolist()
         after = [s + n for s, n in zip(starts, counts, strict=True)]
-        step = _OpenStep("extend", view, self._all_group_slots(view), starts, after)
+        step = OpenStep("extend", view, self._all_group_slots(view), starts, after)
         step.query_lens = torch.tensor(counts, dtype=torch.int32, device=cache.device)
         self._open = step
         return view
@@ -564,7 +468,7 @@ class DecodeEngine:
             return self._layer_groups[layer_idx]
         return self.cache.layer_group(layer_idx)
 
-    def _write_rope(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+    def _write_rope(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """RoPE + append of one layer through the cache with the append backend, unbound (the
         decode step's fast path binds its launches instead); returns the rotated q."""
         backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
@@ -576,7 +480,7 @@ class DecodeEngine:
             ),
         )
 
-    def _extend_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
+    def _extend_layer(self, step: OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
         """``step_layer`` of an extend step: RoPE + append of every new token, then each new
         token attends to its request's context and the new tokens up to itself."""
         if step.kind != "extend":
@@ -691,7 +595,7 @@ class DecodeEngine:
         view = self.cache.begin_tokens(list(rids), num_tokens)
         starts = [self.cache.seq_len(rid) for rid in rids]
         after = [s + n for s, n in zip(starts, num_tokens, strict=True)]
-        self._open = _OpenStep("prefill", view, self._all_group_slots(view), starts, after)
+        self._open = OpenStep("prefill", view, self._all_group_slots(view), starts, after)
         return view
 
     def prefill_layer(self, tx, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -739,65 +643,13 @@ class DecodeEngine:
         """
         self._require_no_open_step("prefill_request_layers")
         self._require_state(request_id, EngineRequestState.ACTIVE, "prefill")
-        ks = self._prompt_layers("k_layers", k_layers)
-        vs = self._prompt_layers("v_layers", v_layers)
+        ks, vs = check_prompt_layers(self.cache, k_layers, v_layers, self._dtype)
         count = ks[0].shape[0]
-        specs = [self.cache.kv_groups[g] for g in self._layer_groups]
-        for name, layers in (("k_layers", ks), ("v_layers", vs)):
-            for i, (t, spec) in enumerate(zip(layers, specs, strict=True)):
-                expected = (count, spec.num_kv_heads, spec.head_dim)
-                if tuple(t.shape) != expected or count == 0:
-                    raise ValueError(
-                        f"{name}: layer {i} must have shape {expected} (T >= 1, the same T for "
-                        f"every layer), got {tuple(t.shape)}"
-                    )
         tx = self.begin_prefill([request_id], [count])
         for layer in range(self.cache.num_layers):
             self.prefill_layer(tx, layer, ks[layer], vs[layer])
         self.commit_step(tx)
         return self.cache.seq_len(request_id)
-
-    def _prompt_layers(self, name: str, value: object) -> list[torch.Tensor]:
-        """``prefill_request_layers``' K or V as one ``[T, Hkv, D]`` tensor per layer."""
-        cache = self.cache
-        num_layers = cache.num_layers
-        specs = [cache.kv_groups[g] for g in self._layer_groups]
-        if isinstance(value, torch.Tensor):
-            kinds = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
-            if len(kinds) != 1:
-                raise ValueError(
-                    f"{name}: this cache's KV layer groups differ in Hkv or head_dim; "
-                    "pass one tensor per layer"
-                )
-            check_tensor(name, value, dtypes=(self._dtype,), device=cache.device)
-            if value.dim() not in (3, 4):
-                raise ValueError(
-                    f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
-                    f"{tuple(value.shape)}"
-                )
-            if value.dim() == 3:
-                value = value.unsqueeze(1)
-            if value.shape[0] != num_layers:
-                raise ValueError(
-                    f"{name} must have {num_layers} layers (dim 0), got {tuple(value.shape)}"
-                )
-            return list(value.unbind(0))
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(
-                f"{name} must be a tensor or a list of per-layer tensors, got "
-                f"{type(value).__name__}"
-            )
-        if len(value) != num_layers:
-            raise ValueError(f"{name} must hold {num_layers} layers, got {len(value)}")
-        layers = []
-        for i, t in enumerate(value):
-            check_tensor(f"{name}[{i}]", t, dtypes=(self._dtype,), device=cache.device)
-            if t.dim() not in (2, 3):
-                raise ValueError(
-                    f"{name}[{i}] must be [Hkv, D] or [T, Hkv, D], got {tuple(t.shape)}"
-                )
-            layers.append(t.unsqueeze(0) if t.dim() == 2 else t)
-        return layers
 
     # ------------------------------------------------------------------ prefixes
     def register_prefix(self, prefix_id, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
@@ -838,7 +690,7 @@ class DecodeEngine:
                 "commit_step or abort_step first"
             )
 
-    def _require_open_step(self, tx, kind: str | None = None) -> _OpenStep:
+    def _require_open_step(self, tx, kind: str | None = None) -> OpenStep:
         step = self._open
         tx_id = tx.transaction_id if isinstance(tx, TokenTransactionView) else tx
         if step is None or step.transaction_id != tx_id or type(tx_id) is not int:
@@ -860,7 +712,7 @@ class DecodeEngine:
         self._open = None
         self.cache.abort_token(tx_id)
 
-    def _check_layer_inputs(self, step: _OpenStep, g: int, q, k, v) -> None:
+    def _check_layer_inputs(self, step: OpenStep, g: int, q, k, v) -> None:
         """Checks of a layer's inputs in its group ``g`` (its Hkv, D); after the group's first
         layer only a comparison with that layer's shapes, dtype and device."""
         seen = step.shapes[g]
@@ -889,7 +741,7 @@ class DecodeEngine:
             )
         step.shapes[g] = (q.shape, k.shape)
 
-    def _fast_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+    def _fast_layer(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """Fused RoPE + append and Triton decode bound once per group and batch shape (the
         common path): per layer only the layer's tensors are read, every other argument was
         bound once."""
@@ -905,7 +757,7 @@ class DecodeEngine:
         )
         return out
 
-    def _bind(self, step: _OpenStep, g: int, q, k, v, strides: tuple) -> tuple:
+    def _bind(self, step: OpenStep, g: int, q, k, v, strides: tuple) -> tuple:
         """Group ``g``'s bound launch for the step (its plan, slots, window, backup), the
         strides it was bound to and its layers' outputs (one allocation per step and group)."""
         state = self._decode_state(step, g, q.shape[1])
@@ -929,7 +781,7 @@ class DecodeEngine:
         )
         return launch, strides, outs
 
-    def _decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
+    def _decode_state(self, step: OpenStep, g: int, num_heads: int) -> DecodeState:
         """Group ``g``'s decode plan and workspace for the step (the last one while it fits)."""
         state = step.decode[g]
         if state is None:
@@ -944,7 +796,7 @@ class DecodeEngine:
         return state
 
     def _decode_layer(
-        self, step: _OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
+        self, step: OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
     ) -> torch.Tensor:
         """Decode of a layer whose RoPE + append is written (the unbound backends)."""
         k_layer, v_layer = self._layer_views[layer_idx]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from flashdec._blocks import reserved_blocks
 from flashdec._checks import check_positive_int
-from flashdec.engine.engine import DecodeEngine, EngineRequestState
+from flashdec.engine.engine import DecodeEngine
+from flashdec.engine.states import EngineRequestState
 from flashdec.scheduler import (
     BaseScheduler,
     RequestSpec,

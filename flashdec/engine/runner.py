@@ -13,10 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from flashdec.engine.engine import CapturedStep, DecodeEngine
+from flashdec.engine.engine import DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
 from flashdec.engine.loop import StepExecutor
 from flashdec.engine.sampling import GREEDY, SamplingParams, make_generator, sample
+from flashdec.engine.step import CapturedStep
 
 
 class Request:
