@@ -135,7 +135,7 @@ class SubmissionQueue:
     ) -> SchedulingSnapshot:
         """K/V-free metadata for the scheduler, read from the live cache.
 
-        Without counter arguments the snapshot carries the engine's own counters (zero unless a
+        Without counter arguments the snapshot carries this queue's own counters (zero unless a
         :class:`ServingLoop` advances them) and costs O(active requests): the waiting queue is
         an O(1) view of a persistent structure. Explicit counters build every row (O(waiting)).
         """
@@ -165,7 +165,7 @@ class SubmissionQueue:
         )
 
     def _own_snapshot(self, step: int) -> SchedulingSnapshot:
-        """The snapshot with the engine's counters, in O(active): rows of unchanged active
+        """The snapshot with this queue's counters, in O(active): rows of unchanged active
         requests are reused (equal snapshots then compare element by identity). A cache with
         KV layer groups (or one window group) gets every group's pool and each request's
         blocks per group."""
