@@ -193,7 +193,7 @@ def teacher_forced_logits(llm: LLM, prompt: list[int], tokens: list[int]) -> tor
     engine_spec = llm.adapter.spec
     engine.submit_request(__import__("flashdec").RequestSpec(rid, len(prompt), len(tokens), 10**9))
     snapshot = engine.scheduling_snapshot(0)
-    engine.apply_trusted_decision(llm.scheduler.plan(snapshot))
+    engine.submissions.apply_trusted_decision(llm.scheduler.plan(snapshot))
     tx = engine.begin_prefill([rid], [len(prompt)])
     ids = torch.tensor(prompt, device=engine_spec.device)
     rows = [adapter.prefill(ids, lambda layer, k, v: engine.prefill_layer(tx, layer, k, v))]
@@ -222,7 +222,7 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     rids = [f"share{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(rids):
         engine.submit_request(RequestSpec(rid, context, 4, 10**9 + 1000 * batch + i))
-    engine.apply_trusted_decision(llm.scheduler.plan(engine.scheduling_snapshot(0)))
+    engine.submissions.apply_trusted_decision(llm.scheduler.plan(engine.scheduling_snapshot(0)))
     tx = engine.begin_prefill(rids, [context] * batch)
     kv = torch.randn(batch * context, spec.num_kv_heads, spec.head_dim, device="cuda")
     for layer in range(spec.num_layers):
@@ -238,7 +238,7 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     slots = engine.cache.transaction_slots(tx)
     from flashdec.engine.layer_ops import write_rope_layer
 
-    state = engine._decode_state
+    state = engine._decode_states[0]
     scales = engine.cache.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
 
     def attention_only():

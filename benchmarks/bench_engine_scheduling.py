@@ -59,7 +59,7 @@ def build(num_waiting: int) -> tuple[DecodeEngine, BlockAwareScheduler]:
     for i in range(RUNNING):
         engine.submit_request(RequestSpec(f"run{i}", 16, 240, i))
     snapshot = engine.scheduling_snapshot(0)
-    engine.apply_trusted_decision(scheduler.plan(snapshot))
+    engine.submissions.apply_trusted_decision(scheduler.plan(snapshot))
     # waiting requests of 1,100 blocks: they fit an empty pool, never beside the running ones
     for i in range(num_waiting):
         engine.submit_request(RequestSpec(f"wait{i}", 17_000, 600, RUNNING + i))
@@ -83,8 +83,8 @@ def measure(num_waiting: int, rounds: int) -> dict:
             engine.apply_scheduler_decision(decision, scheduler=scheduler, snapshot=snapshot)
             public.append(time.perf_counter() - start)
         else:
-            engine.apply_trusted_decision(decision)
-            engine.advance_fairness(decision, served=set(decision.batch), departed=())
+            engine.submissions.apply_trusted_decision(decision)
+            engine.submissions.advance_fairness(decision, served=set(decision.batch), departed=())
             loop.append(time.perf_counter() - start)
         assert not decision.admit and len(decision.batch) == RUNNING
         decode_step(engine, decision.batch)

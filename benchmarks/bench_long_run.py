@@ -93,7 +93,7 @@ def fill_finished(fd, engine, count: int, *, first_order: int = 0) -> int:
             engine.submit_request(fd.RequestSpec(f"done{order}", 1, 1, order))
             order += 1
         decision = scheduler.plan(engine.scheduling_snapshot(0))
-        engine.apply_trusted_decision(decision)
+        engine.submissions.apply_trusted_decision(decision)
         assert len(decision.admit) == n
         for rid in decision.admit:
             engine.finish_request(rid)
@@ -130,7 +130,7 @@ def measure_rounds(fd, finished: int, waiting: int, rounds: int) -> dict:
     for i in range(RUNNING):
         engine.submit_request(fd.RequestSpec(f"run{i}", 16, 480, order))
         order += 1
-    engine.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(0)))
+    engine.submissions.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(0)))
     for i in range(waiting):
         engine.submit_request(fd.RequestSpec(f"wait{i}", 1000, 600, order))
         order += 1
@@ -143,8 +143,8 @@ def measure_rounds(fd, finished: int, waiting: int, rounds: int) -> dict:
             engine.apply_scheduler_decision(decision, scheduler=scheduler, snapshot=snapshot)
             public.append(time.perf_counter() - start)
         else:
-            engine.apply_trusted_decision(decision)
-            engine.advance_fairness(decision, served=set(decision.batch), departed=())
+            engine.submissions.apply_trusted_decision(decision)
+            engine.submissions.advance_fairness(decision, served=set(decision.batch), departed=())
             loop.append(time.perf_counter() - start)
         assert not decision.admit and len(decision.batch) == RUNNING, decision
         decode_step(engine, decision.batch)

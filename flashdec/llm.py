@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +30,10 @@ from flashdec._checks import (
     type_name,
 )
 from flashdec.cache import KVGroupSpec, PagedKVCache
-from flashdec.engine import CapturedStep, DecodeEngine
-from flashdec.engine.layer_ops import plan_bucket
-from flashdec.engine.loop import LoopStep, ServingLoop, StepExecutor
+from flashdec.engine import DecodeEngine
+from flashdec.engine.loop import LoopStep, ServingLoop
+from flashdec.engine.runner import ModelRunner, Request, now
+from flashdec.engine.sampling import SamplingParams, make_generator
 from flashdec.models import DecoderAdapter, resolve_model
 from flashdec.runtime import available_host_bytes, free_memory_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
@@ -46,34 +46,6 @@ _ACTIVATION_RESERVE = 256 * 2**20
 
 FP8_DTYPE = torch.float8_e4m3fn
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto" (or None): the model's dtype; "fp8": float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Greedy when ``temperature`` is 0 (the default); else softmax sampling at ``temperature``
-    restricted to the ``top_k`` most likely tokens (0 = all) and the ``top_p`` nucleus."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {type_name(self.temperature)}")
-        if not 0.0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        check_fraction("top_p", self.top_p)
-        check_positive_int("top_k", self.top_k, minimum=0)
-        if self.seed is not None:
-            check_positive_int("seed", self.seed, minimum=0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-_GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -102,46 +74,6 @@ class RequestTiming:
     first_token_at: float | None  # None until its prompt is prefilled
     finished_at: float | None  # None while it runs
     num_tokens: int
-
-
-class _Request:
-    __slots__ = (
-        "error",
-        "finished_at",
-        "first_token_at",
-        "generator",
-        "ignore_eos",
-        "max_new_tokens",
-        "prompt",
-        "sampling",
-        "submitted_at",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        ignore_eos: bool,
-        now: float,
-        sampling: SamplingParams | None = None,  # None: greedy
-        generator: torch.Generator | None = None,  # None when greedy
-    ):
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.ignore_eos = ignore_eos
-        self.sampling = sampling or _GREEDY
-        self.generator = generator
-        self.tokens: list[int] = []
-        self.submitted_at = now
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self.error: str | None = None  # why it never ran (the scheduler rejected it)
-
-    def reset(self) -> None:
-        """Back to before its admission (the step that admitted it was taken back)."""
-        self.tokens.clear()
-        self.first_token_at = self.finished_at = None
 
 
 class LLM:
@@ -282,7 +214,12 @@ class LLM:
         self.scheduler = BlockAwareScheduler(
             SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)
         )
-        self._runner = _ModelRunner(self)
+        self._runner = ModelRunner(
+            self.engine,
+            self.adapter,
+            max_batch_size=self.max_batch_size,
+            cuda_graphs=self.cuda_graphs,
+        )
         self.loop = ServingLoop(
             self.engine,
             self.scheduler,
@@ -445,7 +382,7 @@ class LLM:
     ) -> int:
         rid = self._next_id
         prompt = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
-        request = _Request(prompt, max_new_tokens, ignore_eos, _now(), sampling, generator)
+        request = Request(prompt, max_new_tokens, ignore_eos, now(), sampling, generator)
         self._runner.requests[rid] = request
         try:
             self.loop.submit(self._spec(rid, len(ids), max_new_tokens))
@@ -553,7 +490,7 @@ class LLM:
         self._runner.forget(request_id)
         return req.tokens
 
-    def _request(self, request_id) -> _Request:
+    def _request(self, request_id) -> Request:
         """The record of ``request_id``; once it stopped running, with every token it made
         (its last one may still be on its way from the device: read it now)."""
         try:
@@ -611,8 +548,10 @@ class LLM:
         runner.collect()  # the last tokens of requests added with add_request: theirs to keep
         runner.ended.clear()
         # one generator for the call: its rows are sampled together, reproducibly under seed
-        generator = None if sampling.greedy else _generator(self.adapter.spec.device, sampling.seed)
-        start = _now(self.adapter.spec.device)
+        generator = None
+        if not sampling.greedy:
+            generator = make_generator(self.adapter.spec.device, sampling.seed)
+        start = now(self.adapter.spec.device)
         rids: list[int] = []
         replays_before = runner.graph_replays
         steps = 0
@@ -636,7 +575,7 @@ class LLM:
             runner.ended.clear()
             for rid in rids:  # the caller never sees these ids: forget them, whatever happened
                 runner.forget(rid)
-        elapsed = _now(self.adapter.spec.device) - start
+        elapsed = now(self.adapter.spec.device) - start
         self.last_stats = GenerationStats(
             num_requests=len(requests),
             prompt_tokens=sum(r.prompt.shape[0] for r in requests),
@@ -658,283 +597,10 @@ class LLM:
             on_tokens([list(r.tokens) for r in requests])
 
 
-def _tpot(request: _Request) -> float:
+def _tpot(request: Request) -> float:
     if len(request.tokens) < 2 or request.first_token_at is None:
         return 0.0
     return (request.finished_at - request.first_token_at) / (len(request.tokens) - 1)
-
-
-def _generator(device: torch.device, seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    return generator
-
-
-def _sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of ``logits [B, V]``: softmax at ``s.temperature`` over the ``top_k``
-    most likely tokens and the ``top_p`` nucleus."""
-    scores = logits.float() / s.temperature
-    if s.top_k:
-        kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if s.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix reaching top_p
-        sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
-        scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).flatten()
-
-
-def _now(device: torch.device | None = None) -> float:
-    import time
-
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class _ModelRunner(StepExecutor):
-    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling.
-
-    Tokens stay on the device between steps: each request's last token sits in ``last_tokens``
-    at its cache request slot, the decode forward gathers its inputs from there (inside the
-    graph) and the step's choices are scattered back. The host reads a step's tokens only after
-    the *next* step is launched, so its bookkeeping (scheduling, the next ``begin_step``) overlaps
-    the GPU's work. A request that produced EOS is therefore seen one step late: the token
-    computed meanwhile is dropped.
-    """
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.engine = llm.engine
-        self.adapter = llm.adapter
-        self.spec = llm.adapter.spec
-        device = self.spec.device
-        self.eos = frozenset(self.spec.eos_token_ids)
-        self.requests: dict[int, _Request] = {}
-        self.sampled: set = set()  # requests that sample (the others take the argmax)
-        self._shared_generator: torch.Generator | None = None  # of unseeded add_request calls
-        self.graph_replays = 0
-        self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)
-        self._ensure_slots()
-        # the step whose tokens are still on their way to the host: (batch, host view, event)
-        self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
-        self.ended: set = set()  # requests collect() saw end that no decode has reported yet
-        pinned = device.type == "cuda"
-        self._host_tokens = [
-            torch.zeros(llm.max_batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)
-        ]
-        self._turn = 0
-        # CUDA graphs: buckets of batch sizes, warm-up marks and the captured steps
-        sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-        self.buckets = sorted({b for b in sizes if b < llm.max_batch_size} | {llm.max_batch_size})
-        self.warm: set[tuple[int, int]] = set()
-        self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
-
-    def _ensure_slots(self) -> None:
-        """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
-        read the old tensor are dropped)."""
-        needed = self.engine.cache.num_request_slots
-        if self.last_tokens.shape[0] < needed:
-            grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
-            grown[: self.last_tokens.shape[0]] = self.last_tokens
-            self.last_tokens = grown
-            self.graphs = {}
-
-    def request_generator(self, sampling: SamplingParams) -> torch.Generator:
-        """A seeded request's own generator (its samples then do not depend on the batch);
-        unseeded requests share one, seeded from the operating system's entropy."""
-        if sampling.seed is not None:
-            return _generator(self.spec.device, sampling.seed)
-        if self._shared_generator is None:
-            self._shared_generator = torch.Generator(device=self.spec.device)
-            self._shared_generator.seed()
-        return self._shared_generator
-
-    def forget(self, rid) -> None:
-        self.requests.pop(rid, None)
-        self.sampled.discard(rid)
-
-    # -- tokens -------------------------------------------------------------------------------
-    def _choose(
-        self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None, batch: Sequence = ()
-    ) -> torch.Tensor:
-        """Next token per row of ``logits [B, V]`` (row ``i`` is request ``batch[i]``), on the
-        device: the argmax (``greedy_ids``, when the CUDA graph computed it) for greedy requests,
-        a sample for the others. Rows that share sampling params and a generator are sampled
-        together, in batch order; an all-greedy batch costs nothing more than the argmax."""
-        tokens = greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
-        if not self.sampled:
-            return tokens
-        groups: dict = {}
-        for row, rid in enumerate(batch):
-            if rid in self.sampled:
-                req = self.requests[rid]
-                groups.setdefault((req.sampling, id(req.generator)), (req, []))[1].append(row)
-        if not groups:
-            return tokens
-        tokens = tokens.clone()  # greedy_ids may be a CUDA graph's output: never written
-        for req, rows in groups.values():
-            index = torch.tensor(rows, device=logits.device)
-            sampled = _sample(logits.index_select(0, index), req.sampling, req.generator)
-            tokens.index_copy_(0, index, sampled)
-        return tokens
-
-    def _record(self, rid, token: int, now: float) -> bool:
-        """Append a generated token (ignored once the request has ended); True when it ends."""
-        req = self.requests.get(rid)
-        if req is None or req.finished_at is not None:
-            return False
-        req.tokens.append(token)
-        if req.first_token_at is None:
-            req.first_token_at = now
-        if len(req.tokens) >= req.max_new_tokens or (not req.ignore_eos and token in self.eos):
-            req.finished_at = now
-            return True
-        return False
-
-    def is_pending(self, rid) -> bool:
-        """Whether a token of ``rid`` is still on its way from the device."""
-        return self.pending is not None and rid in self.pending[0]
-
-    def collect(self) -> None:
-        """Read the pending step's tokens (waits for that step only); the requests that ended
-        join ``ended`` until a decode reports them to the loop."""
-        if self.pending is None:
-            return
-        batch, host, event = self.pending
-        if event is not None:
-            event.synchronize()
-        self.pending = None
-        now = _now()
-        for rid, token in zip(batch, host.tolist(), strict=True):
-            if self._record(rid, token, now):
-                self.ended.add(rid)
-
-    def revert_admission(self, request_ids: Sequence) -> None:
-        """The loop took these admissions back: forget the first tokens their prompts gave."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                req.reset()
-
-    def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
-        """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""
-        host = self._host_tokens[self._turn][: len(batch)]
-        self._turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        event = None
-        if tokens.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.pending = (batch, host, event)
-
-    # -- the loop's executor ------------------------------------------------------------------
-    def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
-        """One engine step for the decode ``batch`` and the prompt ``chunks`` together (decode
-        rows first): the projections and the MLP run once over every packed token, attention
-        is the engine's extend over the paged cache. A step without prompt chunks is a decode
-        step (CUDA graphs). A request whose prompt ends here gets its first token from its
-        last prompt row; tokens reach the host with the next step's collect, like decode's."""
-        if not chunks:
-            return set(), self.decode(batch) if batch else set()
-        engine, cache = self.engine, self.engine.cache
-        self._ensure_slots()
-        batch = list(batch)
-        rids = [*batch, *(rid for rid, _ in chunks)]
-        counts = [1] * len(batch) + [n for _, n in chunks]
-        starts = [cache.seq_len(rid) for rid, _ in chunks]
-        sampled = [*range(len(batch))] + [  # requests that get a token: decode rows, ends
-            len(batch) + i
-            for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
-            if start + n == self.requests[rid].prompt.shape[0]
-        ]
-        device = self.spec.device
-        index = torch.tensor(sampled, dtype=torch.long, device=device)
-        last_rows = (torch.tensor(counts, device=device).cumsum(0) - 1).index_select(0, index)
-        tx = engine.begin_step(rids, num_tokens=counts)
-        try:
-            slots = cache.transaction_slots(tx).request_slots
-            pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
-            pieces += [
-                self.requests[rid].prompt[start : start + n]
-                for (rid, n), start in zip(chunks, starts, strict=True)
-            ]
-            logits = self.adapter.decode(
-                torch.cat(pieces), self._attention(tx), logits_rows=last_rows
-            )
-            sampled_rids = [rids[i] for i in sampled]
-            tokens = self._choose(logits, batch=sampled_rids) if sampled else None
-            engine.commit_step(tx)
-        except BaseException:  # nothing committed: the inputs and the pending tokens stay
-            if engine.has_open_step:
-                engine.abort_step(tx)
-            raise
-        # committed: only bookkeeping from here on (no model, no engine call that can fail)
-        self.collect()
-        if tokens is not None:
-            self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
-            self._hand_off(sampled_rids, tokens)
-        ended, self.ended = self.ended, set()
-        return set(), ended
-
-    def decode(self, batch: Sequence) -> set:
-        """Launch one step for ``batch``, then collect the previous step's tokens."""
-        engine = self.engine
-        batch = list(batch)
-        rows = len(batch)
-        bucket = rows
-        if self.llm.cuda_graphs:
-            bucket = next(b for b in self.buckets if b >= rows)
-        tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
-        try:
-            slots = engine.cache.transaction_slots(tx)
-            if self.llm.cuda_graphs:
-                logits, greedy_ids = self._decode_graphed(tx, batch, bucket, slots)
-            else:
-                logits, greedy_ids = self._forward(tx, slots)
-            tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
-            engine.commit_step(tx)
-        except BaseException:  # nothing decoded: the inputs and the pending tokens stay
-            if engine.has_open_step:
-                engine.abort_step(tx)
-            raise
-        # committed: only bookkeeping from here on (no model, no engine call that can fail)
-        self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
-        self.collect()
-        self._hand_off(batch, tokens)
-        ended, self.ended = self.ended, set()
-        return ended
-
-    def _attention(self, tx):
-        engine = self.engine
-        return lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v)
-
-    def _forward(self, tx, slots):
-        ids = self.last_tokens.index_select(0, slots.request_slots)  # [rows], on the device
-        logits = self.adapter.decode(ids, self._attention(tx))
-        return logits, torch.argmax(logits, dim=-1)
-
-    def _decode_graphed(self, tx, batch: list, bucket: int, slots):
-        engine = self.engine
-        max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
-        plan = plan_bucket(engine.cache, max_len)
-        held = self.graphs.get(bucket)
-        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]) and held[2].fits(tx):
-            self.graph_replays += 1
-            return engine.replay_step(tx, held[2])
-        if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
-            out = self._forward(tx, slots)
-            self.warm.add((bucket, plan))
-            return out
-        # each graph owns its memory pool: a replaced graph (new plan bucket) frees its pool with
-        # it, and a pool shared with a freed graph cannot be captured into again
-        captured = engine.capture_step(tx, lambda: self._forward(tx, slots))
-        self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
-        return captured.output
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:

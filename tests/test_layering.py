@@ -155,6 +155,66 @@ def test_the_cache_never_imports_the_engine():
         assert "engine" not in layers, f"{path.relative_to(PACKAGE)} imports the engine"
 
 
+def module_name(path: Path) -> str:
+    """``flashdec/engine/loop.py`` -> ``flashdec.engine.loop``; a package's ``__init__.py`` is
+    the package."""
+    rel = path.relative_to(PACKAGE)
+    parts = rel.parent.parts if path.name == "__init__.py" else (*rel.parent.parts, path.stem)
+    return ".".join(("flashdec", *parts))
+
+
+def import_cycles(modules: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle of an import graph (its strongly connected components of two or more)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for other in modules[node]:
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in modules:
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def test_the_engine_modules_import_one_another_without_a_cycle():
+    """The engine is split by concept (engine, step, states, submissions, loop, runner, ...):
+    a module it was split from is never imported back, e.g. the submission queue reaches the
+    engine only through the instance it is given (issue 20's reshape)."""
+    names = {module_name(p): p for p in (PACKAGE / "engine").rglob("*.py")}
+
+    def resolve(module: str) -> str | None:  # the engine module (or package) an import names
+        while module and module not in names:
+            module = module.rpartition(".")[0]
+        return module or None
+
+    graph = {
+        name: {r for m in imports_of(path) if (r := resolve(m)) is not None and r != name}
+        for name, path in names.items()
+    }
+    assert import_cycles(graph) == []
+    # the check itself sees a cycle
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 def test_the_parser_sees_every_import_form():
     source = (
         "import flashdec.scheduler.spec\n"

@@ -3,7 +3,9 @@
 The engine owns no block and no length: :class:`~flashdec.cache.PagedKVCache` stays the single
 source of truth for every request it holds (active, finished, cancelled). The engine adds only
 what exists before a request reaches the cache — waiting (with its spec when a scheduler manages
-it), rejected, or cancelled while waiting — so the two can never disagree about a state.
+it), rejected, or cancelled while waiting — so the two can never disagree about a state. The
+scheduler-managed requests' specs, waiting queue and fairness counters are its ``submissions``
+(:mod:`flashdec.engine.submissions`), which the serving loop drives.
 
 A step is ``begin_step`` (all validation, the reservation, one metadata upload) → ``step_layer``
 per layer (a thin launch of RoPE + append and decode over fixed-address buffers) →
@@ -12,17 +14,14 @@ graph (``capture_step``) and replayed for later steps of the same batch (``repla
 
 Over a cache with several KV layer groups (SPEC §8.2) each layer runs in its group: its storage,
 block tables and lengths, its geometry (RoPE and the softmax scale follow the group's head_dim)
-and its sliding window; each group has its own decode plan and workspace per step. A classic
-one-group cache takes exactly the path it always took.
+and its sliding window; each group has its own decode plan, workspace and bound launch per step.
+One group is the normal case of the same path (no separate one-group methods).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -36,163 +35,34 @@ from flashdec._checks import (
     resolve_sm_scale,
 )
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
-from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, IdSet, TerminalHistory
+from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.engine.layer_ops import (
     APPEND_BACKENDS,
     DECODE_BACKENDS,
     DecodeState,
     Rope,
+    check_prompt_layers,
     check_step_inputs,
     extend_attention,
     torch_paged_decode,
     write_plain_layer,
     write_rope_layer,
 )
-from flashdec.engine.snapshot import (
-    cache_group_shapes,
-    cache_snapshot,
-    grouped_active_row,
-    one_group_active_row,
-    snapshot_from_cache,
-)
+from flashdec.engine.snapshot import cache_group_shapes
+from flashdec.engine.states import FROM_CACHE, EngineRequestState
+from flashdec.engine.step import CapturedStep, OpenStep, StepResult
+from flashdec.engine.submissions import SubmissionQueue
 from flashdec.kernels import triton_runs_on
 from flashdec.runtime import own_blas_workspace
 from flashdec.scheduler import (
-    ActiveRequest,
     BlockAwareScheduler,
-    PrefixInfo,
     RequestSpec,
     SchedulerDecision,
     SchedulingSnapshot,
-    WaitingQueue,
-    WaitingView,
-    counters_of,
 )
 
 log = logging.getLogger("flashdec")
 T = TypeVar("T")
-
-
-class EngineRequestState(enum.StrEnum):
-    """Where a request is from the engine's point of view (a superset of the cache's states)."""
-
-    WAITING = "waiting"  # known to the engine, not yet in the cache
-    ACTIVE = "active"
-    FINISHED = "finished"
-    CANCELLED = "cancelled"
-    REJECTED = "rejected"  # the scheduler decided it can never fit
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_FROM_CACHE = {
-    RequestState.ACTIVE: EngineRequestState.ACTIVE,
-    RequestState.FINISHED: EngineRequestState.FINISHED,
-    RequestState.CANCELLED: EngineRequestState.CANCELLED,
-}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What a committed step published: tokens for every listed request, all layers."""
-
-    transaction_id: int
-    request_ids: tuple
-    positions: tuple[int, ...]  # where each request's first new token went (= pre-step seq_len)
-    seq_lens: tuple[int, ...]  # committed lengths after the step
-    num_layers: int
-
-
-class _OpenStep:
-    """Engine-side state of the one open transaction (the cache keeps the reservation)."""
-
-    __slots__ = (
-        "backups",
-        "bound",
-        "decode",
-        "group_decode",
-        "group_layer_outputs",
-        "group_outputs",
-        "group_shapes",
-        "group_slots",
-        "kind",
-        "kv_shape",
-        "layer_outputs",
-        "max_len_after",
-        "num_rows",
-        "num_tokens",
-        "outputs",
-        "positions",
-        "q_shape",
-        "query_lens",
-        "request_ids",
-        "seq_lens_after",
-        "slots",
-        "transaction_id",
-    )
-
-    def __init__(
-        self, kind: str, view: TokenTransactionView, slots, positions, lens_after, group_slots=()
-    ):
-        # "decode" (one token each), "extend" (n >= 1 tokens each, attended in the step) or
-        # "prefill" (a prompt import of caller-built K/V)
-        self.kind = kind
-        self.transaction_id = view.transaction_id
-        self.request_ids = view.request_ids
-        self.slots = slots  # group 0's
-        self.num_rows = slots.num_rows
-        self.num_tokens = view.num_tokens  # tokens of the transaction (every group's input rows)
-        # tuples, as StepResult reports them (begin_step makes tuples: no copy on its path)
-        self.positions: tuple[int, ...] = tuple(positions)
-        self.seq_lens_after: tuple[int, ...] = tuple(lens_after)
-        self.max_len_after = max(lens_after)
-        self.decode: DecodeState | None = None
-        self.outputs: torch.Tensor | None = None  # [L, rows, Hq, D]: every layer's attention
-        self.layer_outputs: tuple[torch.Tensor, ...] = ()  # its views per layer (one unbind)
-        self.q_shape: tuple[int, int, int] | None = None  # fixed by the first layer
-        self.kv_shape = (slots.num_rows if kind == "decode" else self.num_tokens, 0, 0)
-        # with several KV layer groups, the same per group (one entry each)
-        self.group_slots = group_slots
-        self.group_decode: list[DecodeState | None] = [None] * len(group_slots)
-        self.group_outputs: list[torch.Tensor | None] = [None] * len(group_slots)  # [Lg, ...]
-        self.group_layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * len(group_slots)
-        self.group_shapes: list[tuple | None] = [None] * len(group_slots)  # (q, kv) shapes
-        # per group: where the fused append saves the slots' old bytes (None: the cache did)
-        self.backups: tuple[torch.Tensor | None, ...] = ()
-        # the single-group fast path's launch and the q, k, v strides it was bound to
-        self.bound: tuple | None = None
-        self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
-
-    @property
-    def generations(self) -> tuple[int, ...]:
-        """The slot buffers' generation in every group (a captured graph reads them)."""
-        if not self.group_slots:
-            return (self.slots.generation,)
-        return tuple(slots.generation for slots in self.group_slots)
-
-
-class CapturedStep:
-    """A CUDA graph over the layers of one step, replayable for later steps of the same batch.
-
-    ``output`` is what the captured body returned (tensors the graph rewrites on every replay).
-    """
-
-    def __init__(self, engine, graph, output, num_rows: int, generation, keep: tuple):
-        self.engine = engine
-        self.graph = graph
-        self.output = output
-        self.num_rows = num_rows
-        self.generation = generation  # the slot buffers' generation(s) it read
-        self._keep = keep  # buffers the graph reads (its decode workspaces)
-
-    def fits(self, tx) -> bool:
-        """Whether ``replay_step(tx, self)`` is valid: the open step ``tx`` has this graph's
-        rows and reads the same slot buffers (a bigger batch since the capture replaces them)."""
-        return self._fits(self.engine._require_open_step(tx, "decode"))
-
-    def _fits(self, step: _OpenStep) -> bool:
-        return (self.num_rows, self.generation) == (step.num_rows, step.generations)
 
 
 class DecodeEngine:
@@ -260,7 +130,6 @@ class DecodeEngine:
         self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
         self._num_groups = len(specs)
         self._num_layers = cache.num_layers
-        self._multi = len(specs) > 1  # several KV layer groups: the per-group paths
         self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
         # each layer's index inside its group (its row of the group's per-step outputs)
         self._layer_local = tuple(
@@ -269,32 +138,25 @@ class DecodeEngine:
         self._group_views = tuple(
             [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
         )
-        self._group_decode_states: list[DecodeState | None] = [None] * len(specs)
+        # per group: the decode plan reused while the layout holds
+        self._decode_states: list[DecodeState | None] = [None] * len(specs)
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
         self._dtype = self.activation_dtype
         # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
         self._device_index = cache.device.index if cache.device.type == "cuda" else -1
-        self._open: _OpenStep | None = None
-        self._decode_state: DecodeState | None = None  # reused while the layout holds
+        self._open: OpenStep | None = None
         self._capturing = False
         # the lifecycle before and beside the cache; what stays of a terminal request is
         # bounded (flashdec.cache.history): a server runs without end
         self._waiting: dict[Any, RequestSpec | None] = {}  # insertion order
         # rejected / cancelled while waiting: every state, and the newest ids listed
         self._closed = TerminalHistory(EngineRequestState.REJECTED, TERMINAL_HISTORY_LIMIT)
-        self._specs: dict[Any, RequestSpec] = {}  # scheduler-managed, waiting or active
         self._mode: str | None = None  # "unscheduled" or "scheduled", fixed by the first request
-        self._orders = IdSet()  # submission orders ever used (never reused, like ids)
-        # scheduler-managed waiting requests with their wait/skip counters (a persistent
-        # structure: a snapshot takes an O(1) view) and the active ones' service-wait counters;
-        # both stay zero unless a ServingLoop advances them (advance_fairness)
-        self._queue = WaitingQueue()
-        self._service_wait: dict[Any, int] = {}
-        self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
-        # the decision applied last and the queue before it, while revert_decision may undo it
-        self._applied: tuple[SchedulerDecision, Any] | None = None
+        # scheduler-managed requests: specs, the waiting queue and the fairness counters (the
+        # serving loop drives them); the SPEC's submit/snapshot/apply delegate to it
+        self.submissions = SubmissionQueue(self)
 
     @property
     def group_shapes(self) -> tuple[tuple[int, int | None], ...]:
@@ -325,7 +187,7 @@ class DecodeEngine:
         if closed is not None:
             return closed
         check_request_id("request id", request_id)
-        return _FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
+        return FROM_CACHE[self.cache.request_state(request_id)]  # ValueError when unknown
 
     def request_ids(self, state: EngineRequestState | None = None) -> list:
         """The requests this engine knows, optionally only those in ``state``: every waiting
@@ -399,67 +261,23 @@ class DecodeEngine:
 
     def _forget(self, request_id) -> None:
         """Drop what the engine keeps of a request that just became terminal."""
-        self._specs.pop(request_id, None)
-        self._service_wait.pop(request_id, None)
-        self._active_rows.pop(request_id, None)
+        self.submissions.forget(request_id)
 
     def _leave_queue(self, request_id, state: EngineRequestState | None) -> None:
+        """A request stops waiting: admitted (``state`` None), rejected or cancelled."""
         spec = self._waiting.pop(request_id)
         if spec is not None:
-            self._queue.remove(request_id)
+            self.submissions.remove(request_id)
         if state is not None:
             self._closed.add(request_id, state)
             self._forget(request_id)
 
     # ------------------------------------------------------------------ scheduler-managed
     def submit_request(self, spec: RequestSpec) -> None:
-        """Queue a scheduler-managed request; the scheduler admits or rejects it later.
-
-        A request with a prefix needs that prefix resident now, covering its whole context.
-        """
-        self._require_no_open_step("submit_request")
-        if not isinstance(spec, RequestSpec):
-            raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
-        self._check_new_id(spec.request_id, "scheduled")
-        if spec.prefix_id is not None:
-            if spec.prefix_id not in self.cache.prefix_ids():
-                raise ValueError(
-                    f"prefix {spec.prefix_id!r} must be registered before requests use it"
-                )
-            num_tokens = self.cache.prefix_state(spec.prefix_id).num_tokens
-            if spec.initial_context_tokens != num_tokens:
-                raise ValueError(
-                    f"a prefix request's context must be its prefix: prefix {spec.prefix_id!r} "
-                    f"holds {num_tokens} tokens, spec says {spec.initial_context_tokens}"
-                )
-        if spec.submission_order in self._orders:
-            raise ValueError(f"submission_order {spec.submission_order} is already used")
-        # the queue checks the order against every waiting request and takes the lifetime
-        # geometry of the resident prefixes (which cannot change while anything waits)
-        self._queue.submit(
-            spec,
-            block_size=self._block_size,
-            prefixes=self._prefix_infos(),
-            group_shapes=self._group_shapes,
-        )
-        self._mode = "scheduled"
-        self._orders.add(spec.submission_order)
-        self._specs[spec.request_id] = spec
-        self._waiting[spec.request_id] = spec
-
-    def request_spec(self, request_id: object) -> RequestSpec:
-        """The spec of a waiting or active scheduler-managed request (a terminal request's
-        is not kept)."""
-        state = self.request_state(request_id)
-        spec = self._specs.get(request_id)
-        if spec is None:
-            if self._mode == "scheduled":  # every request is then: this one is terminal
-                raise ValueError(
-                    f"request {request_id!r} is {state.value}: only a waiting or active "
-                    "request's spec is kept"
-                )
-            raise ValueError(f"request {request_id!r} is not scheduler-managed")
-        return spec
+        """Queue a scheduler-managed request; the scheduler admits or rejects it later (SPEC §5;
+        the queue is :attr:`submissions`). A request with a prefix needs that prefix resident
+        now, covering its whole context."""
+        self.submissions.submit_request(spec)
 
     def scheduling_snapshot(
         self,
@@ -468,65 +286,12 @@ class DecodeEngine:
         waiting_skip_counts: Mapping | None = None,
         active_service_wait_steps: Mapping | None = None,
     ) -> SchedulingSnapshot:
-        """K/V-free metadata for the scheduler, read from the live cache.
-
-        Without counter arguments the snapshot carries the engine's own counters (zero unless a
-        :class:`ServingLoop` advances them) and costs O(active requests): the waiting queue is
-        an O(1) view of a persistent structure. Explicit counters build every row (O(waiting)).
-        """
-        self._require_no_open_step("scheduling_snapshot")
-        if (
-            waiting_wait_steps is None
-            and waiting_skip_counts is None
-            and (active_service_wait_steps is None)
-        ):
-            return self._own_snapshot(step)
-        return snapshot_from_cache(
-            self.cache,
-            step=step,
-            specs=self._specs,
-            waiting_ids=[rid for rid, spec in self._waiting.items() if spec is not None],
-            active_ids=self._scheduled_active_ids(),
-            waiting_wait_steps=waiting_wait_steps,
-            waiting_skip_counts=waiting_skip_counts,
-            active_service_wait_steps=active_service_wait_steps,
+        """K/V-free metadata for the scheduler, read from the live cache (SPEC §5; see
+        :meth:`SubmissionQueue.scheduling_snapshot`): without counter arguments, the queue's
+        own counters (zero unless a :class:`ServingLoop` advances them)."""
+        return self.submissions.scheduling_snapshot(
+            step, waiting_wait_steps, waiting_skip_counts, active_service_wait_steps
         )
-
-    def _prefix_infos(self) -> tuple[PrefixInfo, ...]:
-        cache = self.cache
-        states = (cache.prefix_state(pid) for pid in cache.prefix_ids())
-        return tuple(
-            PrefixInfo(p.prefix_id, p.num_blocks, p.num_tokens, p.refcount) for p in states
-        )
-
-    def _own_snapshot(self, step: int) -> SchedulingSnapshot:
-        """The snapshot with the engine's counters, in O(active): rows of unchanged active
-        requests are reused (equal snapshots then compare element by identity). A cache with
-        KV layer groups (or one window group) gets every group's pool and each request's
-        blocks per group."""
-        cache, specs, shapes = self.cache, self._specs, self._group_shapes
-        prefixes = self._prefix_infos()
-        prefix_map = {p.prefix_id: p for p in prefixes}
-        if shapes:
-            make_row = partial(grouped_active_row, cache, shapes, prefix_map)
-        else:
-            make_row = partial(one_group_active_row, cache, self._block_size, prefix_map)
-        rows, cached = [], self._active_rows
-        for rid in self._scheduled_active_ids():
-            tokens = cache.seq_len(rid)
-            wait = self._service_wait.get(rid, 0)
-            row = cached.get(rid)
-            if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
-                row = cached[rid] = make_row(specs[rid], tokens, wait)
-            rows.append(row)
-        return cache_snapshot(
-            cache, step, prefixes, tuple(rows), self._queue.view(), grouped=bool(shapes)
-        )
-
-    def _scheduled_active_ids(self) -> list:
-        if self._mode != "scheduled":
-            return []
-        return self.cache.request_ids(RequestState.ACTIVE)
 
     def apply_scheduler_decision(
         self,
@@ -535,129 +300,11 @@ class DecodeEngine:
         scheduler: BlockAwareScheduler,
         snapshot: SchedulingSnapshot,
     ) -> SchedulerDecision:
-        """Admit and reject what ``decision`` says, after proving it is current and canonical.
-
-        The snapshot is rebuilt from the live engine (keeping the snapshot's fairness counters)
-        and the canonical lifetime policy ``BlockAwareScheduler(scheduler.config)`` is re-run on
-        it; the decision must equal that result exactly. Anything else — a stale snapshot, a
-        decision from another snapshot or config, an edited or non-canonical decision — is
-        rejected before any request is admitted or rejected. Returns the applied decision.
-        """
-        self._require_no_open_step("apply_scheduler_decision")
-        if not isinstance(decision, SchedulerDecision):
-            raise TypeError(f"decision must be a SchedulerDecision, got {type(decision).__name__}")
-        if not isinstance(scheduler, BlockAwareScheduler):
-            raise TypeError(
-                f"scheduler must be a BlockAwareScheduler, got {type(scheduler).__name__}"
-            )
-        if not isinstance(snapshot, SchedulingSnapshot):
-            raise TypeError(f"snapshot must be a SchedulingSnapshot, got {type(snapshot).__name__}")
-        if decision.snapshot != snapshot:
-            raise ValueError("decision was not planned from the given snapshot")
-        if decision.config != scheduler.config:
-            raise ValueError(
-                f"decision was planned with {decision.config}, the scheduler has {scheduler.config}"
-            )
-        if isinstance(snapshot.waiting, WaitingView):  # built from this engine's own counters
-            live = self.scheduling_snapshot(snapshot.step)
-        else:
-            live = self.scheduling_snapshot(snapshot.step, **counters_of(snapshot).as_kwargs())
-        if live != snapshot:
-            raise RuntimeError(
-                "stale scheduler decision: the engine changed since the snapshot was taken "
-                f"(cache version {snapshot.cache_version} -> {live.cache_version})"
-            )
-        canonical = BlockAwareScheduler(scheduler.config).plan(live)
-        if canonical != decision:
-            raise ValueError(
-                "decision is not the canonical lifetime-policy decision for this snapshot "
-                f"(expected admit={canonical.admit}, reject={canonical.reject}, "
-                f"batch={canonical.batch}; got admit={decision.admit}, "
-                f"reject={decision.reject}, batch={decision.batch})"
-            )
-        self.apply_trusted_decision(decision)
-        return decision
-
-    def apply_trusted_decision(self, decision: SchedulerDecision) -> None:
-        """Admit and reject without re-planning: for a decision the caller planned itself from
-        a snapshot of this engine taken since its last change (the serving loop's path, also for
-        the greedy and cancel baselines)."""
-        self._require_no_open_step("apply_trusted_decision")
-        checkpoint = self._queue.checkpoint()
-        for rid in decision.admit:
-            spec = self._specs[rid]
-            self.cache.add_request(rid)
-            if spec.prefix_id is not None:
-                self.cache.attach_prefix(rid, spec.prefix_id)
-            self._leave_queue(rid, None)
-        for rid in decision.reject:
-            self._leave_queue(rid, EngineRequestState.REJECTED)
-        self._applied = (decision, checkpoint)
-
-    def revert_decision(self, decision: SchedulerDecision) -> None:
-        """Take back the decision applied last, for a serving step that failed before it
-        decoded anything: its admitted requests leave the cache (with any prompt imported for
-        them) and its rejected ones wait again, all with the fairness counters they had.
-
-        RuntimeError (nothing changed) unless ``decision`` is the one applied last, the waiting
-        queue has not changed since (no submission, cancellation or ``advance_fairness``) and
-        no request it admitted has finished, been cancelled or decoded a token.
-        """
-        self._require_no_open_step("revert_decision")
-        applied = self._applied
-        if applied is None or applied[0] is not decision:
-            raise RuntimeError(
-                "only the decision applied last can be reverted, before the step ends"
-            )
-        cache, specs = self.cache, self._specs
-        for rid in decision.admit:
-            context = specs[rid].initial_context_tokens
-            if cache.request_state(rid) is not RequestState.ACTIVE or cache.seq_len(rid) > context:
-                raise RuntimeError(f"request {rid!r} has moved on since it was admitted")
-        removed = (*decision.admit, *decision.reject)
-        self._queue.restore(applied[1], removed)  # RuntimeError when anything else changed
-        self._applied = None
-        for rid in decision.admit:
-            cache.discard_request(rid)
-            self._service_wait.pop(rid, None)
-            self._active_rows.pop(rid, None)
-        waiting = decision.snapshot.waiting_view
-        for rid in decision.reject:  # rejecting forgot the spec: the snapshot still has it
-            self._closed.discard(rid)
-            specs[rid] = waiting.get(rid).spec
-        for rid in removed:
-            self._waiting[rid] = specs[rid]
-
-    def advance_fairness(
-        self, decision: SchedulerDecision, served: Collection, departed: Collection
-    ) -> None:
-        """Move the counters past the step ``decision`` planned (after it was applied): every
-        request still waiting waits one step more and counts a skip if a later submission was
-        admitted; a served active request's service wait resets, any other's grows. O(log n +
-        active). The serving loop calls this; manual scheduling leaves the counters at zero."""
-        self._applied = None  # the step is over: its decision can no longer be reverted
-        admitted = decision.admit
-        # an admitted request may be terminal already (done at its prompt): its spec is then
-        # the snapshot's
-        specs, waiting = self._specs, decision.snapshot.waiting_view
-        newest = max(
-            (
-                (specs[rid] if rid in specs else waiting.get(rid).spec).submission_order
-                for rid in admitted
-            ),
-            default=None,
+        """Admit and reject what ``decision`` says after proving it current and canonical (SPEC
+        §5, §6; see :meth:`SubmissionQueue.apply_scheduler_decision`). Returns it."""
+        return self.submissions.apply_scheduler_decision(
+            decision, scheduler=scheduler, snapshot=snapshot
         )
-        self._queue.advance(newest)
-        service = self._service_wait
-        for rid in departed:
-            service.pop(rid, None)
-            self._active_rows.pop(rid, None)
-        for rid in self._scheduled_active_ids():
-            service[rid] = 0 if rid in served else service.get(rid, 0) + 1
-
-    def max_service_wait(self) -> int:
-        """The longest any active request has gone undecoded (steps), as the loop counts."""
-        return max(self._service_wait.values(), default=0)
 
     # ------------------------------------------------------------------ single-layer step
     def step(
@@ -727,16 +374,14 @@ class DecodeEngine:
         except (ValueError, RuntimeError):
             self._explain_batch(request_ids, "step")
             raise
-        slots = cache.transaction_slots(view)
         # tuples, as StepResult reports them; + 1 in Python (cheaper than a numpy op + tolist)
         positions = tuple(view.host_positions.tolist())
-        step = _OpenStep(
+        step = OpenStep(
             "decode",
             view,
-            slots,
+            self._all_group_slots(view),
             positions,
             tuple(map((1).__add__, positions)),
-            self._all_group_slots(view),
         )
         if by_writer:
             step.backups = tuple(
@@ -749,7 +394,7 @@ class DecodeEngine:
         """ValueError when a scheduled request would take more tokens than its lifetime
         commitment has left, or a window group more than its window allows in one step."""
         self._explain_batch(request_ids, "step")
-        specs, cache = self._specs, self.cache
+        specs, cache = self.submissions.specs, self.cache
         for i, (rid, n) in enumerate(zip(request_ids, counts, strict=True)):
             spec = specs.get(rid) if type(rid) in (str, int) else None
             if spec is None or cache.request_state(rid) is not RequestState.ACTIVE:
@@ -775,23 +420,16 @@ class DecodeEngine:
         view = cache.begin_tokens(list(rids), counts)
         starts = view.host_seq_lens.tolist()
         after = [s + n for s, n in zip(starts, counts, strict=True)]
-        step = _OpenStep(
-            "extend",
-            view,
-            cache.transaction_slots(view),
-            starts,
-            after,
-            self._all_group_slots(view),
-        )
+        step = OpenStep("extend", view, self._all_group_slots(view), starts, after)
         step.query_lens = torch.tensor(counts, dtype=torch.int32, device=cache.device)
         self._open = step
         return view
 
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
-        """Every group's slots of a transaction (empty for a one-group cache: ``slots``)."""
-        if not self._multi:
-            return ()
+        """Every group's slots of a transaction."""
         cache = self.cache
+        if self._num_groups == 1:  # begin_step's cost: no generator for the common case
+            return (cache.transaction_slots(view),)
         return tuple(cache.transaction_slots(view, group=g) for g in range(self._num_groups))
 
     def step_layer(
@@ -806,36 +444,24 @@ class DecodeEngine:
         try:
             if step.kind != "decode":
                 return self._extend_layer(step, layer_idx, q, k, v)
-            if self._multi:
-                return self._group_layer(step, layer_idx, q, k, v)
-            self._check_layer_inputs(step, q, k, v)
+            groups = self._layer_groups  # the layer's KV group (_group_of, inlined: per layer)
+            if type(layer_idx) is int and 0 <= layer_idx < self._num_layers:
+                g = groups[layer_idx]
+            else:
+                g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+            self._check_layer_inputs(step, g, q, k, v)
             if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "step_layer is being captured in a CUDA graph outside capture_step: the "
                     "engine would count layers the graph has not run yet; use capture_step"
                 )
             if self._fused_triton:
-                return self._fast_layer(step, layer_idx, q, k, v)
-            q_rot = self._write_rope(step, layer_idx, 0, q, k, v)
-            return self._decode_layer(step, layer_idx, q_rot)
+                return self._fast_layer(step, layer_idx, g, q, k, v)
+            q_rot = self._write_rope(step, layer_idx, g, q, k, v)
+            return self._decode_layer(step, layer_idx, g, q_rot)
         except BaseException:
             self._abort_open_step()
             raise
-
-    def _group_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """``step_layer`` on a cache with several KV layer groups: the layer's group's
-        storage, slots, geometry and window."""
-        g = self._group_of(layer_idx)
-        self._check_group_layer_inputs(step, g, q, k, v)
-        if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "step_layer is being captured in a CUDA graph outside capture_step: the "
-                "engine would count layers the graph has not run yet; use capture_step"
-            )
-        if self._fused_triton:
-            return self._fast_group_layer(step, layer_idx, g, q, k, v)
-        q_rot = self._write_rope(step, layer_idx, g, q, k, v)
-        return self._decode_group_layer(step, layer_idx, g, q_rot)
 
     def _group_of(self, layer_idx: object) -> int:
         """The KV group of a layer (TypeError / ValueError for a bad index)."""
@@ -843,7 +469,7 @@ class DecodeEngine:
             return self._layer_groups[layer_idx]
         return self.cache.layer_group(layer_idx)
 
-    def _write_rope(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+    def _write_rope(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """RoPE + append of one layer through the cache with the append backend, unbound (the
         decode step's fast path binds its launches instead); returns the rotated q."""
         backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
@@ -855,7 +481,7 @@ class DecodeEngine:
             ),
         )
 
-    def _extend_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
+    def _extend_layer(self, step: OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
         """``step_layer`` of an extend step: RoPE + append of every new token, then each new
         token attends to its request's context and the new tokens up to itself."""
         if step.kind != "extend":
@@ -864,7 +490,7 @@ class DecodeEngine:
             )
         g = self._group_of(layer_idx)
         q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self._dtype)
-        slots = step.group_slots[g] if step.group_slots else step.slots
+        slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
         return extend_attention(
@@ -944,7 +570,7 @@ class DecodeEngine:
             self._capturing = False
         graph.replay()
         return CapturedStep(
-            self, graph, output, step.num_rows, step.generations, (step.decode, *step.group_decode)
+            self, graph, output, step.num_rows, step.generations, tuple(step.decode)
         )
 
     def replay_step(self, tx, captured: CapturedStep) -> Any:
@@ -968,10 +594,9 @@ class DecodeEngine:
         self._require_no_open_step("begin_prefill")
         rids = self._check_batch(request_ids, "prefill")
         view = self.cache.begin_tokens(list(rids), num_tokens)
-        slots = self.cache.transaction_slots(view)
         starts = [self.cache.seq_len(rid) for rid in rids]
         after = [s + n for s, n in zip(starts, num_tokens, strict=True)]
-        self._open = _OpenStep("prefill", view, slots, starts, after, self._all_group_slots(view))
+        self._open = OpenStep("prefill", view, self._all_group_slots(view), starts, after)
         return view
 
     def prefill_layer(self, tx, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -1019,65 +644,13 @@ class DecodeEngine:
         """
         self._require_no_open_step("prefill_request_layers")
         self._require_state(request_id, EngineRequestState.ACTIVE, "prefill")
-        ks = self._prompt_layers("k_layers", k_layers)
-        vs = self._prompt_layers("v_layers", v_layers)
+        ks, vs = check_prompt_layers(self.cache, k_layers, v_layers, self._dtype)
         count = ks[0].shape[0]
-        specs = [self.cache.kv_groups[g] for g in self._layer_groups]
-        for name, layers in (("k_layers", ks), ("v_layers", vs)):
-            for i, (t, spec) in enumerate(zip(layers, specs, strict=True)):
-                expected = (count, spec.num_kv_heads, spec.head_dim)
-                if tuple(t.shape) != expected or count == 0:
-                    raise ValueError(
-                        f"{name}: layer {i} must have shape {expected} (T >= 1, the same T for "
-                        f"every layer), got {tuple(t.shape)}"
-                    )
         tx = self.begin_prefill([request_id], [count])
         for layer in range(self.cache.num_layers):
             self.prefill_layer(tx, layer, ks[layer], vs[layer])
         self.commit_step(tx)
         return self.cache.seq_len(request_id)
-
-    def _prompt_layers(self, name: str, value: object) -> list[torch.Tensor]:
-        """``prefill_request_layers``' K or V as one ``[T, Hkv, D]`` tensor per layer."""
-        cache = self.cache
-        num_layers = cache.num_layers
-        specs = [cache.kv_groups[g] for g in self._layer_groups]
-        if isinstance(value, torch.Tensor):
-            kinds = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
-            if len(kinds) != 1:
-                raise ValueError(
-                    f"{name}: this cache's KV layer groups differ in Hkv or head_dim; "
-                    "pass one tensor per layer"
-                )
-            check_tensor(name, value, dtypes=(self._dtype,), device=cache.device)
-            if value.dim() not in (3, 4):
-                raise ValueError(
-                    f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
-                    f"{tuple(value.shape)}"
-                )
-            if value.dim() == 3:
-                value = value.unsqueeze(1)
-            if value.shape[0] != num_layers:
-                raise ValueError(
-                    f"{name} must have {num_layers} layers (dim 0), got {tuple(value.shape)}"
-                )
-            return list(value.unbind(0))
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(
-                f"{name} must be a tensor or a list of per-layer tensors, got "
-                f"{type(value).__name__}"
-            )
-        if len(value) != num_layers:
-            raise ValueError(f"{name} must hold {num_layers} layers, got {len(value)}")
-        layers = []
-        for i, t in enumerate(value):
-            check_tensor(f"{name}[{i}]", t, dtypes=(self._dtype,), device=cache.device)
-            if t.dim() not in (2, 3):
-                raise ValueError(
-                    f"{name}[{i}] must be [Hkv, D] or [T, Hkv, D], got {tuple(t.shape)}"
-                )
-            layers.append(t.unsqueeze(0) if t.dim() == 2 else t)
-        return layers
 
     # ------------------------------------------------------------------ prefixes
     def register_prefix(self, prefix_id, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
@@ -1118,7 +691,7 @@ class DecodeEngine:
                 "commit_step or abort_step first"
             )
 
-    def _require_open_step(self, tx, kind: str | None = None) -> _OpenStep:
+    def _require_open_step(self, tx, kind: str | None = None) -> OpenStep:
         step = self._open
         tx_id = tx.transaction_id if isinstance(tx, TokenTransactionView) else tx
         if step is None or step.transaction_id != tx_id or type(tx_id) is not int:
@@ -1140,13 +713,17 @@ class DecodeEngine:
         self._open = None
         self.cache.abort_token(tx_id)
 
-    def _check_layer_inputs(self, step: _OpenStep, q, k, v) -> None:
-        try:  # the common case: the shapes, dtype and device of the step's first layer
-            kv_shape, device = step.kv_shape, self._device_index
+    def _check_layer_inputs(self, step: OpenStep, g: int, q, k, v) -> None:
+        """Checks of a layer's inputs in its group ``g`` (its Hkv, D); after the group's first
+        layer only a comparison with that layer's shapes, dtype and device."""
+        seen = step.shapes[g]
+        try:  # the common case: the shapes, dtype and device of the group's first layer
+            device = self._device_index
             if (
-                q.shape == step.q_shape
-                and k.shape == kv_shape
-                and v.shape == kv_shape
+                seen is not None
+                and q.shape == seen[0]
+                and k.shape == seen[1]
+                and v.shape == seen[1]
                 and q.dtype is self._dtype
                 and k.dtype is q.dtype
                 and v.dtype is q.dtype
@@ -1157,82 +734,40 @@ class DecodeEngine:
                 return
         except AttributeError:  # not tensors: the full check says what is wrong
             pass
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, dtype=self._dtype)
-        if step.q_shape is not None and q.shape != step.q_shape:
+        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
+        if seen is not None and q.shape != seen[0]:
+            where = "this step" if self._num_groups == 1 else f"KV group {g} in this step"
             raise ValueError(
-                f"q has {q.shape[1]} heads but earlier layers of this step had {step.q_shape[1]}"
+                f"q has {q.shape[1]} heads but earlier layers of {where} had {seen[0][1]}"
             )
-        step.q_shape, step.kv_shape = q.shape, k.shape
+        step.shapes[g] = (q.shape, k.shape)
 
-    def _fast_layer(self, step: _OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """Fused RoPE + append and Triton decode bound once per batch shape (the common path):
-        per layer only the layer's tensors are read, every other argument was bound once."""
-        state = self._decode_state_of(step, q.shape[1])
-        outs = step.layer_outputs
-        if not outs:  # one allocation per step for every layer's output, and one unbind
-            outputs = step.outputs = torch.empty(
-                (self._num_layers, *q.shape), dtype=q.dtype, device=q.device
-            )
-            outs = step.layer_outputs = outputs.unbind(0)
-        out = outs[layer_idx]
+    def _fast_layer(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
+        """Fused RoPE + append and Triton decode bound once per group and batch shape (the
+        common path): per layer only the layer's tensors are read, every other argument was
+        bound once."""
         strides = (q.stride(), k.stride(), v.stride())
-        bound = step.bound
-        if bound is not None and bound[1] == strides:  # as the step's earlier layers
-            launch = bound[0]
-        else:
-            backup = step.backups[0] if step.backups else None
-            launch = state.bound(
-                self.rope, step.slots, self.sm_scale, q, k, v, self._layer_views, backup, out
-            )
-            step.bound = (launch, strides)
+        bound = step.bound[g]
+        if bound is None or bound[1] != strides:  # the group's first layer (or new strides)
+            bound = step.bound[g] = self._bind(step, g, q, k, v, strides)
+        launch, _, outs = bound
+        local = self._layer_local[layer_idx]
+        out = outs[local]
         self.cache.write_token_layer_with(
-            step.transaction_id, layer_idx, lambda *_: launch(layer_idx, q, k, v, out)
+            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
         )
         return out
 
-    def _decode_state_of(self, step: _OpenStep, num_heads: int) -> DecodeState:
-        state = step.decode
-        if state is None:
-            state = self._decode_state
-            if state is None or not state.fits(
-                self.cache, step.num_rows, num_heads, step.max_len_after
-            ):
-                state = self._decode_state = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after, dtype=self._dtype
-                )
-            step.decode = state
-        return state
-
-    def _check_group_layer_inputs(self, step: _OpenStep, g: int, q, k, v) -> None:
-        """``_check_layer_inputs`` for a layer of group ``g`` (its Hkv, D and dtype)."""
-        seen = step.group_shapes[g]
-        shapes = (getattr(q, "shape", None), getattr(k, "shape", None), getattr(v, "shape", None))
-        if seen is not None and shapes == (seen[0], seen[1], seen[1]):
-            dtype = self._dtype
-            if q.dtype is dtype and k.dtype is dtype and v.dtype is dtype:
-                device = self.cache.device
-                if q.device == device and k.device == device and v.device == device:
-                    return  # the common case: same shapes as the group's first layer
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
-        if seen is not None and q.shape != seen[0]:
-            raise ValueError(
-                f"q has {q.shape[1]} heads but earlier layers of KV group {g} in this step had "
-                f"{seen[0][1]}"
+    def _bind(self, step: OpenStep, g: int, q, k, v, strides: tuple) -> tuple:
+        """Group ``g``'s bound launch for the step (its plan, slots, window, backup), the
+        strides it was bound to and its layers' outputs (one allocation per step and group)."""
+        state = self._decode_state(step, g, q.shape[1])
+        outs = step.layer_outputs[g]
+        if not outs:
+            outputs = step.outputs[g] = torch.empty(
+                (len(self._group_views[g]), *q.shape), dtype=q.dtype, device=q.device
             )
-        step.group_shapes[g] = (q.shape, k.shape)
-
-    def _fast_group_layer(self, step: _OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
-        """``_fast_layer`` for a layer of group ``g``: its plan, slots and window."""
-        state = self._group_decode_state(step, g, q.shape[1])
-        outs = step.group_layer_outputs[g]
-        if not outs:  # one allocation per step and group for its layers' outputs
-            count = len(self._group_views[g])
-            outputs = step.group_outputs[g] = torch.empty(
-                (count, *q.shape), dtype=q.dtype, device=q.device
-            )
-            outs = step.group_layer_outputs[g] = outputs.unbind(0)
-        local = self._layer_local[layer_idx]
-        out = outs[local]
+            outs = step.layer_outputs[g] = outputs.unbind(0)
         backup = step.backups[g] if step.backups else None
         launch = state.bound(
             self._ropes[g],
@@ -1243,29 +778,28 @@ class DecodeEngine:
             v,
             self._group_views[g],
             backup,
-            out,
+            outs[0],
         )
-        self.cache.write_token_layer_with(
-            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
-        )
-        return out
+        return launch, strides, outs
 
-    def _group_decode_state(self, step: _OpenStep, g: int, num_heads: int) -> DecodeState:
-        state = step.group_decode[g]
+    def _decode_state(self, step: OpenStep, g: int, num_heads: int) -> DecodeState:
+        """Group ``g``'s decode plan and workspace for the step (the last one while it fits)."""
+        state = step.decode[g]
         if state is None:
-            state = self._group_decode_states[g]
+            state = self._decode_states[g]
             if state is None or not state.fits(
                 self.cache, step.num_rows, num_heads, step.max_len_after
             ):
-                state = self._group_decode_states[g] = DecodeState(
+                state = self._decode_states[g] = DecodeState(
                     self.cache, step.num_rows, num_heads, step.max_len_after, g, self._dtype
                 )
-            step.group_decode[g] = state
+            step.decode[g] = state
         return state
 
-    def _decode_group_layer(
-        self, step: _OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
+    def _decode_layer(
+        self, step: OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
     ) -> torch.Tensor:
+        """Decode of a layer whose RoPE + append is written (the unbound backends)."""
         k_layer, v_layer = self._layer_views[layer_idx]
         slots = step.group_slots[g]
         if self.decode_backend == "torch":
@@ -1280,29 +814,11 @@ class DecodeEngine:
                 self._windows[g],
                 *self._scales[g],
             )
-        state = self._group_decode_state(step, g, q_rot.shape[1])
+        state = self._decode_state(step, g, q_rot.shape[1])
+        # each layer's output outlives the shared workspace
         return state.decode(
             q_rot, k_layer, v_layer, slots, self._sm_scales[g], torch.empty_like(q_rot)
         )
-
-    def _decode_layer(self, step: _OpenStep, layer_idx: int, q_rot: torch.Tensor) -> torch.Tensor:
-        k_layer, v_layer = self.cache.layer_kv(layer_idx)
-        slots = step.slots
-        if self.decode_backend == "torch":
-            return torch_paged_decode(
-                q_rot,
-                k_layer,
-                v_layer,
-                slots.block_tables,
-                slots.seq_lens_after,
-                step.max_len_after,
-                self.sm_scale,
-                self._windows[0],
-                *self._scales[0],
-            )
-        state = self._decode_state_of(step, q_rot.shape[1])
-        # each layer's output outlives the shared workspace
-        return state.decode(q_rot, k_layer, v_layer, slots, self.sm_scale, torch.empty_like(q_rot))
 
 
 def _check_batch_type(request_ids: object) -> None:

@@ -499,3 +499,64 @@ def check_step_inputs(
         if tuple(t.shape) != (rows, hkv, dim):
             raise ValueError(f"{name} must have shape {(rows, hkv, dim)}, got {tuple(t.shape)}")
     return q, k, v
+
+
+def check_prompt_layers(
+    cache: PagedKVCache, k_layers: object, v_layers: object, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``DecodeEngine.prefill_request_layers``' K and V as one ``[T, Hkv, D]`` tensor per layer,
+    each in its layer's group geometry, the same ``T >= 1`` for every layer."""
+    ks = _prompt_layers(cache, "k_layers", k_layers, dtype)
+    vs = _prompt_layers(cache, "v_layers", v_layers, dtype)
+    count = ks[0].shape[0]
+    specs = [cache.kv_groups[cache.layer_group(i)] for i in range(cache.num_layers)]
+    for name, layers in (("k_layers", ks), ("v_layers", vs)):
+        for i, (t, spec) in enumerate(zip(layers, specs, strict=True)):
+            expected = (count, spec.num_kv_heads, spec.head_dim)
+            if tuple(t.shape) != expected or count == 0:
+                raise ValueError(
+                    f"{name}: layer {i} must have shape {expected} (T >= 1, the same T for "
+                    f"every layer), got {tuple(t.shape)}"
+                )
+    return ks, vs
+
+
+def _prompt_layers(
+    cache: PagedKVCache, name: str, value: object, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``prefill_request_layers``' K or V as one ``[T, Hkv, D]`` tensor per layer."""
+    num_layers = cache.num_layers
+    specs = [cache.kv_groups[cache.layer_group(i)] for i in range(num_layers)]
+    if isinstance(value, torch.Tensor):
+        kinds = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
+        if len(kinds) != 1:
+            raise ValueError(
+                f"{name}: this cache's KV layer groups differ in Hkv or head_dim; "
+                "pass one tensor per layer"
+            )
+        check_tensor(name, value, dtypes=(dtype,), device=cache.device)
+        if value.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} must be [num_layers, Hkv, D] or [num_layers, T, Hkv, D], got "
+                f"{tuple(value.shape)}"
+            )
+        if value.dim() == 3:
+            value = value.unsqueeze(1)
+        if value.shape[0] != num_layers:
+            raise ValueError(
+                f"{name} must have {num_layers} layers (dim 0), got {tuple(value.shape)}"
+            )
+        return list(value.unbind(0))
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a tensor or a list of per-layer tensors, got {type(value).__name__}"
+        )
+    if len(value) != num_layers:
+        raise ValueError(f"{name} must hold {num_layers} layers, got {len(value)}")
+    layers = []
+    for i, t in enumerate(value):
+        check_tensor(f"{name}[{i}]", t, dtypes=(dtype,), device=cache.device)
+        if t.dim() not in (2, 3):
+            raise ValueError(f"{name}[{i}] must be [Hkv, D] or [T, Hkv, D], got {tuple(t.shape)}")
+        layers.append(t.unsqueeze(0) if t.dim() == 2 else t)
+    return layers

@@ -7,7 +7,9 @@ decision directly (it planned it itself, from the live state, so there is nothin
 the batch — except, with a baseline policy, for requests stuck at a block boundary, after that
 policy's victims (if any) are cancelled; (4) finishes requests that reached ``max_new_tokens`` (or
 that the executor reports done, e.g. at EOS); (5) advances the fairness counters. The waiting
-queue lives in the engine, the counters too; callers only submit and step.
+queue and the counters are the engine's ``submissions`` (:class:`SubmissionQueue`, beside the
+cache's lifecycle), which the loop drives: the trusted apply, the fairness step and the revert
+of a failed step are its calls alone; callers only submit and step.
 
 What a step *computes* is the executor's: random K/V for the synthetic workloads, a real model
 forward for :class:`flashdec.LLM`.
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 
 from flashdec._blocks import reserved_blocks
 from flashdec._checks import check_positive_int
-from flashdec.engine.engine import DecodeEngine, EngineRequestState
+from flashdec.engine.engine import DecodeEngine
+from flashdec.engine.states import EngineRequestState
 from flashdec.scheduler import (
     BaseScheduler,
     RequestSpec,
@@ -185,20 +188,21 @@ class ServingLoop:
         prompt with them), the counters are unchanged, and stepping on gives what an
         uninterrupted run gives. Only the victims a baseline policy cancelled stay cancelled."""
         engine, cache = self.engine, self.engine.cache
+        submissions = engine.submissions
         index = self.step_index
         start = time.perf_counter()
-        snapshot = engine.scheduling_snapshot(index)
+        snapshot = submissions.scheduling_snapshot(index)
         decision = self.scheduler.plan(snapshot)
         if self.on_plan is not None:
             self.on_plan(snapshot, decision)
-        engine.apply_trusted_decision(decision)
+        submissions.apply_trusted_decision(decision)
         scheduled = time.perf_counter()
         victims: list = []
         try:
             # prompts still to import: earlier admissions first, then this step's
             prompt_left = dict(self._prompt_left)
             for rid in decision.admit:
-                spec = engine.request_spec(rid)
+                spec = submissions.request_spec(rid)
                 missing = spec.initial_context_tokens - cache.seq_len(rid)  # a prefix covers all
                 if missing > 0:
                     prompt_left[rid] = missing
@@ -224,7 +228,8 @@ class ServingLoop:
         finished = [rid for rid, _ in chunks if rid in done_at_prefill]
         for rid in served:
             self.generated[rid] += 1
-            if rid in done_early or self.generated[rid] >= engine.request_spec(rid).max_new_tokens:
+            limit = submissions.request_spec(rid).max_new_tokens
+            if rid in done_early or self.generated[rid] >= limit:
                 finished.append(rid)
         # an executor that reads tokens late may report a request that was not in this batch
         finished += [
@@ -236,7 +241,7 @@ class ServingLoop:
             engine.finish_request(rid)
         self._forget(finished)
         self._forget(victims)
-        engine.advance_fairness(
+        submissions.advance_fairness(
             decision,
             served={*served, *(rid for rid, _ in chunks)},
             departed=[*finished, *victims],
@@ -260,7 +265,7 @@ class ServingLoop:
             waiting=len(snapshot.waiting) - len(decision.admit) - len(decision.reject),
             active=active,
             free_blocks=cache.num_free_blocks,
-            max_service_wait=engine.max_service_wait(),
+            max_service_wait=submissions.max_service_wait(),
             schedule_s=scheduled - start,
             run_s=run_s,
             rejection_reasons=tuple(
@@ -299,7 +304,7 @@ class ServingLoop:
         """Undo a step that failed before its decode committed (the executor aborted its
         transaction): its decision is reverted and the executor forgets what it recorded for
         the requests admitted (``revert_admission``, when it has one)."""
-        self.engine.revert_decision(decision)
+        self.engine.submissions.revert_decision(decision)
         forget = getattr(self.executor, "revert_admission", None)
         if forget is not None and decision.admit:
             forget(decision.admit)

@@ -274,7 +274,7 @@ def test_the_engine_snapshot_has_every_group_and_admits_more_with_a_window():
     assert again == snapshot_from_cache(
         windowed.cache,
         step=1,
-        specs={f"r{i}": windowed.request_spec(f"r{i}") for i in range(6)},
+        specs={f"r{i}": windowed.submissions.request_spec(f"r{i}") for i in range(6)},
         waiting_ids=["r4", "r5"],
         active_ids=["r0", "r1", "r2", "r3"],
     )

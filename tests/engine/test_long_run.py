@@ -59,7 +59,7 @@ def finish_many(engine: DecodeEngine, count: int) -> None:
         for i in batch:
             engine.submit_request(RequestSpec(f"done{i}", 0, 1, FIRST_ORDER + i))
         decision = scheduler.plan(engine.scheduling_snapshot(0))
-        engine.apply_trusted_decision(decision)
+        engine.submissions.apply_trusted_decision(decision)
         assert len(decision.admit) == len(batch)
         for rid in decision.admit:
             engine.finish_request(rid)
@@ -151,10 +151,10 @@ def test_the_engine_keeps_every_terminal_state_and_refuses_reused_ids_and_orders
         engine.submit_request(RequestSpec(f"big{i}", 4000, 1, i))
     engine.submit_request(RequestSpec("gone", 1, 1, n))
     engine.cancel_request("gone")  # cancelled while waiting
-    engine.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(0)))
+    engine.submissions.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(0)))
     finish_many_after = RequestSpec("done", 1, 1, n + 1)
     engine.submit_request(finish_many_after)
-    engine.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(1)))
+    engine.submissions.apply_trusted_decision(scheduler.plan(engine.scheduling_snapshot(1)))
     engine.finish_request("done")
     assert engine.request_state("big0") is EngineRequestState.REJECTED
     assert engine.request_state("gone") is EngineRequestState.CANCELLED
@@ -169,10 +169,12 @@ def test_the_engine_keeps_every_terminal_state_and_refuses_reused_ids_and_orders
     with pytest.raises(ValueError, match="submission_order 0 is already used"):
         engine.submit_request(RequestSpec("fresh", 1, 1, 0))
     with pytest.raises(ValueError, match="only a waiting or active request's spec is kept"):
-        engine.request_spec("done")
+        engine.submissions.request_spec("done")
     # listing is bounded: the newest closed ids and the cache's newest terminal ones
     listed = engine.request_ids()
     assert "big0" not in listed and listed[-1] == "done"
     assert len(listed) == TERMINAL_HISTORY_LIMIT + 1
     # what the engine keeps per request is the live ones' only
-    assert not engine._specs and not engine._waiting and not engine._service_wait
+    submissions = engine.submissions
+    assert not submissions.specs and not engine._waiting and not submissions._service_wait
+    assert not submissions._active_rows

@@ -203,10 +203,10 @@ def test_revert_decision_takes_back_only_the_last_step_before_it_ends():
     snapshot = engine.scheduling_snapshot(0)
     decision = loop.scheduler.plan(snapshot)
     with pytest.raises(RuntimeError, match="applied last"):
-        engine.revert_decision(decision)  # not applied yet
+        engine.submissions.revert_decision(decision)  # not applied yet
     loop.step()  # applied, then the step ended (the fairness counters moved)
     with pytest.raises(RuntimeError, match="applied last"):
-        engine.revert_decision(decision)
+        engine.submissions.revert_decision(decision)
     assert engine.request_state("r0") == "active" and engine.cache.seq_len("r0") == 4
 
 

@@ -1,0 +1,313 @@
+"""The model runner: the serving loop's executor for a transformers model.
+
+It owns what a step of :class:`flashdec.LLM` does beyond the engine: each request's record
+(prompt, tokens, timing, sampling), the device-resident last tokens and their hand-off to the
+host one step late, the choice of the next token (argmax or a sample), and the CUDA graphs of
+the decode forward per batch-size bucket (their warm-up marks and captured steps).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from flashdec.engine.engine import DecodeEngine
+from flashdec.engine.layer_ops import plan_bucket
+from flashdec.engine.loop import StepExecutor
+from flashdec.engine.sampling import GREEDY, SamplingParams, make_generator, sample
+from flashdec.engine.step import CapturedStep
+
+
+class Request:
+    """One request of :class:`flashdec.LLM`: its prompt, sampling, tokens and timestamps."""
+
+    __slots__ = (
+        "error",
+        "finished_at",
+        "first_token_at",
+        "generator",
+        "ignore_eos",
+        "max_new_tokens",
+        "prompt",
+        "sampling",
+        "submitted_at",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        ignore_eos: bool,
+        now: float,
+        sampling: SamplingParams | None = None,  # None: greedy
+        generator: torch.Generator | None = None,  # None when greedy
+    ):
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.ignore_eos = ignore_eos
+        self.sampling = sampling or GREEDY
+        self.generator = generator
+        self.tokens: list[int] = []
+        self.submitted_at = now
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.error: str | None = None  # why it never ran (the scheduler rejected it)
+
+    def reset(self) -> None:
+        """Back to before its admission (the step that admitted it was taken back)."""
+        self.tokens.clear()
+        self.first_token_at = self.finished_at = None
+
+
+def now(device: torch.device | None = None) -> float:
+    """Host time (``perf_counter``); with a CUDA device, once its queued work is done."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class ModelRunner(StepExecutor):
+    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling.
+
+    Tokens stay on the device between steps: each request's last token sits in ``last_tokens``
+    at its cache request slot, the decode forward gathers its inputs from there (inside the
+    graph) and the step's choices are scattered back. The host reads a step's tokens only after
+    the *next* step is launched, so its bookkeeping (scheduling, the next ``begin_step``) overlaps
+    the GPU's work. A request that produced EOS is therefore seen one step late: the token
+    computed meanwhile is dropped.
+    """
+
+    def __init__(
+        self, engine: DecodeEngine, adapter, *, max_batch_size: int, cuda_graphs: bool
+    ) -> None:
+        # adapter: a flashdec.models.DecoderAdapter (models sit above the engine: not imported)
+        self.engine = engine
+        self.adapter = adapter
+        self.spec = adapter.spec
+        self.cuda_graphs = cuda_graphs
+        device = self.spec.device
+        self.eos = frozenset(self.spec.eos_token_ids)
+        self.requests: dict[int, Request] = {}
+        self.sampled: set = set()  # requests that sample (the others take the argmax)
+        self._shared_generator: torch.Generator | None = None  # of unseeded add_request calls
+        self.graph_replays = 0
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self._ensure_slots()
+        # the step whose tokens are still on their way to the host: (batch, host view, event)
+        self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
+        self.ended: set = set()  # requests collect() saw end that no decode has reported yet
+        pinned = device.type == "cuda"
+        self._host_tokens = [
+            torch.zeros(max_batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)
+        ]
+        self._turn = 0
+        # CUDA graphs: buckets of batch sizes, warm-up marks and the captured steps
+        sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+        self.buckets = sorted({b for b in sizes if b < max_batch_size} | {max_batch_size})
+        self.warm: set[tuple[int, int]] = set()
+        self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
+
+    def _ensure_slots(self) -> None:
+        """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
+        read the old tensor are dropped)."""
+        needed = self.engine.cache.num_request_slots
+        if self.last_tokens.shape[0] < needed:
+            grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
+            grown[: self.last_tokens.shape[0]] = self.last_tokens
+            self.last_tokens = grown
+            self.graphs = {}
+
+    def request_generator(self, sampling: SamplingParams) -> torch.Generator:
+        """A seeded request's own generator (its samples then do not depend on the batch);
+        unseeded requests share one, seeded from the operating system's entropy."""
+        if sampling.seed is not None:
+            return make_generator(self.spec.device, sampling.seed)
+        if self._shared_generator is None:
+            self._shared_generator = torch.Generator(device=self.spec.device)
+            self._shared_generator.seed()
+        return self._shared_generator
+
+    def forget(self, rid) -> None:
+        self.requests.pop(rid, None)
+        self.sampled.discard(rid)
+
+    # -- tokens -------------------------------------------------------------------------------
+    def _choose(
+        self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None, batch: Sequence = ()
+    ) -> torch.Tensor:
+        """Next token per row of ``logits [B, V]`` (row ``i`` is request ``batch[i]``), on the
+        device: the argmax (``greedy_ids``, when the CUDA graph computed it) for greedy requests,
+        a sample for the others. Rows that share sampling params and a generator are sampled
+        together, in batch order; an all-greedy batch costs nothing more than the argmax."""
+        tokens = greedy_ids if greedy_ids is not None else torch.argmax(logits, dim=-1)
+        if not self.sampled:
+            return tokens
+        groups: dict = {}
+        for row, rid in enumerate(batch):
+            if rid in self.sampled:
+                req = self.requests[rid]
+                groups.setdefault((req.sampling, id(req.generator)), (req, []))[1].append(row)
+        if not groups:
+            return tokens
+        tokens = tokens.clone()  # greedy_ids may be a CUDA graph's output: never written
+        for req, rows in groups.values():
+            index = torch.tensor(rows, device=logits.device)
+            sampled = sample(logits.index_select(0, index), req.sampling, req.generator)
+            tokens.index_copy_(0, index, sampled)
+        return tokens
+
+    def _record(self, rid, token: int, now: float) -> bool:
+        """Append a generated token (ignored once the request has ended); True when it ends."""
+        req = self.requests.get(rid)
+        if req is None or req.finished_at is not None:
+            return False
+        req.tokens.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        if len(req.tokens) >= req.max_new_tokens or (not req.ignore_eos and token in self.eos):
+            req.finished_at = now
+            return True
+        return False
+
+    def is_pending(self, rid) -> bool:
+        """Whether a token of ``rid`` is still on its way from the device."""
+        return self.pending is not None and rid in self.pending[0]
+
+    def collect(self) -> None:
+        """Read the pending step's tokens (waits for that step only); the requests that ended
+        join ``ended`` until a decode reports them to the loop."""
+        if self.pending is None:
+            return
+        batch, host, event = self.pending
+        if event is not None:
+            event.synchronize()
+        self.pending = None
+        stamp = now()
+        for rid, token in zip(batch, host.tolist(), strict=True):
+            if self._record(rid, token, stamp):
+                self.ended.add(rid)
+
+    def revert_admission(self, request_ids: Sequence) -> None:
+        """The loop took these admissions back: forget the first tokens their prompts gave."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.reset()
+
+    def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
+        """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""
+        host = self._host_tokens[self._turn][: len(batch)]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (batch, host, event)
+
+    # -- the loop's executor ------------------------------------------------------------------
+    def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        """One engine step for the decode ``batch`` and the prompt ``chunks`` together (decode
+        rows first): the projections and the MLP run once over every packed token, attention
+        is the engine's extend over the paged cache. A step without prompt chunks is a decode
+        step (CUDA graphs). A request whose prompt ends here gets its first token from its
+        last prompt row; tokens reach the host with the next step's collect, like decode's."""
+        if not chunks:
+            return set(), self.decode(batch) if batch else set()
+        engine, cache = self.engine, self.engine.cache
+        self._ensure_slots()
+        batch = list(batch)
+        rids = [*batch, *(rid for rid, _ in chunks)]
+        counts = [1] * len(batch) + [n for _, n in chunks]
+        starts = [cache.seq_len(rid) for rid, _ in chunks]
+        sampled = [*range(len(batch))] + [  # requests that get a token: decode rows, ends
+            len(batch) + i
+            for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
+            if start + n == self.requests[rid].prompt.shape[0]
+        ]
+        device = self.spec.device
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        last_rows = (torch.tensor(counts, device=device).cumsum(0) - 1).index_select(0, index)
+        tx = engine.begin_step(rids, num_tokens=counts)
+        try:
+            slots = cache.transaction_slots(tx).request_slots
+            pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
+            pieces += [
+                self.requests[rid].prompt[start : start + n]
+                for (rid, n), start in zip(chunks, starts, strict=True)
+            ]
+            logits = self.adapter.decode(
+                torch.cat(pieces), self._attention(tx), logits_rows=last_rows
+            )
+            sampled_rids = [rids[i] for i in sampled]
+            tokens = self._choose(logits, batch=sampled_rids) if sampled else None
+            engine.commit_step(tx)
+        except BaseException:  # nothing committed: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.collect()
+        if tokens is not None:
+            self.last_tokens.index_copy_(0, slots.index_select(0, index), tokens)
+            self._hand_off(sampled_rids, tokens)
+        ended, self.ended = self.ended, set()
+        return set(), ended
+
+    def decode(self, batch: Sequence) -> set:
+        """Launch one step for ``batch``, then collect the previous step's tokens."""
+        engine = self.engine
+        batch = list(batch)
+        rows = len(batch)
+        bucket = rows
+        if self.cuda_graphs:
+            bucket = next(b for b in self.buckets if b >= rows)
+        tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
+        try:
+            slots = engine.cache.transaction_slots(tx)
+            if self.cuda_graphs:
+                logits, greedy_ids = self._decode_graphed(tx, batch, bucket, slots)
+            else:
+                logits, greedy_ids = self._forward(tx, slots)
+            tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
+            engine.commit_step(tx)
+        except BaseException:  # nothing decoded: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
+        self.collect()
+        self._hand_off(batch, tokens)
+        ended, self.ended = self.ended, set()
+        return ended
+
+    def _attention(self, tx):
+        engine = self.engine
+        return lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v)
+
+    def _forward(self, tx, slots):
+        ids = self.last_tokens.index_select(0, slots.request_slots)  # [rows], on the device
+        logits = self.adapter.decode(ids, self._attention(tx))
+        return logits, torch.argmax(logits, dim=-1)
+
+    def _decode_graphed(self, tx, batch: list, bucket: int, slots):
+        engine = self.engine
+        max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
+        plan = plan_bucket(engine.cache, max_len)
+        held = self.graphs.get(bucket)
+        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]) and held[2].fits(tx):
+            self.graph_replays += 1
+            return engine.replay_step(tx, held[2])
+        if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
+            out = self._forward(tx, slots)
+            self.warm.add((bucket, plan))
+            return out
+        # each graph owns its memory pool: a replaced graph (new plan bucket) frees its pool with
+        # it, and a pool shared with a freed graph cannot be captured into again
+        captured = engine.capture_step(tx, lambda: self._forward(tx, slots))
+        self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
+        return captured.output
