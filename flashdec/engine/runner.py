@@ -70,7 +70,8 @@ def now(device: torch.device | None = None) -> float:
 
 
 class ModelRunner(StepExecutor):
-    """The serving loop's executor for a model: prefill, decode (eager or graph), sampling.
+    """The serving loop's executor for a model: mixed prompt + decode steps, decode steps (eager
+    or graph), sampling.
 
     Tokens stay on the device between steps: each request's last token sits in ``last_tokens``
     at its cache request slot, the decode forward gathers its inputs from there (inside the
