@@ -111,6 +111,10 @@ class LLM:
             tokens first, then prompt chunks (a long prompt is split across steps; a
             sliding-window model's chunks stay below its window). Every step imports at least
             one prompt token while prompts wait, so a full batch never starves them.
+        enable_prefix_caching: automatic prefix caching (SPEC §8.7): a prompt starts with the
+            longest run of cached full KV blocks matching its start (shared, immutable) and
+            computes only the rest; the blocks of every imported prompt and finished request
+            stay cached until an allocation needs them. Output is the same either way.
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -134,8 +138,14 @@ class LLM:
         kv_cache_dtype: str | None = None,
         kv_scale: float = 1.0,
         max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
     ) -> None:
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {type_name(enable_prefix_caching)}"
+            )
+        self.enable_prefix_caching = enable_prefix_caching
         if device is not None:
             device = check_device(device)  # before a model moves: a clear error, not torch's
         fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
@@ -200,6 +210,7 @@ class LLM:
                 dtype=spec.dtype,
                 device=spec.device,
                 max_blocks_per_seq=min(blocks_per_seq, num_blocks),
+                **self._caching_kwargs(),
             )
         on_cuda = spec.device.type == "cuda"
         self.engine = DecodeEngine(
@@ -300,7 +311,18 @@ class LLM:
             max_seq_len=max_seq_len,
             device=spec.device,
             kv_scales=[scales] * len(groups),
+            **self._caching_kwargs(),
         )
+
+    def _caching_kwargs(self) -> dict:
+        """The cache's prefix-caching arguments: the model's identity keys the hash chain (one
+        cache serves one model; the cache adds its layout, dtype and scales)."""
+        config = getattr(self.model, "config", None)
+        name = getattr(config, "_name_or_path", "") or type(self.model).__name__
+        return {
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "prefix_caching_key": (name, id(self.model)),
+        }
 
     def _check_pool_fits(self, num_blocks: int, pool_bytes: int) -> None:
         """ValueError before allocating a pool of ``num_blocks`` that the device cannot hold."""
@@ -384,9 +406,13 @@ class LLM:
         prompt = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
         request = Request(prompt, max_new_tokens, ignore_eos, now(), sampling, generator)
         self._runner.requests[rid] = request
+        submissions = self.engine.submissions
         try:
+            if self.enable_prefix_caching:
+                submissions.block_hashes[rid] = self.engine.cache.block_hashes(ids)
             self.loop.submit(self._spec(rid, len(ids), max_new_tokens))
         except BaseException:
+            submissions.block_hashes.pop(rid, None)
             self._runner.forget(rid)
             raise
         if sampling is not None and not sampling.greedy:
@@ -462,9 +488,21 @@ class LLM:
 
     def _step(self) -> LoopStep:
         record = self.loop.step()
+        if self.enable_prefix_caching:  # imported prompt blocks become hits for others
+            cache = self.engine.cache
+            for rid in record.prefilled:
+                if rid not in record.finished:
+                    cache.cache_request_blocks(rid)
         for rid, reason in zip(record.rejected, record.rejection_reasons, strict=True):
             self._runner.requests[rid].error = f"the scheduler rejected it: {reason}"
         return record
+
+    def prefix_cache_stats(self) -> dict:
+        """Automatic prefix caching's counters (SPEC §8.7): ``queried_tokens`` (prompt tokens
+        looked up at admission), ``hit_tokens`` (found cached), ``hit_rate``,
+        ``cached_blocks`` (indexed now), ``evictable_blocks`` (cached, held by no request:
+        counted as free), ``evicted_blocks`` (reclaimed by allocations so far), ``enabled``."""
+        return self.engine.cache.prefix_cache_stats()
 
     def has_unfinished(self) -> bool:
         return not self.loop.idle or self._runner.pending is not None

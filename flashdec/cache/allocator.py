@@ -1,12 +1,20 @@
-"""Physical block allocator: a free list plus who owns each block. No policy at all.
+"""Physical block allocator: a free list plus who owns each block, and the evictable blocks.
 
 It knows nothing of requests, lengths or prefixes; an owner is any hashable tag the caller picks.
 Allocation is all-or-nothing and every call checks its arguments before it changes anything.
+
+Automatic prefix caching (``flashdec.cache.block_cache``) parks the cached blocks no request
+holds here: they keep their owner (:data:`CACHED`) and their bytes, count as free, and are
+reclaimed least-recently-parked first only when an allocation finds the free list short
+(``on_evict`` tells the cache which block it lost). So ``num_free`` = truly free + evictable,
+with no sweep and no capacity to tune.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+CACHED = ("cached",)  # the owner of every block of the automatic prefix cache
 
 
 class BlockAllocator:
@@ -21,6 +29,10 @@ class BlockAllocator:
         # a stack: the lowest ids come out first on a fresh pool, released ids are reused first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owner: list[Hashable | None] = [None] * num_blocks
+        # cached blocks no request holds, least recently parked first (dict order)
+        self._evictable: dict[int, None] = {}
+        self.on_evict: Callable[[int], None] | None = None
+        self.num_evicted = 0
 
     @property
     def num_blocks(self) -> int:
@@ -28,14 +40,55 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: truly free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self._num_blocks - len(self._free)
+        return self._num_blocks - self.num_free
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free
+
+    def _reclaim(self, n: int) -> None:
+        """Evict least-recently-parked cached blocks until ``n`` are truly free (the caller
+        checked that ``n <= num_free``)."""
+        free, evictable, owner_of = self._free, self._evictable, self._owner
+        while len(free) < n:
+            block_id = next(iter(evictable))
+            del evictable[block_id]
+            owner_of[block_id] = None
+            free.append(block_id)
+            self.num_evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(block_id)
+
+    def park(self, block_id: int) -> None:
+        """A cached block no request holds any more: evictable, most recently used."""
+        if self._owner[block_id] != CACHED or block_id in self._evictable:
+            raise RuntimeError(f"block {block_id} is not a held cached block")
+        self._evictable[block_id] = None
+
+    def unpark(self, block_id: int) -> None:
+        """A request takes an evictable cached block again."""
+        if block_id not in self._evictable:
+            raise RuntimeError(f"block {block_id} is not evictable")
+        del self._evictable[block_id]
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def transfer(self, block_id: int, owner: Hashable, new_owner: Hashable) -> None:
+        """Hand an allocated block from ``owner`` to ``new_owner``."""
+        if self._owner[block_id] != owner:
+            raise RuntimeError(
+                f"block {block_id} is owned by {self._owner[block_id]!r}, not by {owner!r}"
+            )
+        self._owner[block_id] = new_owner
 
     def allocate(self, n: int, owner: Hashable) -> list[int]:
         """Take ``n`` free blocks for ``owner``; RuntimeError (nothing taken) if fewer are free."""
@@ -46,9 +99,11 @@ class BlockAllocator:
         if owner is None:
             raise ValueError("owner must not be None (None marks a free block)")
         if n > len(self._free):
-            raise RuntimeError(
-                f"out of KV blocks: {n} requested, {len(self._free)} of {self._num_blocks} free"
-            )
+            if n > self.num_free:
+                raise RuntimeError(
+                    f"out of KV blocks: {n} requested, {self.num_free} of {self._num_blocks} free"
+                )
+            self._reclaim(n)
         taken = [self._free.pop() for _ in range(n)]
         for block_id in taken:
             self._owner[block_id] = owner
@@ -58,12 +113,14 @@ class BlockAllocator:
         """One free block for each of ``owners`` (a batch's new blocks at a block boundary, in
         one call); RuntimeError (nothing taken) if fewer are free."""
         n = len(owners)
-        if n > len(self._free):
+        if n > self.num_free:
             raise RuntimeError(
-                f"out of KV blocks: {n} requested, {len(self._free)} of {self._num_blocks} free"
+                f"out of KV blocks: {n} requested, {self.num_free} of {self._num_blocks} free"
             )
         if None in owners:
             raise ValueError("owner must not be None (None marks a free block)")
+        if n > len(self._free):
+            self._reclaim(n)
         free, owner_of = self._free, self._owner
         taken = free[len(free) - n :][::-1]  # the same order n pops would give
         del free[len(free) - n :]
@@ -88,6 +145,8 @@ class BlockAllocator:
                 raise RuntimeError(f"block {block_id} is already free")
             if owner is not None and current != owner:
                 raise RuntimeError(f"block {block_id} is owned by {current!r}, not by {owner!r}")
+            if block_id in self._evictable:
+                raise RuntimeError(f"block {block_id} is an evictable cached block")
         for block_id in ids:
             self._owner[block_id] = None
             self._free.append(block_id)
@@ -114,4 +173,9 @@ class BlockAllocator:
                 state = "free" if block_id in free else "not free"
                 raise RuntimeError(
                     f"allocator block {block_id} is {state} but its owner is {owner!r}"
+                )
+        for block_id in self._evictable:
+            if self._owner[block_id] != CACHED:
+                raise RuntimeError(
+                    f"evictable block {block_id} is owned by {self._owner[block_id]!r}"
                 )

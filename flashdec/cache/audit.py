@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flashdec._blocks import held_range
+from flashdec.cache.allocator import CACHED
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.requests import RequestTable
 from flashdec.cache.reservation import request_owner
@@ -32,8 +33,10 @@ def cache_metrics(
         "num_blocks": sum(g["num_blocks"] for g in per_group),
         "num_free_blocks": sum(g["num_free_blocks"] for g in per_group),
         "num_used_blocks": num_used,
-        "num_private_blocks": num_used - num_prefix_blocks,
+        "num_private_blocks": sum(g["num_private_blocks"] for g in per_group),
         "num_prefix_blocks": num_prefix_blocks,
+        "num_cached_blocks": sum(g["num_cached_blocks"] for g in per_group),
+        "num_evictable_blocks": sum(g["num_evictable_blocks"] for g in per_group),
         "num_reserved_blocks": sum(g["num_reserved_blocks"] for g in per_group),
         "prefix_cache_capacity_blocks": prefixes.capacity_blocks,
         "num_requests": requests.num_added,
@@ -62,6 +65,7 @@ def _group_metrics(
     held = [rec.run(index).num_held + len(reserved.get(rid, ())) for rid, rec in active.items()]
     used = group.allocator.num_used
     prefix = group.prefixes.num_blocks
+    cached = group.block_cache.num_referenced  # held cached blocks (evictable ones are free)
     return {
         "group": index,
         "layers": list(group.layers),
@@ -74,8 +78,11 @@ def _group_metrics(
         "num_blocks": group.spec.num_blocks,
         "num_free_blocks": group.allocator.num_free,
         "num_used_blocks": used,
-        "num_private_blocks": used - prefix,
+        "num_private_blocks": used - prefix - cached,
         "num_prefix_blocks": prefix,
+        "num_cached_blocks": len(group.block_cache),
+        "num_shared_cached_blocks": cached,
+        "num_evictable_blocks": group.allocator.num_evictable,
         "num_reserved_blocks": sum(len(b) for b in reserved.values()),
         "max_blocks_per_request": max(held, default=0),
         "block_bound_per_request": group.block_bound,
@@ -135,6 +142,7 @@ def _check_group(
     owned = allocator.owned_blocks()
     reserved = open_tx.reserved[index] if open_tx is not None else {}
     num_private = 0
+    cached_held: Counter[int] = Counter()
     for rid, rec in active.items():
         if rec.state is not RequestState.ACTIVE:
             raise RuntimeError(f"{where}{rec.state.value} request {rid!r} is listed active")
@@ -150,7 +158,9 @@ def _check_group(
             )
         if run.table[run.num_blocks :].any():
             raise RuntimeError(f"{where}request {rid!r}: block table padding is not 0")
-        if rec.prefix_id is None:
+        if rec.block_hashes is not None:  # automatic prefix caching: shared cached blocks
+            cached_held.update(run.table[run.first_block : run.num_prefix_blocks].tolist())
+        elif rec.prefix_id is None:
             if run.num_prefix_blocks:
                 raise RuntimeError(f"{where}request {rid!r} has prefix blocks but no prefix")
         else:
@@ -165,6 +175,8 @@ def _check_group(
                 f"{where}request {rid!r}: private blocks {sorted(private)} != allocator's {held}"
             )
         num_private += len(held)
+    owned.pop(CACHED, None)
+    group.block_cache.check_integrity(cached_held, where)
     for owner, ids in owned.items():
         if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
             raise RuntimeError(
@@ -172,5 +184,7 @@ def _check_group(
             )
         if sorted(prefixes.block_ids(owner[1])) != ids:
             raise RuntimeError(f"prefix {owner[1]!r} blocks disagree with the allocator")
-    if num_private + prefixes.num_blocks + allocator.num_free != group.spec.num_blocks:
-        raise RuntimeError(f"{where}free + private + prefix blocks != max_blocks")
+    # free counts the evictable cached blocks; the held cached ones are counted apart
+    cached = group.block_cache.num_referenced
+    if num_private + prefixes.num_blocks + cached + allocator.num_free != group.spec.num_blocks:
+        raise RuntimeError(f"{where}free + private + prefix + held cached blocks != max_blocks")

@@ -36,6 +36,7 @@ class GroupManager:
         self.width = group.width
         self.window = group.window
         self.allocator = group.allocator
+        self.block_cache = group.block_cache
         self._where = "" if single else f" in KV group {group.index}"
 
     def _full(self, rec: RequestRecord, n: int, end_blocks: int) -> None:
@@ -292,6 +293,10 @@ class SlidingWindowManager(GroupManager):
                 start = starts[rec.request_id]
                 run.table[start : start + len(blocks)] = blocks
                 gone += blocks[: max(0, keep - start)]
+            shared = min(run.num_prefix_blocks, keep) - first  # cached blocks it held
+            if shared > 0:  # automatically cached blocks: one reference less, not freed
+                self.block_cache.release(gone[:shared])
+                gone = gone[shared:]
             if gone:
                 release(gone, request_owner(rec.request_id))
             run.first_block, run.num_blocks = keep, end

@@ -15,6 +15,7 @@ import torch
 
 from flashdec._blocks import window_block_bound
 from flashdec.cache.allocator import BlockAllocator
+from flashdec.cache.block_cache import BlockCache
 from flashdec.cache.device_tables import DeviceTables
 from flashdec.cache.kv_spec import KVGroupSpec
 from flashdec.cache.prefix_registry import PrefixRegistry
@@ -67,6 +68,7 @@ class LayerGroup:
         self._writer_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.allocator = BlockAllocator(spec.num_blocks)
         self.prefixes = PrefixRegistry(self.allocator, prefix_capacity, spec.block_size)
+        self.block_cache = BlockCache(self.allocator)  # automatic prefix caching (may stay empty)
         self.device = self.kv.device
         self.tables = DeviceTables(width, self.device)
         self.slot_buffers: SlotBuffers | None = None  # made for the first one-token batch

@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from flashdec._blocks import held_range
 from flashdec._checks import check_request_id, check_shape, check_tensor
 from flashdec.cache.audit import cache_metrics, check_invariants
 from flashdec.cache.batch_memo import BatchMemo
+from flashdec.cache.block_hash import BlockHash, extra_key_hash, hash_blocks
 from flashdec.cache.group_managers import make_manager
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
@@ -78,6 +80,12 @@ class PagedKVCache(LayoutQueries, TokenSteps):
             (stored = value / scale; default 1.0). Float groups take no scales.
         restore_on_abort: abort puts back the bytes a transaction overwrote, so an aborted token
             leaves the storage bit-identical (costs one gather of the reserved slots per token).
+        enable_prefix_caching: automatic prefix caching (SPEC §8.7): requests that give their
+            blocks' hashes (``attach_cached_prefix``) share the cached full blocks their
+            content starts with; finished requests' full blocks stay cached until an
+            allocation needs them (least recently used first). Needs one block size.
+        prefix_caching_key: whatever else changes the K/V of a token sequence (the model's
+            identity); part of the hash chain's root with the cache's own layout and scales.
     """
 
     def __init__(
@@ -97,6 +105,8 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         max_seq_len: int | None = None,
         kv_scales: Sequence[tuple[Any, Any] | None] | None = None,
         restore_on_abort: bool = True,
+        enable_prefix_caching: bool = False,
+        prefix_caching_key: object = None,
     ) -> None:
         layout = resolve_layout(
             (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
@@ -153,6 +163,21 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         self._requests = RequestTable()
         self._version = 0
         self._memo: BatchMemo | None = None  # the last stepped batch (full-attention caches)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        if enable_prefix_caching and len({g.block_size for g in groups}) != 1:
+            raise ValueError("prefix caching needs every KV group to have the same block size")
+        self._prefix_caching = enable_prefix_caching
+        self._hash_root = extra_key_hash(
+            prefix_caching_key,
+            format_kv_spec(groups),
+            [None if p is None else (_scale_key(p[0]), _scale_key(p[1])) for p in layout.scales],
+        )
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._lookups: dict[RequestId, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         if not self._single:
@@ -200,6 +225,9 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         self._tx.ensure_none_open("discard a request")
         require_active(record, "discard")
         self._release_record(record)
+        queried, hit = self._lookups.pop(record.request_id, (0, 0))  # as if never admitted
+        self._queried_tokens -= queried
+        self._hit_tokens -= hit
         self._requests.forget(record)
         self._version += 1
 
@@ -208,15 +236,27 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         verb = "finish" if state is RequestState.FINISHED else "cancel"
         self._tx.ensure_none_open(f"{verb} a request")
         require_active(record, verb)
-        self._release_record(record)
+        self._release_record(record, keep_cached=state is RequestState.FINISHED)
+        self._lookups.pop(record.request_id, None)
         self._requests.retire(record, state)
         self._version += 1
 
-    def _release_record(self, record: RequestRecord) -> None:
-        """Give back an active request's private blocks, table row and prefix reference."""
+    def _release_record(self, record: RequestRecord, keep_cached: bool = False) -> None:
+        """Give back an active request's private blocks, table row and prefix reference (or
+        its references to cached blocks). ``keep_cached``: a finished request's committed full
+        blocks whose hashes it knows stay cached (evictable) instead of being freed."""
         owner = request_owner(record.request_id)
+        hashes = record.block_hashes
         for group in self._groups:
-            group.allocator.release(record.run(group.index).private_block_ids, owner)
+            run = record.run(group.index)
+            private = run.private_block_ids
+            if hashes is not None:
+                group.block_cache.release(
+                    run.table[run.first_block : run.num_prefix_blocks].tolist()
+                )
+                if keep_cached:
+                    private = self._adopt(group, record, held=False)
+            group.allocator.release(private, owner)
             group.tables.release(record.row)
         if record.prefix_id is not None:
             for group in self._groups:
@@ -372,6 +412,176 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         """Resident prefixes in registration order."""
         return self._prefixes.ids()
 
+    # ---- automatic prefix caching (flashdec.cache.block_cache) ---------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    def _require_prefix_caching(self) -> None:
+        if not self._prefix_caching:
+            raise RuntimeError("automatic prefix caching is off (enable_prefix_caching=False)")
+
+    def block_hashes(
+        self, token_ids: Any, *, start_block: int = 0, parent: BlockHash | None = None
+    ) -> list[BlockHash]:
+        """The chained hashes of the full blocks of ``token_ids`` (from ``start_block`` on,
+        after ``parent``, the hash of the block before; the chain's root for block 0)."""
+        self._require_prefix_caching()
+        if parent is None and start_block:
+            raise ValueError("start_block > 0 needs the parent block's hash")
+        bs = self._groups[0].block_size
+        root = self._hash_root if parent is None else parent
+        return hash_blocks(token_ids, bs, root, start_block)
+
+    def _hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """Blocks of the longest cached run matching ``hashes`` from the start that every
+        group can serve, leaving at least one of ``num_tokens`` to compute: a full-attention
+        group needs all of them, a window group only those its window keeps at the end."""
+        bs = self._groups[0].block_size
+        h = min(len(hashes), (num_tokens - 1) // bs)
+        windows = []
+        for group in self._groups:
+            if group.window is None:
+                h = min(h, group.block_cache.leading(hashes[:h]))
+            else:
+                windows.append(group)
+        while h > 0:
+            if all(
+                all(g.block_cache.has(x) for x in hashes[held_range(h * bs, bs, g.window)[0] : h])
+                for g in windows
+            ):
+                break
+            h -= 1
+        return h
+
+    def _check_hashes(self, hashes: object, num_tokens: object) -> list[BlockHash]:
+        if not isinstance(hashes, (list, tuple)) or not all(isinstance(x, bytes) for x in hashes):
+            raise TypeError("hashes must be a list of bytes (PagedKVCache.block_hashes)")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if num_tokens < 1 or len(hashes) > num_tokens // self._groups[0].block_size:
+            raise ValueError(
+                f"num_tokens={num_tokens} must be >= 1 and cover every hashed block ({len(hashes)})"
+            )
+        return list(hashes)
+
+    def cached_prefix_tokens(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """Tokens a request of ``num_tokens`` whose full blocks hash to ``hashes`` would find
+        cached now (whole blocks, at most ``num_tokens - 1``). Reads only."""
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        return self._hit_blocks(hashes, num_tokens) * self._groups[0].block_size
+
+    def attach_cached_prefix(
+        self, request_id: RequestId, hashes: Sequence[BlockHash], num_tokens: int
+    ) -> int:
+        """Start an empty active request of ``num_tokens`` prompt tokens whose full blocks hash
+        to ``hashes`` with the longest cached run matching them (shared, reference-counted,
+        immutable); returns the hit's tokens (possibly 0). The request keeps the hashes: its
+        own full blocks join the cache (``cache_request_blocks``, and when it finishes)."""
+        record = self._requests.record(request_id)
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        self._tx.ensure_none_open("attach a cached prefix")
+        require_active(record, "attach a cached prefix to")
+        if record.seq_len or record.num_blocks or record.prefix_id is not None:
+            raise RuntimeError(
+                f"attach_cached_prefix needs an empty request; {record.request_id!r} already "
+                f"holds {record.seq_len} tokens"
+            )
+        if record.block_hashes is not None:
+            raise RuntimeError(f"request {record.request_id!r} already has its block hashes")
+        h = self._hit_blocks(hashes, num_tokens)
+        bs = self._groups[0].block_size
+        for group in self._groups:
+            first = held_range(h * bs, bs, group.window)[0]
+            block_ids = [group.block_cache.block(x) for x in hashes[first:h]]
+            group.block_cache.acquire(block_ids)
+            run = record.run(group.index)
+            run.table[first:h] = block_ids
+            group.pending_updates += [(record.row, first + i, b) for i, b in enumerate(block_ids)]
+            run.first_block, run.num_blocks, run.num_prefix_blocks = first, h, h
+        record.block_hashes = hashes
+        record.seq_len = h * bs
+        self._queried_tokens += num_tokens
+        self._hit_tokens += h * bs
+        self._lookups[record.request_id] = (num_tokens, h * bs)  # until it ends (discard: undo)
+        self._version += 1
+        return h * bs
+
+    def _adopt(self, group: LayerGroup, record: RequestRecord, held: bool) -> list[int]:
+        """Index ``record``'s committed full private blocks in ``group`` whose hashes it knows
+        (``held``: they join its shared run, stopping at the first hash cached elsewhere;
+        otherwise evictable, duplicates skipped). Returns the private blocks left."""
+        run = record.run(group.index)
+        hashes = record.block_hashes
+        owner = request_owner(record.request_id)
+        start = max(run.num_prefix_blocks, run.first_block)
+        end = min(record.seq_len // group.block_size, len(hashes), run.num_blocks)
+        left = []
+        for i in range(start, end):
+            block_id = int(run.table[i])
+            if group.block_cache.adopt(block_id, hashes[i], owner, held):
+                if held:
+                    run.num_prefix_blocks = i + 1
+            elif held:
+                break
+            else:
+                left.append(block_id)
+        if not held:
+            left += run.table[max(start, end) : run.num_blocks].tolist()
+        return left
+
+    def cache_request_blocks(
+        self, request_id: RequestId, hashes: Sequence[BlockHash] | None = None
+    ) -> int:
+        """Index the active request's committed full blocks (their hashes: those it was
+        attached with, or ``hashes``, the chain of its whole content so far, extending them):
+        they become shared, immutable blocks other requests can hit. Returns its shared
+        blocks in group 0."""
+        record = self._requests.record(request_id)
+        self._require_prefix_caching()
+        self._tx.ensure_none_open("cache a request's blocks")
+        require_active(record, "cache the blocks of")
+        known = record.block_hashes
+        if known is None:
+            raise RuntimeError(
+                f"request {record.request_id!r} has no block hashes (attach_cached_prefix)"
+            )
+        if hashes is not None:
+            hashes = self._check_hashes(hashes, max(1, len(hashes) * self._groups[0].block_size))
+            if hashes[: len(known)] != known[: len(hashes)]:
+                raise ValueError("hashes must extend the request's known block hashes")
+            if len(hashes) > len(known):
+                record.block_hashes = hashes
+        for group in self._groups:
+            self._adopt(group, record, held=True)
+        self._version += 1
+        return record.num_prefix_blocks
+
+    def shared_cached_block_refs(self, group: int = 0) -> int:
+        """References to automatically cached blocks beyond the first: how many more blocks
+        the active requests' block counts add up to than the pool holds for them (the
+        scheduler's snapshot counts each request's blocks as its own)."""
+        return self._check_group(group).block_cache.num_extra_refs
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """Automatic prefix caching's counters: ``queried_tokens`` (prompt tokens looked up),
+        ``hit_tokens``, ``hit_rate``, ``cached_blocks`` (indexed now, every group),
+        ``evictable_blocks`` (cached, no request holds them: counted as free),
+        ``evicted_blocks`` (reclaimed by allocations so far)."""
+        caches = [g.block_cache for g in self._groups]
+        queried = self._queried_tokens
+        return {
+            "enabled": self._prefix_caching,
+            "queried_tokens": queried,
+            "hit_tokens": self._hit_tokens,
+            "hit_rate": self._hit_tokens / queried if queried else 0.0,
+            "cached_blocks": sum(len(c) for c in caches),
+            "evictable_blocks": sum(g.allocator.num_evictable for g in self._groups),
+            "evicted_blocks": sum(c.num_evicted for c in caches),
+        }
+
     # ---- observability (flashdec.cache.audit) ---------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Counters (block counts summed over groups) and ``"groups"``: one dict per group."""
@@ -383,3 +593,7 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         request holds nothing, so a block the allocator still gives one is reported as owned
         by neither an active request nor a prefix."""
         check_invariants(self._groups, self._requests, self._tx, self._num_layers)
+
+
+def _scale_key(scale: Any) -> Any:
+    return scale.tolist() if isinstance(scale, torch.Tensor) else scale

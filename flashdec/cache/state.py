@@ -38,8 +38,9 @@ class PrefixState:
 class BlockRun:
     """One request's blocks in one layer group: a zero-padded host copy of its block table.
 
-    Logical blocks ``[first_block, num_blocks)`` are held (prefix blocks first, then private
-    ones); a sliding-window group releases blocks wholly before the window, so ``first_block``
+    Logical blocks ``[first_block, num_blocks)`` are held (shared blocks first — a registered
+    prefix's or automatically cached ones, below ``num_prefix_blocks`` — then private ones); a
+    sliding-window group releases blocks wholly before the window, so ``first_block``
     moves up and table entries before it are stale (never read). ``first_block == num_blocks``
     means nothing is held. The host table lets a batch's block tables be built by a row copy per
     request instead of a Python list conversion.
@@ -80,7 +81,7 @@ class RequestRecord(BlockRun):
     groups 1, 2, ...
     """
 
-    __slots__ = ("others", "prefix_id", "request_id", "row", "seq_len", "state")
+    __slots__ = ("block_hashes", "others", "prefix_id", "request_id", "row", "seq_len", "state")
 
     def __init__(
         self, request_id: RequestId, max_blocks_per_seq: int, row: int, others_widths=()
@@ -90,6 +91,8 @@ class RequestRecord(BlockRun):
         self.state = RequestState.ACTIVE
         self.seq_len = 0  # committed tokens (prefix tokens included)
         self.prefix_id: PrefixId | None = None
+        # automatic prefix caching: the chained hashes of its content's full blocks (None: off)
+        self.block_hashes: list[bytes] | None = None
         self.row = row  # its row of the cache's device block tables (-1 once terminal)
         self.others = tuple(BlockRun(width) for width in others_widths)
 
@@ -104,6 +107,7 @@ class RequestRecord(BlockRun):
         self.num_blocks = self.first_block = self.num_prefix_blocks = 0
         self.others = (_NO_BLOCKS,) * len(self.others)
         self.prefix_id = None
+        self.block_hashes = None
         self.row = -1
         self.state = state
 

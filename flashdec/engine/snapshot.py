@@ -79,7 +79,7 @@ def grouped_pools(cache: PagedKVCache) -> tuple[GroupPool, ...]:
     return tuple(
         GroupPool(
             spec.block_size,
-            spec.num_blocks,
+            spec.num_blocks + cache.shared_cached_block_refs(g),
             cache.group_free_blocks(g),
             cache.group_max_blocks_per_seq(g),
             spec.window,
@@ -278,7 +278,11 @@ def cache_snapshot(
         step=step,
         cache_version=cache.version,
         block_size=pool.block_size if pool else cache.block_size,
-        total_blocks=pool.total_blocks if pool else cache.max_blocks,
+        # each active request counts the cached blocks it shares as its own (its remaining
+        # need stays exact): the pool grows by the extra references so the counts add up
+        total_blocks=pool.total_blocks
+        if pool
+        else cache.max_blocks + cache.shared_cached_block_refs(),
         free_blocks=pool.free_blocks if pool else cache.num_free_blocks,
         max_blocks_per_seq=pool.max_blocks_per_seq if pool else cache.max_blocks_per_seq,
         prefixes=prefixes,

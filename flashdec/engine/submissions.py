@@ -60,6 +60,9 @@ class SubmissionQueue:
         self._active_rows: dict[Any, ActiveRequest] = {}  # reused while a request is unchanged
         # the decision applied last and the queue before it, while revert_decision may undo it
         self._applied: tuple[SchedulerDecision, Any] | None = None
+        # automatic prefix caching: a waiting request's prompt block hashes (its submitter's,
+        # PagedKVCache.block_hashes); at admission it starts with the cached run they match
+        self.block_hashes: dict[Any, list[bytes]] = {}
 
     @property
     def specs(self) -> Mapping[Any, RequestSpec]:
@@ -74,6 +77,7 @@ class SubmissionQueue:
     def forget(self, request_id) -> None:
         """Drop what is kept of a request that just became terminal."""
         self._specs.pop(request_id, None)
+        self.block_hashes.pop(request_id, None)
         self._service_wait.pop(request_id, None)
         self._active_rows.pop(request_id, None)
 
@@ -254,6 +258,9 @@ class SubmissionQueue:
             self._cache.add_request(rid)
             if spec.prefix_id is not None:
                 self._cache.attach_prefix(rid, spec.prefix_id)
+            elif rid in self.block_hashes:
+                hashes = self.block_hashes[rid]
+                self._cache.attach_cached_prefix(rid, hashes, spec.initial_context_tokens)
             self._engine._leave_queue(rid, None)
         for rid in decision.reject:
             self._engine._leave_queue(rid, EngineRequestState.REJECTED)
