@@ -1,6 +1,6 @@
 """``GET /metrics``: valid Prometheus text (every sample declared, histogram buckets cumulative
-and ending at the count), counting requests, tokens and KV blocks; the prefix-cache families
-appear once the LLM has a prefix cache (``prefix_cache_stats``)."""
+and ending at the count), counting requests, tokens, KV blocks and the LLM's prefix-cache
+lookups (``prefix_cache_stats``)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,10 @@ def test_metrics_endpoint(server_for):
     for family, count in (("time_to_first_token", 2), ("time_per_output_token", 2)):
         buckets = _buckets(text, f"flashdec_{family}_seconds")
         assert buckets == sorted(buckets) and buckets[-1] == count
-    assert "prefix_cache" not in text  # no prefix cache in flashdec.LLM yet
+    # the LLM's prefix cache: both 4-token prompts looked up; a 4-token prompt holds no full
+    # 16-token block, so nothing can hit
+    assert metric(text, "flashdec_prefix_cache_queried_tokens_total") == 8
+    assert metric(text, "flashdec_prefix_cache_hit_tokens_total") == 0
 
 
 def test_prefix_cache_families_when_the_llm_has_one(server_for):
