@@ -162,6 +162,7 @@ BAD_COMMANDS = [
     (["bench-serve", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "add --dtype bfloat16"),
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
+    (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
 ]
 
 

@@ -561,6 +561,15 @@ class ModelRunConfig:
         "auto", "capture decode steps in CUDA graphs (auto: on a GPU)", choices=CUDA_GRAPHS
     )
     max_batch_size: int = _knob(64, "requests decoded per step at most", minimum=1, maximum=1024)
+    max_num_batched_tokens: int = _knob(
+        2048,
+        "tokens one step brings at most: the running requests' decode tokens, then prompt chunks",
+        minimum=1,
+        maximum=1 << 20,
+    )
+    prefix_caching: bool = _knob(
+        True, "reuse the K/V of prompt blocks seen before (automatic prefix caching)"
+    )
     seed: int = _knob(
         0, "random seed (weights of a built-in shape, prompts)", minimum=0, maximum=SEED_MAX
     )

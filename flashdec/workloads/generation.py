@@ -49,6 +49,8 @@ def load_llm(config: ModelRunConfig, loaded=None, *, max_model_len: int | None =
         max_model_len=max_model_len,
         cuda_graphs=config.graphs(),
         kv_cache_dtype=config.kv_cache_dtype,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.prefix_caching,
     )
 
 

@@ -47,3 +47,14 @@ def test_the_trace_is_serve_traces():
         vocab_size=serve_trace.VOCAB,
     )
     assert ours == serve_trace.trace(a, 16.0)
+
+
+def test_the_model_knobs_reach_the_llm():
+    from flashdec.workloads.config import ServeConfig
+    from flashdec.workloads.generation import load_llm
+
+    config = ServeConfig(device="cpu", max_num_batched_tokens=16, prefix_caching=False)
+    llm = load_llm(config)
+    assert llm.max_num_batched_tokens == 16 and llm.loop.max_step_tokens == 16
+    assert llm.prefix_cache_stats()["enabled"] is False
+    assert load_llm(ServeConfig(device="cpu")).prefix_cache_stats()["enabled"] is True
