@@ -31,9 +31,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     drafts = torch.tensor([1, 3])  # each with a middling probability
     assert all(0.05 < probs[i, drafts[i]] < 0.9 for i in range(k))
     gen = torch.Generator().manual_seed(1234)
-    accepted, nxt = accept_sampled(
-        probs.expand(trials, -1, -1), drafts.expand(trials, -1), gen
-    )
+    accepted, nxt = accept_sampled(probs.expand(trials, -1, -1), drafts.expand(trials, -1), gen)
     first = torch.where(accepted >= 1, drafts[0], nxt)
     assert _chi2_pvalue(torch.bincount(first, minlength=vocab).double(), probs[0]) > 1e-6
     # given the first draft was emitted, the second token follows row 1
