@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     # real models
     "LLM": "flashdec.llm",
     "SamplingParams": "flashdec.llm",
+    "SpeculativeConfig": "flashdec.speculative",
     # workloads
     "run_synthetic_workload": "flashdec.workloads",
     "run_scheduler_workload": "flashdec.workloads",

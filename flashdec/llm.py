@@ -37,6 +37,7 @@ from flashdec.engine.sampling import SamplingParams, make_generator
 from flashdec.models import DecoderAdapter, resolve_model
 from flashdec.runtime import available_host_bytes, free_memory_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
+from flashdec.speculative import SpeculativeConfig
 
 log = logging.getLogger("flashdec")
 
@@ -60,10 +61,20 @@ class GenerationStats:
     tpot_s: tuple[float, ...]  # per request: mean time per output token after the first
     decode_steps: int
     graph_replays: int
+    # speculative decoding (0 without it): drafts verified and accepted, and the mean tokens a
+    # request got per step that decoded it (1.0 without speculation)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    tokens_per_step: float = 1.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafts (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,13 @@ class LLM:
             longest run of cached full KV blocks matching its start (shared, immutable) and
             computes only the rest; the blocks of every imported prompt and finished request
             stay cached until an allocation needs them. Output is the same either way.
+        speculative: a :class:`flashdec.SpeculativeConfig` turns on speculative decoding:
+            each step verifies every running request's drafts in one mixed-token step and
+            commits the accepted ones plus the target's next token (rejected drafts roll back
+            bit-identically). Greedy output is unchanged token for token; sampling keeps the
+            model's distribution. Requests that keep missing stop drafting for a while, and a
+            batch of more than 32 decoding requests does not speculate. Verification steps run
+            eagerly (no CUDA graph) and wait for the device (see ``ModelRunner``).
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -139,7 +157,12 @@ class LLM:
         kv_scale: float = 1.0,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise TypeError(
+                f"speculative must be a SpeculativeConfig or None, got {type_name(speculative)}"
+            )
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(
@@ -230,7 +253,10 @@ class LLM:
             self.adapter,
             max_batch_size=self.max_batch_size,
             cuda_graphs=self.cuda_graphs,
+            speculative=speculative,
+            max_step_tokens=self.max_num_batched_tokens,
         )
+        self.speculative = speculative
         self.loop = ServingLoop(
             self.engine,
             self.scheduler,
@@ -592,6 +618,7 @@ class LLM:
         start = now(self.adapter.spec.device)
         rids: list[int] = []
         replays_before = runner.graph_replays
+        counted = dict(runner.counters)
         steps = 0
         try:
             for ids in checked:
@@ -614,6 +641,7 @@ class LLM:
             for rid in rids:  # the caller never sees these ids: forget them, whatever happened
                 runner.forget(rid)
         elapsed = now(self.adapter.spec.device) - start
+        counts = {key: runner.counters[key] - counted[key] for key in counted}
         self.last_stats = GenerationStats(
             num_requests=len(requests),
             prompt_tokens=sum(r.prompt.shape[0] for r in requests),
@@ -623,6 +651,9 @@ class LLM:
             tpot_s=tuple(_tpot(r) for r in requests),
             decode_steps=steps,
             graph_replays=runner.graph_replays - replays_before,
+            draft_tokens=counts["draft_tokens"],
+            accepted_tokens=counts["accepted_tokens"],
+            tokens_per_step=counts["step_tokens"] / max(1, counts["request_steps"]),
         )
         return [r.tokens for r in requests]
 

@@ -3,6 +3,7 @@
 - ``reference`` and ``kernels`` import nothing of the package but the shared checks;
 - ``cache`` imports neither ``kernels`` nor ``scheduler``; ``scheduler`` neither ``cache`` nor
   ``kernels`` (both only the shared checks and block accounting besides themselves);
+- ``speculative`` (drafts, accept rules) imports only the shared checks;
 - ``engine`` joins them; ``workloads``, ``models``, ``llm``, ``server`` and ``cli`` sit above it.
 A failing contract is a failing build.
 """
@@ -25,7 +26,17 @@ ALLOWED = {
     "kernels": {"_checks"},
     "cache": {"_checks", "_blocks"},
     "scheduler": {"_checks", "_blocks"},
-    "engine": {"_checks", "_blocks", "runtime", "reference", "kernels", "cache", "scheduler"},
+    "speculative": {"_checks"},  # drafts and accept rules: no engine, no model
+    "engine": {
+        "_checks",
+        "_blocks",
+        "runtime",
+        "reference",
+        "kernels",
+        "cache",
+        "scheduler",
+        "speculative",
+    },
     "models": {
         "_checks",
         "_blocks",
@@ -34,6 +45,7 @@ ALLOWED = {
         "kernels",
         "cache",
         "scheduler",
+        "speculative",
         "engine",
     },
     "llm": {
@@ -44,6 +56,7 @@ ALLOWED = {
         "kernels",
         "cache",
         "scheduler",
+        "speculative",
         "engine",
         "models",
     },
@@ -55,6 +68,7 @@ ALLOWED = {
         "kernels",
         "cache",
         "scheduler",
+        "speculative",
         "engine",
         "models",
         "llm",
@@ -67,6 +81,7 @@ ALLOWED = {
         "kernels",
         "cache",
         "scheduler",
+        "speculative",
         "engine",
         "models",
         "llm",
@@ -81,6 +96,7 @@ ALLOWED = {
         "kernels",
         "cache",
         "scheduler",
+        "speculative",
         "engine",
         "models",
         "llm",

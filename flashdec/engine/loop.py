@@ -4,12 +4,13 @@ Every step it (1) takes a scheduling snapshot of the engine and plans it with th
 was given — the lifetime policy or a baseline, behind the same interface — and applies that
 decision directly (it planned it itself, from the live state, so there is nothing to re-check);
 (2) imports the prompts of the admitted requests through its executor; (3) decodes one token for
-the batch — except, with a baseline policy, for requests stuck at a block boundary, after that
-policy's victims (if any) are cancelled; (4) finishes requests that reached ``max_new_tokens`` (or
-that the executor reports done, e.g. at EOS); (5) advances the fairness counters. The waiting
-queue and the counters are the engine's ``submissions`` (:class:`SubmissionQueue`, beside the
-cache's lifecycle), which the loop drives: the trusted apply, the fairness step and the revert
-of a failed step are its calls alone; callers only submit and step.
+the batch (several, with a speculative executor) — except, with a baseline policy, for requests
+stuck at a block boundary, after that policy's victims (if any) are cancelled; (4) finishes
+requests that reached ``max_new_tokens`` (or that the executor reports done, e.g. at EOS); (5)
+advances the fairness counters. The waiting queue and the counters are the engine's
+``submissions`` (:class:`SubmissionQueue`, beside the cache's lifecycle), which the loop
+drives: the trusted apply, the fairness step and the revert of a failed step are its calls
+alone; callers only submit and step.
 
 What a step *computes* is the executor's: random K/V for the synthetic workloads, a real model
 forward for :class:`flashdec.LLM`.
@@ -63,6 +64,11 @@ class StepExecutor:
         the loop calls it after taking those admissions back, to forget what ``prefill``
         recorded for them."""
         raise NotImplementedError
+
+    def tokens_served(self, request_id: object) -> int:
+        """Tokens the last :meth:`run` gave ``request_id`` of its batch: one by default; a
+        speculative executor commits several (or none, for a request it found already done)."""
+        return 1
 
     def run(
         self, batch: Sequence, chunks: Sequence[tuple[object, int]]
@@ -227,7 +233,7 @@ class ServingLoop:
         self._forget(decision.reject)
         finished = [rid for rid, _ in chunks if rid in done_at_prefill]
         for rid in served:
-            self.generated[rid] += 1
+            self.generated[rid] += self.executor.tokens_served(rid)
             limit = submissions.request_spec(rid).max_new_tokens
             if rid in done_early or self.generated[rid] >= limit:
                 finished.append(rid)

@@ -8,6 +8,7 @@ the decode forward per batch-size bucket (their warm-up marks and captured steps
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -16,8 +17,21 @@ import torch
 from flashdec.engine.engine import DecodeEngine
 from flashdec.engine.layer_ops import plan_bucket
 from flashdec.engine.loop import StepExecutor
-from flashdec.engine.sampling import GREEDY, SamplingParams, make_generator, sample
+from flashdec.engine.sampling import (
+    GREEDY,
+    SamplingParams,
+    make_generator,
+    probabilities,
+    sample,
+)
 from flashdec.engine.step import CapturedStep
+from flashdec.speculative import (
+    DraftController,
+    NgramDrafter,
+    SpeculativeConfig,
+    accept_greedy,
+    accept_sampled,
+)
 
 
 class Request:
@@ -82,7 +96,14 @@ class ModelRunner(StepExecutor):
     """
 
     def __init__(
-        self, engine: DecodeEngine, adapter, *, max_batch_size: int, cuda_graphs: bool
+        self,
+        engine: DecodeEngine,
+        adapter,
+        *,
+        max_batch_size: int,
+        cuda_graphs: bool,
+        speculative: SpeculativeConfig | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         # adapter: a flashdec.models.DecoderAdapter (models sit above the engine: not imported)
         self.engine = engine
@@ -110,6 +131,19 @@ class ModelRunner(StepExecutor):
         self.buckets = sorted({b for b in sizes if b < max_batch_size} | {max_batch_size})
         self.warm: set[tuple[int, int]] = set()
         self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
+        # speculative decoding: drafts per request, verified in one mixed-token step
+        self.speculative = speculative
+        self.max_step_tokens = max_step_tokens  # drafts keep a step within it
+        if speculative is not None:
+            self.drafter = NgramDrafter(speculative.min_ngram, speculative.max_ngram)
+            self.controller = DraftController(speculative.num_tokens)
+        self._served: dict = {}  # request -> tokens the last run gave it (absent: one)
+        self._accepted: dict = {}  # request -> drafts the last run accepted
+        # running totals: drafts proposed and accepted; (request, step) pairs that decoded and
+        # the tokens they produced
+        self.counters = dict.fromkeys(
+            ("draft_tokens", "accepted_tokens", "request_steps", "step_tokens"), 0
+        )
 
     def _ensure_slots(self) -> None:
         """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
@@ -134,6 +168,9 @@ class ModelRunner(StepExecutor):
     def forget(self, rid) -> None:
         self.requests.pop(rid, None)
         self.sampled.discard(rid)
+        if self.speculative is not None:
+            self.drafter.forget(rid)
+            self.controller.forget(rid)
 
     # -- tokens -------------------------------------------------------------------------------
     def _choose(
@@ -197,6 +234,8 @@ class ModelRunner(StepExecutor):
             req = self.requests.get(rid)
             if req is not None:
                 req.reset()
+            if self.speculative is not None:
+                self.drafter.forget(rid)
 
     def _hand_off(self, batch: list, tokens: torch.Tensor) -> None:
         """Start copying ``tokens [B]`` to the host; :meth:`collect` reads them later."""
@@ -210,7 +249,197 @@ class ModelRunner(StepExecutor):
         self.pending = (batch, host, event)
 
     # -- the loop's executor ------------------------------------------------------------------
+    def tokens_served(self, request_id) -> int:
+        return self._served.get(request_id, 1)
+
     def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        """One loop step: a verification step when speculation is on and some request of
+        ``batch`` has drafts (:meth:`_run_verify`), else :meth:`_run_plain`."""
+        self._served, self._accepted = {}, {}
+        if self.speculative is None or not batch:
+            return self._plain(batch, chunks)
+        ctl = self.controller
+        batch = list(batch)
+        budgets = {rid: ctl.budget(rid) for rid in batch}
+        drafts, skipped = {}, set()
+        if ctl.speculates(len(batch)) and any(budgets.values()):
+            drafts, skipped = self._drafts(batch, budgets, chunks)
+        if any(drafts.values()):
+            done = self._run_verify(batch, chunks, drafts, skipped)
+        else:
+            done = self._plain(batch, chunks)
+        # the step is committed: the controller learns from it
+        for rid in batch:
+            if not budgets[rid]:
+                ctl.tick(rid)
+            elif rid in drafts:
+                ctl.update(rid, len(drafts[rid]), self._accepted.get(rid, 0))
+        return done
+
+    def _plain(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        done = self._run_plain(batch, chunks)
+        self.counters["request_steps"] += len(batch)  # one token each
+        self.counters["step_tokens"] += len(batch)
+        return done
+
+    def _peek(self) -> dict:
+        """The pending step's tokens by request, read (it waits for that step) but left
+        pending: :meth:`collect` records them once the next step has committed."""
+        if self.pending is None:
+            return {}
+        batch, host, event = self.pending
+        if event is not None:
+            event.synchronize()
+        return dict(zip(batch, host.tolist(), strict=True))
+
+    def _drafts(self, batch: list, budgets: dict, chunks: Sequence) -> tuple[dict, set]:
+        """Each request's drafts (looked up for those with a budget) and the requests whose
+        pending token already ends them (they sit this step out). Drafts are clipped so that
+        no request can pass ``max_new_tokens`` (one token of a step is always the target's),
+        a sliding-window group gets at most ``window - 1`` tokens of a request, and the step
+        stays within ``max_step_tokens``."""
+        peek = self._peek()
+        limit = self.engine.max_tokens_per_request_step
+        room = None
+        if self.max_step_tokens is not None:
+            room = self.max_step_tokens - len(batch) - sum(n for _, n in chunks)
+        drafts, skipped = {}, set()
+        for rid in batch:
+            req = self.requests[rid]
+            tail = (peek[rid],) if rid in peek else ()
+            have = len(req.tokens) + len(tail)
+            if req.finished_at is not None or (
+                tail
+                and (have >= req.max_new_tokens or (not req.ignore_eos and tail[0] in self.eos))
+            ):
+                skipped.add(rid)
+                continue
+            k = min(budgets[rid], req.max_new_tokens - have - 1)
+            if limit is not None:
+                k = min(k, limit - 1)
+            if room is not None:
+                k = min(k, room)
+            if k <= 0:  # no budget, or none left: not a lookup the controller learns from
+                continue
+            drafts[rid] = self.drafter.propose(rid, req.prompt, req.tokens, k, tail)
+            if room is not None:
+                room -= len(drafts[rid])
+        return drafts, skipped
+
+    def _run_verify(
+        self, batch: list, chunks: Sequence[tuple[object, int]], drafts: dict, skipped: set
+    ) -> tuple[set, set]:
+        """One mixed-token step: each request of ``batch`` brings its last token and its drafts
+        (``n = 1 + len(drafts)``), the prompt ``chunks`` follow; logits for every verified row.
+        The accepted drafts plus the target's next token are committed (``commit_step(accept=)``
+        restores the rest). Synchronous: the acceptance must reach the host before the commit,
+        so the tokens are recorded at once (nothing stays pending)."""
+        engine, cache = self.engine, self.engine.cache
+        self._ensure_slots()
+        live = [rid for rid in batch if rid not in skipped]
+        drafted = [drafts.get(rid, []) for rid in live]
+        rids = [*live, *(rid for rid, _ in chunks)]
+        counts = [1 + len(d) for d in drafted] + [n for _, n in chunks]
+        starts = [cache.seq_len(rid) for rid, _ in chunks]
+        ending = [  # chunks that end their prompt: their last row gives the first token
+            i
+            for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
+            if start + n == self.requests[rid].prompt.shape[0]
+        ]
+        verified = sum(counts[: len(live)])
+        ends = list(itertools.accumulate(counts))
+        rows = [*range(verified), *(ends[len(live) + i] - 1 for i in ending)]
+        flat, firsts = [], []
+        for d in drafted:
+            firsts.append(len(flat))
+            flat += [0, *d]  # 0: the last token, gathered on the device
+        device = self.spec.device
+        tx = engine.begin_step(rids, num_tokens=counts)
+        try:
+            slots = cache.transaction_slots(tx).request_slots
+            ids = torch.tensor(flat, dtype=torch.long, device=device)
+            ids.index_copy_(
+                0,
+                torch.tensor(firsts, device=device),
+                self.last_tokens.index_select(0, slots[: len(live)]),
+            )
+            pieces = [ids] + [
+                self.requests[rid].prompt[start : start + n]
+                for (rid, n), start in zip(chunks, starts, strict=True)
+            ]
+            logits = self.adapter.decode(
+                torch.cat(pieces),
+                self._attention(tx),
+                logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            )
+            first_rids = [chunks[i][0] for i in ending]
+            emitted, accepted = self._verify(logits, live, drafted, first_rids)
+            accept = [len(e) for e in emitted[: len(live)]] + counts[len(live) :]
+            engine.commit_step(tx, accept=accept)
+        except BaseException:  # nothing committed: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.collect()  # the previous step's tokens (the peek read them, this records them)
+        stamp = now()
+        for rid, tokens in zip([*live, *first_rids], emitted, strict=True):
+            for token in tokens:
+                if self._record(rid, token, stamp):
+                    self.ended.add(rid)
+        for rid, tokens, taken in zip(live, emitted[: len(live)], accepted, strict=True):
+            self._served[rid] = len(tokens)
+            self._accepted[rid] = taken
+        for rid in skipped:
+            self._served[rid] = 0
+        index = torch.tensor([*range(len(live)), *(len(live) + i for i in ending)], device=device)
+        last = torch.tensor([e[-1] for e in emitted], dtype=torch.long, device=device)
+        self.last_tokens.index_copy_(0, slots.index_select(0, index), last)
+        counters = self.counters
+        counters["draft_tokens"] += sum(map(len, drafted))
+        counters["accepted_tokens"] += sum(accepted)
+        counters["request_steps"] += len(live)
+        counters["step_tokens"] += sum(len(e) for e in emitted[: len(live)])
+        ended, self.ended = self.ended, set()
+        return set(), ended
+
+    def _verify(
+        self, logits: torch.Tensor, live: list, drafted: list, first_rids: list
+    ) -> tuple[list[list[int]], list[int]]:
+        """The tokens each verified request emits (greedy: the matching drafts plus the
+        argmax; sampled: the speculative-sampling rule with its generator), cut after the
+        first EOS unless ``ignore_eos``, and how many of them are drafts; then the first token
+        of each request of ``first_rids`` (its prompt's last row, after the verified rows)."""
+        greedy = torch.argmax(logits, dim=-1)
+        targets = greedy.tolist()  # the one wait for the device
+        emitted, accepted, row = [], [], 0
+        for rid, draft in zip(live, drafted, strict=True):
+            width = 1 + len(draft)
+            req = self.requests[rid]
+            if rid in self.sampled:
+                probs = probabilities(logits[row : row + width], req.sampling)
+                num, token = accept_sampled(
+                    probs.unsqueeze(0),
+                    torch.tensor([draft], dtype=torch.long, device=logits.device),
+                    req.generator,
+                )
+                tokens = [*draft[: int(num)], int(token)]
+            else:
+                tokens = accept_greedy(draft, targets[row : row + width])
+            taken = len(tokens) - 1
+            if not req.ignore_eos:
+                cut = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+                if cut is not None:
+                    tokens, taken = tokens[: cut + 1], min(taken, cut + 1)
+            emitted.append(tokens)
+            accepted.append(taken)
+            row += width
+        if first_rids:
+            chosen = self._choose(logits[row:], greedy[row:], first_rids)
+            emitted += [[t] for t in chosen.tolist()]
+        return emitted, accepted
+
+    def _run_plain(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
         """One engine step for the decode ``batch`` and the prompt ``chunks`` together (decode
         rows first): the projections and the MLP run once over every packed token, attention
         is the engine's extend over the paged cache. A step without prompt chunks is a decode

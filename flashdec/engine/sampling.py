@@ -48,6 +48,11 @@ def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
 def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``logits [B, V]``: softmax at ``s.temperature`` over the ``top_k``
     most likely tokens and the ``top_p`` nucleus."""
+    return torch.multinomial(probabilities(logits, s), 1, generator=generator).flatten()
+
+
+def probabilities(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
+    """The distribution :func:`sample` draws from, per row of ``logits [B, V]`` (float32)."""
     scores = logits.float() / s.temperature
     if s.top_k:
         kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
@@ -58,5 +63,4 @@ def sample(logits: torch.Tensor, s: SamplingParams, generator: torch.Generator) 
         drop = probs.cumsum(-1) - probs > s.top_p  # keep the smallest prefix reaching top_p
         sorted_scores = sorted_scores.masked_fill(drop, -math.inf)
         scores = torch.full_like(scores, -math.inf).scatter(-1, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).flatten()
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,22 @@
+"""Speculative decoding: what proposes draft tokens and how a verification step accepts them.
+
+The runner (:mod:`flashdec.engine.runner`) verifies every request's drafts in one mixed-token
+engine step and rolls the rejected ones back with ``commit_step(accept=...)``; this package holds
+the parts that need no engine: the config, the n-gram drafter, the accept rules and the
+per-request adaptivity.
+"""
+
+from flashdec.speculative.adaptive import DraftController
+from flashdec.speculative.config import SPECULATIVE_METHODS, SpeculativeConfig
+from flashdec.speculative.ngram import NgramDrafter, propose_ngram
+from flashdec.speculative.rules import accept_greedy, accept_sampled
+
+__all__ = [
+    "SPECULATIVE_METHODS",
+    "DraftController",
+    "NgramDrafter",
+    "SpeculativeConfig",
+    "accept_greedy",
+    "accept_sampled",
+    "propose_ngram",
+]

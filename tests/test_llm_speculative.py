@@ -1,0 +1,218 @@
+"""``flashdec.LLM(..., speculative=SpeculativeConfig(...))``: greedy output equals plain greedy
+output and transformers', token for token, for every family (sliding-window ones too), while
+drafts are accepted; the stats add up; a failure in a verification step leaves every request as
+it was; bad configs change nothing."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import flashdec
+from flashdec.models import build_random_model
+from tests.models.greedy import hf_greedy
+from tests.test_llm import FAMILIES, _model, _prompts
+from tests.test_llm_failures import _instrument, _llm, _run, _uninterrupted
+
+NEW = 20
+SPEC = flashdec.SpeculativeConfig(num_tokens=4)
+
+
+@functools.cache
+def _expected(name: str) -> list[list[int]]:
+    model = _model(name)
+    return hf_greedy(model, _prompts(model.config.vocab_size), NEW)
+
+
+def _oracle(llm, expected: dict, corrupt_every: int = 3):
+    """Replace the n-gram lookup by one that knows each request's greedy continuation (from
+    transformers) and spoils every ``corrupt_every``-th draft: drafts are accepted, partly
+    accepted and rejected, so every family's verification and rollback are exercised (tiny
+    random models rarely repeat their context, so the n-gram drafter alone seldom hits)."""
+    calls = [0]
+
+    def propose(rid, prompt, tokens, k, tail=()):
+        done = [*tokens, *tail]
+        truth = expected[rid][len(done) : len(done) + k]
+        calls[0] += 1
+        if truth and calls[0] % corrupt_every == 0:
+            at = calls[0] % len(truth)
+            truth = [*truth[:at], (truth[at] + 1) % llm.adapter.spec.vocab_size, *truth[at + 1 :]]
+        return truth
+
+    llm._runner.drafter.propose = propose
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_verified_drafts_keep_greedy_output_exact(name):
+    model = _model(name)
+    prompts = _prompts(model.config.vocab_size)
+    llm = flashdec.LLM(model, max_batch_size=4, speculative=SPEC)
+    _oracle(llm, dict(enumerate(_expected(name))))
+    assert llm.generate(prompts, NEW, ignore_eos=True) == _expected(name)
+    stats = llm.last_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens  # hits and misses
+    assert 0 < stats.acceptance_rate < 1
+    assert stats.tokens_per_step > 1.5
+    assert stats.decode_steps < NEW - 1  # fewer steps than one token each
+    assert stats.generated_tokens == sum(map(len, _expected(name)))
+    assert llm.engine.cache.metrics()["num_used_blocks"] == 0
+    llm.engine.cache.validate_invariants()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ngram_speculation_with_chunked_prompts_equals_plain_greedy(name):
+    """The real n-gram drafter on repetitive prompts, prompts arriving in chunks that share
+    verification steps (a 9-token budget also clips the drafts)."""
+    model = _model(name)
+    vocab = model.config.vocab_size
+    base = _prompts(vocab, lens=(5, 3))
+    prompts = [base[0] * 4, base[1] * 7, _prompts(vocab, lens=(9,), seed=2)[0]]
+    plain = flashdec.LLM(model, max_batch_size=4).generate(prompts, NEW, ignore_eos=True)
+    llm = flashdec.LLM(model, max_batch_size=4, max_num_batched_tokens=9, speculative=SPEC)
+    assert llm.generate(prompts, NEW, ignore_eos=True) == plain == hf_greedy(model, prompts, NEW)
+    stats = llm.last_stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens <= stats.draft_tokens
+    llm.engine.cache.validate_invariants()
+
+
+@functools.cache
+def _copying_model():
+    """tiny-llama without attention output (o_proj = 0): each token's logits depend on that
+    token alone, so greedy decoding runs into a cycle the n-gram drafter predicts exactly."""
+    model = build_random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return model
+
+
+def test_ngram_drafts_are_accepted_when_the_model_repeats_its_context():
+    model = _copying_model()
+    start = hf_greedy(model, [[7]], 300)[0]  # into its cycle (the vocabulary has 256 tokens)
+    prompts = [[7, *start], [7, *start[:-3]]]
+    expected = hf_greedy(model, prompts, 24)
+    llm = flashdec.LLM(model, max_batch_size=2, speculative=SPEC)
+    assert llm.generate(prompts, 24) == expected
+    stats = llm.last_stats
+    assert stats.acceptance_rate > 0.9 and stats.tokens_per_step > 3
+    assert stats.decode_steps <= 24 // 4 + 2
+
+
+def test_max_new_tokens_and_eos_are_respected():
+    """Drafts never carry a request past max_new_tokens; the first EOS among accepted tokens
+    ends it."""
+    model = _copying_model()
+    start = hf_greedy(model, [[7]], 300)[0]
+    prompt = [7, *start]
+    expected = hf_greedy(model, [prompt], 24)[0]
+    llm = flashdec.LLM(model, max_batch_size=2, speculative=SPEC)
+    for n in (1, 2, 3, 5, 7):
+        assert llm.generate([prompt], n) == [expected[:n]]
+    eos = expected[6]
+    llm._runner.eos = frozenset({eos})
+    out = llm.generate([prompt], 24)[0]
+    assert out == expected[: expected.index(eos) + 1]
+    assert llm.generate([prompt], 24, ignore_eos=True)[0] == expected
+
+
+def test_sampling_with_speculation_is_reproducible_under_a_seed():
+    model = _copying_model()
+    start = hf_greedy(model, [[7]], 300)[0]
+    llm = flashdec.LLM(model, max_batch_size=2, speculative=SPEC)
+    runs = [llm.generate([[7, *start]] * 2, 16, temperature=0.7, seed=3) for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0])
+    assert llm.last_stats.draft_tokens > 0
+
+
+def test_a_large_batch_does_not_speculate():
+    model = _copying_model()
+    start = hf_greedy(model, [[7]], 300)[0]
+    llm = flashdec.LLM(model, max_batch_size=4, speculative=SPEC)
+    llm._runner.controller.max_batch = 2
+    llm.generate([[7, *start]] * 3, 8)
+    assert llm.last_stats.draft_tokens == 0 and llm.last_stats.tokens_per_step == 1.0
+    llm.generate([[7, *start]] * 2, 8)
+    assert llm.last_stats.draft_tokens > 0
+
+
+def test_plain_llm_stats():
+    model = _copying_model()
+    llm = flashdec.LLM(model, max_batch_size=2)
+    llm.generate([[7, 8, 9]], 6)
+    stats = llm.last_stats
+    assert (stats.draft_tokens, stats.accepted_tokens, stats.acceptance_rate) == (0, 0, 0.0)
+    assert stats.tokens_per_step == 1.0
+
+
+@pytest.mark.parametrize("budget", [2048, 6])
+def test_a_failure_anywhere_in_a_verification_step_changes_no_later_token(monkeypatch, budget):
+    """tests/test_llm_failures.py's run with speculation: a failure at every point of every
+    step (verification steps too: each layer, the accept rule, the commit) leaves every request
+    as the step found it, and the tokens are those of an uninterrupted plain run."""
+    llm = _llm(speculative=SPEC, max_num_batched_tokens=budget)
+    _oracle(llm, dict(enumerate(_uninterrupted())), corrupt_every=2)
+    injector, hooks = _instrument(llm, monkeypatch)
+    injector.wrap(llm._runner, "_verify", monkeypatch)  # the accept rule
+    try:
+        outputs, failures = _run(llm, injector)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == _uninterrupted()
+    assert llm._runner.counters["draft_tokens"] > 0
+    assert llm._runner.counters["accepted_tokens"] > 0
+    assert failures >= 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc"),
+    [
+        ({"method": "beam"}, ValueError),
+        ({"method": 3}, TypeError),
+        ({"num_tokens": 0}, ValueError),
+        ({"num_tokens": 2.0}, TypeError),
+        ({"num_tokens": 65}, ValueError),
+        ({"min_ngram": 0}, ValueError),
+        ({"min_ngram": 3, "max_ngram": 2}, ValueError),
+        ({"max_ngram": True}, TypeError),
+    ],
+)
+def test_bad_configs_are_rejected(kwargs, exc):
+    with pytest.raises(exc):
+        flashdec.SpeculativeConfig(**kwargs)
+
+
+def test_the_draft_method_is_not_built_yet():
+    with pytest.raises(ValueError, match=r"not built yet.*'ngram'"):
+        flashdec.SpeculativeConfig(method="draft")
+
+
+def test_config_is_frozen_and_a_bad_argument_builds_nothing():
+    config = flashdec.SpeculativeConfig()
+    assert (config.method, config.num_tokens, config.min_ngram, config.max_ngram) == (
+        "ngram",
+        4,
+        1,
+        4,
+    )
+    with pytest.raises(AttributeError):
+        config.num_tokens = 2
+    with pytest.raises(TypeError, match="SpeculativeConfig"):
+        flashdec.LLM(_copying_model(), speculative={"method": "ngram"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-swa"])
+def test_verified_drafts_keep_greedy_output_exact_on_the_gpu(name):
+    """The same exactness on the GPU (float32, eager verification steps; plain decode steps
+    between them are CUDA graphs)."""
+    model = build_random_model(name, dtype=torch.float32, device="cuda", seed=0)
+    prompts = _prompts(model.config.vocab_size)
+    expected = flashdec.LLM(model, max_batch_size=4).generate(prompts, NEW, ignore_eos=True)
+    llm = flashdec.LLM(model, max_batch_size=4, speculative=SPEC)
+    _oracle(llm, dict(enumerate(expected)))
+    assert llm.generate(prompts, NEW, ignore_eos=True) == expected
+    assert 0 < llm.last_stats.accepted_tokens < llm.last_stats.draft_tokens
