@@ -145,7 +145,7 @@ def hf_generate(model, prompts: list[list[int]], new: int) -> torch.Tensor:
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new,
-        min_new_tokens=new,
+        eos_token_id=None,  # EOS a token like any other, as FlashDec's ignore_eos (no masking)
         do_sample=False,
         cache_implementation="static",
         pad_token_id=0,

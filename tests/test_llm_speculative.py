@@ -23,7 +23,7 @@ SPEC = flashdec.SpeculativeConfig(num_tokens=4)
 @functools.cache
 def _expected(name: str) -> list[list[int]]:
     model = _model(name)
-    return hf_greedy(model, _prompts(model.config.vocab_size), NEW)
+    return hf_greedy(model, _prompts(model.config.vocab_size), NEW, ignore_eos=True)
 
 
 def _oracle(llm, expected: dict, corrupt_every: int = 3):
@@ -72,7 +72,11 @@ def test_ngram_speculation_with_chunked_prompts_equals_plain_greedy(name):
     prompts = [base[0] * 4, base[1] * 7, _prompts(vocab, lens=(9,), seed=2)[0]]
     plain = flashdec.LLM(model, max_batch_size=4).generate(prompts, NEW, ignore_eos=True)
     llm = flashdec.LLM(model, max_batch_size=4, max_num_batched_tokens=9, speculative=SPEC)
-    assert llm.generate(prompts, NEW, ignore_eos=True) == plain == hf_greedy(model, prompts, NEW)
+    assert (
+        llm.generate(prompts, NEW, ignore_eos=True)
+        == plain
+        == hf_greedy(model, prompts, NEW, ignore_eos=True)
+    )
     stats = llm.last_stats
     assert stats.draft_tokens > 0 and stats.accepted_tokens <= stats.draft_tokens
     llm.engine.cache.validate_invariants()
@@ -107,7 +111,7 @@ def test_max_new_tokens_and_eos_are_respected():
     model = _copying_model()
     start = hf_greedy(model, [[7]], 300)[0]
     prompt = [7, *start]
-    expected = hf_greedy(model, [prompt], 24)[0]
+    expected = hf_greedy(model, [prompt], 24, ignore_eos=True)[0]
     llm = flashdec.LLM(model, max_batch_size=2, speculative=SPEC)
     for n in (1, 2, 3, 5, 7):
         assert llm.generate([prompt], n) == [expected[:n]]

@@ -308,7 +308,8 @@ def transformers_greedy(model, prompts: list[list[int]], new: int, ignore_eos: b
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
-        extra = {"min_new_tokens": new} if ignore_eos else {}
+        # EOS is a token like any other (min_new_tokens would mask it out of the argmax)
+        extra = {"eos_token_id": None} if ignore_eos else {}
         tokens = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

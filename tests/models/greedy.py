@@ -79,19 +79,25 @@ def flashdec_greedy(
     return [truncate_at_eos(t, spec.eos_token_ids) for t in tokens]
 
 
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, one prompt at a time (no padding)."""
+def hf_greedy(
+    model, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding); ``ignore_eos``:
+    ``max_new_tokens`` each, EOS or not (as ``LLM.generate(..., ignore_eos=True)``)."""
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
         eos = model.generation_config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
+        # no EOS at all (min_new_tokens would mask EOS out of the argmax instead)
+        extra = {"eos_token_id": None} if ignore_eos else {}
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=pad,
+            **extra,
         )
         out.append(gen[0, len(prompt) :].tolist())
     return out
