@@ -155,6 +155,7 @@ def test_eos_stops_a_sequence_unless_ignored():
     prompt = _prompts(model.config.vocab_size)[0]
     free_run = flashdec.LLM(model).generate([prompt], NEW, ignore_eos=True)[0]
     eos = free_run[3]
+    before = model.generation_config.eos_token_id  # the shared model: put it back as it was
     model.generation_config.eos_token_id = eos
     try:
         llm = flashdec.LLM(model)
@@ -162,7 +163,7 @@ def test_eos_stops_a_sequence_unless_ignored():
         assert stopped == free_run[: free_run.index(eos) + 1]
         assert llm.generate([prompt], NEW, ignore_eos=True)[0] == free_run
     finally:
-        model.generation_config.eos_token_id = None
+        model.generation_config.eos_token_id = before
 
 
 def test_one_new_token_and_sampling():
