@@ -46,6 +46,11 @@ class BlockCache:
     def block(self, block_hash: BlockHash) -> int | None:
         return self._block_of.get(block_hash)
 
+    def is_held(self, block_hash: BlockHash) -> bool:
+        """Whether the block cached under ``block_hash`` is held by some active request."""
+        block_id = self._block_of.get(block_hash)
+        return block_id is not None and self._refs[block_id] > 0
+
     def has(self, block_hash: BlockHash) -> bool:
         return block_hash in self._block_of
 

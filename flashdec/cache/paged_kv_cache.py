@@ -472,6 +472,25 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         hashes = self._check_hashes(hashes, num_tokens)
         return self._hit_blocks(hashes, num_tokens) * self._groups[0].block_size
 
+    def held_hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        """Per group: of the blocks ``attach_cached_prefix`` would attach now, those an active
+        request already holds (a new request shares them: they take nothing from the pool).
+        Reads only; all zeros while no cached block is held."""
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        if not self.shared_cached_blocks_held():
+            return (0,) * len(self._groups)
+        h = self._hit_blocks(hashes, num_tokens)
+        bs = self._groups[0].block_size
+        return tuple(
+            sum(
+                1
+                for x in hashes[held_range(h * bs, bs, g.window)[0] : h]
+                if g.block_cache.is_held(x)
+            )
+            for g in self._groups
+        )
+
     def attach_cached_prefix(
         self, request_id: RequestId, hashes: Sequence[BlockHash], num_tokens: int
     ) -> int:
@@ -564,6 +583,10 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         the active requests' block counts add up to than the pool holds for them (the
         scheduler's snapshot counts each request's blocks as its own)."""
         return self._check_group(group).block_cache.num_extra_refs
+
+    def shared_cached_blocks_held(self) -> bool:
+        """Whether an active request holds any automatically cached block (any group)."""
+        return any(g.block_cache.num_referenced for g in self._groups)
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         """Automatic prefix caching's counters: ``queried_tokens`` (prompt tokens looked up),

@@ -79,13 +79,38 @@ def grouped_pools(cache: PagedKVCache) -> tuple[GroupPool, ...]:
     return tuple(
         GroupPool(
             spec.block_size,
-            spec.num_blocks + cache.shared_cached_block_refs(g),
+            spec.num_blocks,
             cache.group_free_blocks(g),
             cache.group_max_blocks_per_seq(g),
             spec.window,
+            cache.shared_cached_block_refs(g),
         )
         for g, spec in enumerate(cache.kv_groups)
     )
+
+
+def shared_hits(
+    cache: PagedKVCache,
+    specs: Mapping[RequestId, RequestSpec],
+    block_hashes: Mapping[RequestId, list[bytes]] | None,
+    waiting_ids: Iterable[RequestId],
+) -> tuple[tuple[RequestId, tuple[int, ...]], ...]:
+    """``SchedulingSnapshot.shared_hits``: each waiting request (with block hashes) whose cache
+    hit would share blocks active requests hold, and how many per group, in submission order.
+    O(waiting requests with hashes · their blocks) while any cached block is held; else none."""
+    if not block_hashes or not cache.prefix_caching or not cache.shared_cached_blocks_held():
+        return ()
+    found = []
+    for rid in waiting_ids:
+        hashes = block_hashes.get(rid)
+        if hashes is None:
+            continue
+        spec = specs[rid]
+        held = cache.held_hit_blocks(hashes, spec.initial_context_tokens)
+        if any(held):
+            found.append((spec.submission_order, rid, held))
+    found.sort(key=lambda f: f[0])
+    return tuple((rid, held) for _, rid, held in found)
 
 
 # The row builders take the per-request arguments last, so a caller building many rows can bind
@@ -153,8 +178,12 @@ def snapshot_from_cache(
     waiting_wait_steps: Mapping[RequestId, int] | None = None,
     waiting_skip_counts: Mapping[RequestId, int] | None = None,
     active_service_wait_steps: Mapping[RequestId, int] | None = None,
+    block_hashes: Mapping[RequestId, list[bytes]] | None = None,
 ) -> SchedulingSnapshot:
     """Snapshot of ``cache`` for a scheduler.
+
+    ``block_hashes``: waiting requests' prompt block hashes (automatic prefix caching); those
+    whose hit would share blocks active requests hold are listed in ``shared_hits``.
 
     ``specs`` maps every listed id to its spec. ``active_ids`` must be exactly the cache's active
     requests (each attached to its spec's prefix, if any); ``waiting_ids`` must be unknown to the
@@ -200,7 +229,7 @@ def snapshot_from_cache(
     shapes = cache_group_shapes(cache)
     if shapes:
         return _group_snapshot(
-            cache, step, specs, waiting, active, wait_steps, skips, service, shapes
+            cache, step, specs, waiting, active, wait_steps, skips, service, shapes, block_hashes
         )
     block_size = cache.block_size
     prefixes = []
@@ -235,11 +264,19 @@ def snapshot_from_cache(
     ]
     waiting_rows.sort(key=lambda r: r.spec.submission_order)
     return cache_snapshot(
-        cache, step, tuple(prefixes), tuple(active_rows), tuple(waiting_rows), grouped=False
+        cache,
+        step,
+        tuple(prefixes),
+        tuple(active_rows),
+        tuple(waiting_rows),
+        grouped=False,
+        hits=shared_hits(cache, specs, block_hashes, waiting),
     )
 
 
-def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, service, shapes):
+def _group_snapshot(
+    cache, step, specs, waiting, active, wait_steps, skips, service, shapes, block_hashes
+):
     """``snapshot_from_cache`` of a cache with KV layer groups (shared prefixes need a single
     full-attention group, so there are none)."""
     rows = []
@@ -263,11 +300,14 @@ def _group_snapshot(cache, step, specs, waiting, active, wait_steps, skips, serv
             )
         )
     waiting_rows.sort(key=lambda r: r.spec.submission_order)
-    return cache_snapshot(cache, step, (), tuple(rows), tuple(waiting_rows), grouped=True)
+    hits = shared_hits(cache, specs, block_hashes, waiting)
+    return cache_snapshot(
+        cache, step, (), tuple(rows), tuple(waiting_rows), grouped=True, hits=hits
+    )
 
 
 def cache_snapshot(
-    cache: PagedKVCache, step: int, prefixes, active, waiting, *, grouped: bool
+    cache: PagedKVCache, step: int, prefixes, active, waiting, *, grouped: bool, hits=()
 ) -> SchedulingSnapshot:
     """A snapshot of the cache's pools as they are now. ``grouped`` (a cache with KV layer
     groups, or one window group): every group's pool in ``groups`` and group 0's in the scalar
@@ -278,15 +318,15 @@ def cache_snapshot(
         step=step,
         cache_version=cache.version,
         block_size=pool.block_size if pool else cache.block_size,
-        # each active request counts the cached blocks it shares as its own (its remaining
-        # need stays exact): the pool grows by the extra references so the counts add up
-        total_blocks=pool.total_blocks
-        if pool
-        else cache.max_blocks + cache.shared_cached_block_refs(),
+        total_blocks=pool.total_blocks if pool else cache.max_blocks,
         free_blocks=pool.free_blocks if pool else cache.num_free_blocks,
         max_blocks_per_seq=pool.max_blocks_per_seq if pool else cache.max_blocks_per_seq,
         prefixes=prefixes,
         active=active,
         waiting=waiting,
         groups=groups,
+        # each active request counts the cached blocks it shares as its own (its remaining
+        # need stays exact): the references beyond the first make the counts add up
+        shared_block_refs=pool.shared_block_refs if pool else cache.shared_cached_block_refs(),
+        shared_hits=hits,
     )

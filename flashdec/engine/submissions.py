@@ -26,6 +26,7 @@ from flashdec.engine.snapshot import (
     cache_snapshot,
     grouped_active_row,
     one_group_active_row,
+    shared_hits,
     snapshot_from_cache,
 )
 from flashdec.engine.states import EngineRequestState
@@ -159,6 +160,7 @@ class SubmissionQueue:
             waiting_wait_steps=waiting_wait_steps,
             waiting_skip_counts=waiting_skip_counts,
             active_service_wait_steps=active_service_wait_steps,
+            block_hashes=self.block_hashes,
         )
 
     def _prefix_infos(self) -> tuple[PrefixInfo, ...]:
@@ -188,8 +190,12 @@ class SubmissionQueue:
             if row is None or row.committed_tokens != tokens or row.service_wait_steps != wait:
                 row = cached[rid] = make_row(specs[rid], tokens, wait)
             rows.append(row)
+        waiting = self._engine._waiting
+        hits = shared_hits(
+            cache, specs, self.block_hashes, [rid for rid in self.block_hashes if rid in waiting]
+        )
         return cache_snapshot(
-            cache, step, prefixes, tuple(rows), self._queue.view(), grouped=bool(shapes)
+            cache, step, prefixes, tuple(rows), self._queue.view(), grouped=bool(shapes), hits=hits
         )
 
     def _scheduled_active_ids(self) -> list:

@@ -38,6 +38,10 @@ class GroupPool:
     ``window`` is the group's sliding window in tokens (``None``: full attention). Its
     ``max_blocks_per_seq`` bounds the *logical* block table (a windowed request's table still
     spans its whole length; only the entries before the window are released).
+
+    ``shared_block_refs``: references to automatically cached blocks beyond the first (the
+    active requests' rows count each cached block they share as their own, so their block
+    counts add up to ``total_blocks + shared_block_refs``); ``total_blocks`` stays the real pool.
     """
 
     block_size: int
@@ -45,6 +49,7 @@ class GroupPool:
     free_blocks: int
     max_blocks_per_seq: int
     window: int | None = None
+    shared_block_refs: int = 0
 
     def __post_init__(self) -> None:
         check_positive_int("block_size", self.block_size)
@@ -52,6 +57,7 @@ class GroupPool:
         check_positive_int("free_blocks", self.free_blocks, minimum=0)
         check_positive_int("max_blocks_per_seq", self.max_blocks_per_seq)
         check_window("window", self.window)
+        check_positive_int("shared_block_refs", self.shared_block_refs, minimum=0)
         if self.free_blocks > self.total_blocks:
             raise ValueError(
                 f"free_blocks ({self.free_blocks}) must be <= total_blocks ({self.total_blocks})"

@@ -9,6 +9,13 @@ Waiting order is FIFO by submission order, with backfilling: a request that does
 be overtaken by later, smaller ones — but once it has been overtaken ``aging_threshold`` times it
 blocks every later arrival until it is admitted, which bounds its wait.
 
+With automatic prefix caching a waiting request whose hit would share blocks active requests
+already hold (``snapshot.shared_hits``) needs only its other blocks: it fits when those fit. The
+order rule is unchanged — among the requests that fit, FIFO; a cached request that fits only
+thanks to its hit may overtake earlier ones that do not fit (as any backfill may), and an aged
+request still stops every later one. So under memory pressure what is cached goes first, and
+aging still bounds every wait.
+
 With KV layer groups the same holds group by group: a request is committed in every group, at that
 group's own bound (a sliding-window group's is ``ceil(window / block_size) + 1`` however long the
 request runs), against that group's own pool, and it fits only if it fits in all of them.
@@ -29,10 +36,12 @@ def lifetime_headroom(snapshot: SchedulingSnapshot, reserve_blocks: int) -> int:
     Two views of the same quantity; the smaller wins, so blocks held by anything the snapshot does
     not describe (visible only as fewer free blocks) are never promised twice:
     pool − reserve − resident prefixes − Σ active lifetime private blocks, and
-    free − reserve − Σ active private blocks still to be taken.
+    free − reserve − Σ active private blocks still to be taken. (Active rows count the cached
+    blocks they share as their own: the pool side adds back the references beyond the first.)
     """
     by_pool = (
         snapshot.total_blocks
+        + snapshot.shared_block_refs
         - reserve_blocks
         - snapshot.resident_prefix_blocks
         - sum(r.lifetime_private_blocks for r in snapshot.active)
@@ -57,7 +66,8 @@ def lifetime_headrooms(snapshot: SchedulingSnapshot, reserve_blocks: int) -> tup
     ):
         lifetime = sum(row[g].lifetime_private_blocks for row in rows)
         remaining = sum(row[g].remaining_private_blocks for row in rows)
-        by_pool = pool.total_blocks - reserve_blocks - prefix_blocks - lifetime
+        by_pool = pool.total_blocks + pool.shared_block_refs - reserve_blocks - prefix_blocks
+        by_pool -= lifetime
         by_free = pool.free_blocks - reserve_blocks - remaining
         headrooms.append(min(by_pool, by_free))
     return tuple(headrooms)
@@ -90,8 +100,22 @@ class BlockAwareScheduler(BaseScheduler):
         start = 0
         none_aged = len(waiting)
         aged = -1  # first aged candidate at or after ``start`` (``none_aged``: none); -1: unknown
+        # cached candidates (few): a request the tree passes over may fit less its shared blocks
+        hits = [
+            (pos, shared) for pos, shared in snapshot.shared_hit_positions if pos not in rejected
+        ]
+        discount = dict(hits)
+        next_hit = 0
         while slots > 0:
             fit = next_candidate(first_fitting, start, headroom, rejected)
+            while next_hit < len(hits) and hits[next_hit][0] < start:
+                next_hit += 1
+            for pos, shared in hits[next_hit:]:
+                if fit is not None and pos >= fit:
+                    break
+                if self._fits(self._need(waiting[pos], shared, grouped), headroom, grouped):
+                    fit = pos
+                    break
             if fit is None:
                 break
             if threshold is not None:
@@ -101,11 +125,28 @@ class BlockAwareScheduler(BaseScheduler):
                 if aged < fit:
                     break
             admit.append(fit)
+            need = self._need(waiting[fit], discount.get(fit), grouped)
             if grouped:
-                needs = waiting[fit].lifetime_private_blocks_by_group
-                headroom = tuple(h - n for h, n in zip(headroom, needs, strict=True))
+                headroom = tuple(h - n for h, n in zip(headroom, need, strict=True))
             else:
-                headroom -= waiting[fit].lifetime_private_blocks
+                headroom -= need
             slots -= 1
             start = fit + 1
         return admit
+
+    @staticmethod
+    def _need(row, shared: tuple[int, ...] | None, grouped: bool):
+        """The new blocks ``row`` commits to: its lifetime private blocks less the ones it
+        would share with active requests (per group when ``grouped``)."""
+        if grouped:
+            needs = row.lifetime_private_blocks_by_group
+            if shared is None:
+                return needs
+            return tuple(n - s for n, s in zip(needs, shared, strict=True))
+        return row.lifetime_private_blocks - (shared[0] if shared else 0)
+
+    @staticmethod
+    def _fits(need, headroom, grouped: bool) -> bool:
+        if grouped:
+            return all(n <= h for n, h in zip(need, headroom, strict=True))
+        return need <= headroom

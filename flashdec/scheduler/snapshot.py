@@ -65,6 +65,12 @@ class SchedulingSnapshot:
     active: tuple[ActiveRequest, ...] = ()
     waiting: tuple[WaitingRequest, ...] | WaitingView = ()
     groups: tuple[GroupPool, ...] = ()
+    # automatic prefix caching: references to cached blocks beyond the first (group 0's; see
+    # GroupPool.shared_block_refs), and each waiting request whose cache hit would share blocks
+    # that active requests hold already: (request id, those blocks per pool), in submission
+    # order. Such a request needs that many fewer new blocks.
+    shared_block_refs: int = 0
+    shared_hits: tuple[tuple[RequestId, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         check_positive_int("step", self.step, minimum=0)
@@ -73,6 +79,7 @@ class SchedulingSnapshot:
         check_positive_int("total_blocks", self.total_blocks, minimum=1)
         check_positive_int("free_blocks", self.free_blocks, minimum=0)
         check_positive_int("max_blocks_per_seq", self.max_blocks_per_seq, minimum=1)
+        check_positive_int("shared_block_refs", self.shared_block_refs, minimum=0)
         self._check_tuple("prefixes", PrefixInfo)
         self._check_tuple("active", ActiveRequest)
         is_view = isinstance(self.waiting, WaitingView)
@@ -95,26 +102,52 @@ class SchedulingSnapshot:
             if r.__dict__.get(_CHECKED_UNDER) != geometry:
                 self._check_active(r, prefixes)
                 object.__setattr__(r, _CHECKED_UNDER, geometry)  # a memo, not a field
-        if not self.groups:
-            used = self.resident_prefix_blocks + sum(
-                r.committed_private_blocks for r in self.active
-            )
-            if self.free_blocks + used > self.total_blocks:
-                raise ValueError(
-                    f"free_blocks ({self.free_blocks}) + prefix and private blocks in use "
-                    f"({used}) exceed total_blocks ({self.total_blocks})"
-                )
-            return
+        self._check_shared_hits()
         prefix_blocks = self.resident_prefix_blocks_by_group
-        for g, pool in enumerate(self.groups):
+        for g, pool in enumerate(self.pools):
             used = prefix_blocks[g] + sum(
                 r.blocks_in_groups[g].committed_private_blocks for r in self.active
             )
-            if pool.free_blocks + used > pool.total_blocks:
+            if pool.free_blocks + used > pool.total_blocks + pool.shared_block_refs:
+                where = f"group {g}: " if self.groups else ""
                 raise ValueError(
-                    f"group {g}: free_blocks ({pool.free_blocks}) + prefix and private blocks in "
-                    f"use ({used}) exceed total_blocks ({pool.total_blocks})"
+                    f"{where}free_blocks ({pool.free_blocks}) + prefix and private blocks in "
+                    f"use ({used}) exceed total_blocks ({pool.total_blocks}) + shared block "
+                    f"references ({pool.shared_block_refs})"
                 )
+
+    def _check_shared_hits(self) -> None:
+        hits = self.shared_hits
+        if not isinstance(hits, tuple):
+            raise TypeError(f"shared_hits must be a tuple, got {type(hits).__name__}")
+        if not hits:
+            return
+        view = self.waiting_view
+        last = -1
+        for entry in hits:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple)):
+                raise TypeError("shared_hits entries must be (request id, tuple of ints)")
+            rid, shared = entry
+            row = view.get(rid)
+            if row is None:
+                raise ValueError(f"shared_hits names {rid!r}, which is not waiting")
+            order = row.spec.submission_order
+            if order <= last:
+                raise ValueError("shared_hits must be in submission order, one entry per id")
+            last = order
+            needs = row.lifetime_private_blocks_by_group or (row.lifetime_private_blocks,)
+            if len(shared) != len(needs):
+                raise ValueError(
+                    f"shared_hits[{rid!r}] must give one count per pool ({len(needs)}), "
+                    f"got {shared}"
+                )
+            for g, (count, need) in enumerate(zip(shared, needs, strict=True)):
+                check_positive_int(f"shared_hits[{rid!r}][{g}]", count, minimum=0)
+                if count > need:
+                    raise ValueError(
+                        f"shared_hits[{rid!r}][{g}] ({count}) exceeds the request's lifetime "
+                        f"blocks there ({need})"
+                    )
 
     def _check_groups(self) -> None:
         groups = self.groups
@@ -127,17 +160,24 @@ class SchedulingSnapshot:
                 "one full-attention group is described by the top-level fields alone: leave "
                 "groups empty"
             )
-        top = (self.block_size, self.total_blocks, self.free_blocks, self.max_blocks_per_seq)
+        top = (
+            self.block_size,
+            self.total_blocks,
+            self.free_blocks,
+            self.max_blocks_per_seq,
+            self.shared_block_refs,
+        )
         first = groups[0]
         if top != (
             first.block_size,
             first.total_blocks,
             first.free_blocks,
             first.max_blocks_per_seq,
+            first.shared_block_refs,
         ):
             raise ValueError(
-                "block_size, total_blocks, free_blocks and max_blocks_per_seq must be group 0's "
-                f"({first}), got {top}"
+                "block_size, total_blocks, free_blocks, max_blocks_per_seq and "
+                f"shared_block_refs must be group 0's ({first}), got {top}"
             )
 
     def _check_prefix(self, p: PrefixInfo) -> None:
@@ -297,9 +337,19 @@ class SchedulingSnapshot:
             return self.groups
         return (
             GroupPool(
-                self.block_size, self.total_blocks, self.free_blocks, self.max_blocks_per_seq
+                self.block_size,
+                self.total_blocks,
+                self.free_blocks,
+                self.max_blocks_per_seq,
+                shared_block_refs=self.shared_block_refs,
             ),
         )
+
+    @property
+    def shared_hit_positions(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``shared_hits`` as (position in ``waiting``, shared blocks per pool), ascending."""
+        view = self.waiting_view
+        return tuple((view.position(rid), shared) for rid, shared in self.shared_hits)
 
     @property
     def resident_prefix_blocks_by_group(self) -> tuple[int, ...]:

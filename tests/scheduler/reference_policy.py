@@ -37,7 +37,7 @@ def _group_headrooms(snapshot, reserve):
         rows = [r.blocks_by_group[g] for r in snapshot.active]
         lifetime = sum(b.lifetime_private_blocks for b in rows)
         taken = sum(b.committed_private_blocks for b in rows)
-        by_pool = pool.total_blocks - reserve - prefixes - lifetime
+        by_pool = pool.total_blocks + pool.shared_block_refs - reserve - prefixes - lifetime
         by_free = pool.free_blocks - reserve - (lifetime - taken)
         out.append(min(by_pool, by_free))
     return out
@@ -46,11 +46,14 @@ def _group_headrooms(snapshot, reserve):
 def _lifetime_admit_groups(snapshot, candidates, config):
     headroom = _group_headrooms(snapshot, config.reserve_blocks)
     slots = config.max_active_requests - len(snapshot.active)
+    shared = dict(snapshot.shared_hits)
     admit = []
     for request in candidates:
         if slots <= 0:
             break
         needs = request.lifetime_private_blocks_by_group
+        if request.request_id in shared:  # blocks shared with active requests: not new
+            needs = _minus(needs, shared[request.request_id])
         if _fits(needs, headroom):
             admit.append(request.request_id)
             headroom = _minus(headroom, needs)
@@ -79,13 +82,15 @@ def _lifetime_admit(snapshot, candidates, config):
         return _lifetime_admit_groups(snapshot, candidates, config)
     headroom = lifetime_headroom(snapshot, config.reserve_blocks)
     slots = config.max_active_requests - len(snapshot.active)
+    shared = dict(snapshot.shared_hits)
     admit = []
     for request in candidates:
         if slots <= 0:
             break
-        if request.lifetime_private_blocks <= headroom:
+        need = request.lifetime_private_blocks - shared.get(request.request_id, (0,))[0]
+        if need <= headroom:
             admit.append(request.request_id)
-            headroom -= request.lifetime_private_blocks
+            headroom -= need
             slots -= 1
         elif config.aging_threshold is not None and request.skip_count >= config.aging_threshold:
             break  # aged: nobody submitted after it may overtake it

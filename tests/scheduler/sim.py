@@ -32,13 +32,16 @@ class SimResult:
     decisions: list = field(default_factory=list)
     snapshots: list = field(default_factory=list)
     steps: int = 0
+    hit_admissions: int = 0  # admitted with blocks shared with active requests (caching on)
+    prefix_cache_stats: dict = field(default_factory=dict)
 
 
 class _ZeroKV(StepExecutor):
     """K/V content is irrelevant here: zeros, one layer, one head."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
+    def __init__(self, engine: DecodeEngine, cache_prompts: bool = False) -> None:
         self.engine = engine
+        self.cache_prompts = cache_prompts  # index imported prompt blocks, as flashdec.LLM does
 
     def prefill(self, requests) -> None:
         total = sum(n for _, n in requests)
@@ -46,6 +49,9 @@ class _ZeroKV(StepExecutor):
         kv = torch.zeros(total, 1, HEAD_DIM)
         self.engine.prefill_layer(tx, 0, kv, kv)
         self.engine.commit_step(tx)
+        if self.cache_prompts:
+            for rid, _ in requests:
+                self.engine.cache.cache_request_blocks(rid)
 
     def decode(self, batch) -> tuple:
         qkv = torch.zeros(len(batch), 1, HEAD_DIM)
@@ -65,7 +71,10 @@ def simulate(
     max_steps: int = 2000,
     keep_history: bool = False,
     max_step_tokens: int | None = None,
+    prompts: dict | None = None,
 ) -> SimResult:
+    """``prompts`` (request id -> prompt token ids): automatic prefix caching on, each request
+    looked up by its prompt's block hashes; the cache's invariants are checked at every plan."""
     prefix_blocks = sum(p.num_blocks for p in prefixes)
     cache = PagedKVCache(
         1,
@@ -76,14 +85,21 @@ def simulate(
         dtype=torch.float32,
         device="cpu",
         prefix_cache_capacity_blocks=prefix_blocks,
+        enable_prefix_caching=prompts is not None,
     )
     engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
+    if prompts is not None:
+        for rid, ids in prompts.items():  # read at admission; forgotten when it ends
+            engine.submissions.block_hashes[rid] = cache.block_hashes(ids)
     for p in prefixes:
         blocks = torch.zeros(1, p.num_blocks, 1, block_size, HEAD_DIM)
         engine.register_prefix(p.prefix_id, blocks, blocks)
     out = SimResult()
 
     def observe(snap, decision) -> None:
+        if prompts is not None:
+            cache.validate_invariants()
+            out.hit_admissions += sum(1 for rid, _ in snap.shared_hits if rid in decision.admit)
         if keep_history:
             out.snapshots.append(snap)
             out.decisions.append(decision)
@@ -104,7 +120,7 @@ def simulate(
     loop = ServingLoop(
         engine,
         make_scheduler(policy, config),
-        _ZeroKV(engine),
+        _ZeroKV(engine, cache_prompts=prompts is not None),
         on_plan=observe,
         max_step_tokens=max_step_tokens,  # a budget: prompts arrive in chunks over steps
     )
@@ -117,4 +133,7 @@ def simulate(
             out.finished_at[rid] = record.step
         out.rejected.update(record.rejected)
     out.steps = run.num_steps
+    if prompts is not None:
+        cache.validate_invariants()
+        out.prefix_cache_stats = cache.prefix_cache_stats()
     return out
