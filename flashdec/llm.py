@@ -257,6 +257,8 @@ class LLM:
             max_step_tokens=self.max_num_batched_tokens,
         )
         self.speculative = speculative
+        if self.enable_prefix_caching:  # a finished request's answer joins the prefix cache
+            self.engine.submissions.generated_tokens = self._runner.generated_tokens
         self.loop = ServingLoop(
             self.engine,
             self.scheduler,
@@ -435,10 +437,10 @@ class LLM:
         submissions = self.engine.submissions
         try:
             if self.enable_prefix_caching:
-                submissions.block_hashes[rid] = self.engine.cache.block_hashes(ids)
+                submissions.remember_prompt(rid, ids)
             self.loop.submit(self._spec(rid, len(ids), max_new_tokens))
         except BaseException:
-            submissions.block_hashes.pop(rid, None)
+            submissions.forget(rid)
             self._runner.forget(rid)
             raise
         if sampling is not None and not sampling.greedy:

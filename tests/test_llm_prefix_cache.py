@@ -86,6 +86,29 @@ def test_multi_turn_chat_hits_its_history(name):
     llm.engine.cache.validate_invariants()
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_finished_answer_is_cached_for_the_next_turn(name):
+    """The K/V of prompt + answer (all but the answer's last token, which has none) stays
+    cached when a request finishes: the next turn hits through the answer, not only through
+    the previous prompt."""
+    model = _model(name)
+    vocab = model.config.vocab_size
+    first = _tokens(vocab, 30, 7)  # 1 full block; + 9 answer tokens with K/V: 39 -> 2 blocks
+    llm = flashdec.LLM(model, max_batch_size=2)
+    off = flashdec.LLM(model, max_batch_size=2, enable_prefix_caching=False)
+    (answer,) = llm.generate([first], 10, ignore_eos=True)
+    assert answer == hf_greedy(model, [first], 10, ignore_eos=True)[0]
+    assert llm.prefix_cache_stats()["cached_blocks"] >= 2  # every group: the answer's block too
+    second = first + answer + _tokens(vocab, 5, 8)
+    (out,) = llm.generate([second], NEW, ignore_eos=True)
+    assert llm.prefix_cache_stats()["hit_tokens"] == 32  # the prompt alone would give 16
+    assert out == off.generate([second], NEW, ignore_eos=True)[0]
+    assert out == hf_greedy(model, [second], NEW, ignore_eos=True)[0]
+    cache = llm.engine.cache
+    cache.validate_invariants()
+    assert cache.num_free_blocks == cache.num_blocks
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa"])
 def test_eviction_under_a_small_pool_then_a_hit_again(name):
     model = _model(name)

@@ -165,6 +165,12 @@ class ModelRunner(StepExecutor):
             self._shared_generator.seed()
         return self._shared_generator
 
+    def generated_tokens(self, rid) -> list[int]:
+        """The tokens of ``rid`` that reached the host (none for an unknown id): what the
+        prefix cache hashes when it finishes (SubmissionQueue.generated_tokens)."""
+        req = self.requests.get(rid)
+        return [] if req is None else req.tokens
+
     def forget(self, rid) -> None:
         self.requests.pop(rid, None)
         self.sampled.discard(rid)

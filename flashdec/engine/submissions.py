@@ -16,7 +16,7 @@ back, and every call checks, as the engine's own, that no step is open.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -64,6 +64,11 @@ class SubmissionQueue:
         # automatic prefix caching: a waiting request's prompt block hashes (its submitter's,
         # PagedKVCache.block_hashes); at admission it starts with the cached run they match
         self.block_hashes: dict[Any, list[bytes]] = {}
+        # generated text cached at finish: each request's prompt tokens after its last full
+        # block (remember_prompt), and where its generated token ids are read when it finishes
+        # (its submitter's: flashdec.LLM reads ModelRunner.requests[rid].tokens)
+        self.prompt_tails: dict[Any, list[int]] = {}
+        self.generated_tokens: Callable[[Any], Sequence[int]] | None = None
 
     @property
     def specs(self) -> Mapping[Any, RequestSpec]:
@@ -79,8 +84,44 @@ class SubmissionQueue:
         """Drop what is kept of a request that just became terminal."""
         self._specs.pop(request_id, None)
         self.block_hashes.pop(request_id, None)
+        self.prompt_tails.pop(request_id, None)
         self._service_wait.pop(request_id, None)
         self._active_rows.pop(request_id, None)
+
+    def remember_prompt(self, request_id, token_ids: Sequence[int]) -> None:
+        """Keep what automatic prefix caching needs of a request about to be submitted: its
+        prompt's block hashes (looked up at admission) and the tokens after its last full
+        block (with its generated ones they make the blocks cached when it finishes)."""
+        hashes = self._cache.block_hashes(token_ids)
+        self.block_hashes[request_id] = hashes
+        self.prompt_tails[request_id] = list(token_ids[len(hashes) * self._cache.block_size :])
+
+    def cache_finished_blocks(self, request_id) -> None:
+        """Before an active request finishes: extend its block hashes over the full blocks of
+        its prompt + generated tokens that the cache holds (those the host has read), so the
+        finish keeps them cached — a next chat turn that repeats the answer hits through it.
+        Does nothing without ``generated_tokens``, block hashes or a prompt tail."""
+        source, cache = self.generated_tokens, self._cache
+        known = self.block_hashes.get(request_id)
+        tail = self.prompt_tails.get(request_id)
+        spec = self._specs.get(request_id)
+        if (
+            source is None
+            or known is None
+            or tail is None
+            or spec is None
+            or spec.prefix_id is not None
+        ):
+            return  # not looked up by its hashes (a caller-built prefix's request keeps none)
+        bs = cache.block_size
+        # only tokens whose K/V the cache holds (a request's last token has none)
+        held = cache.seq_len(request_id) - len(known) * bs
+        tokens = [*tail, *source(request_id)][: max(held, 0)]
+        if len(tokens) < bs:
+            return
+        parent = known[-1] if known else None
+        more = cache.block_hashes(tokens, parent=parent)
+        cache.cache_request_blocks(request_id, [*known, *more])
 
     def submit_request(self, spec: RequestSpec) -> None:
         """Queue a scheduler-managed request; the scheduler admits or rejects it later.
