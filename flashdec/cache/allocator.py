@@ -79,6 +79,18 @@ class BlockAllocator:
             raise RuntimeError(f"block {block_id} is not evictable")
         del self._evictable[block_id]
 
+    def restore_evicted(self, block_ids: Sequence[int]) -> None:
+        """Undo the eviction of free ``block_ids`` (their step was taken back): cached again,
+        evictable, least recently used first in the given order, ahead of every other."""
+        back = set(block_ids)
+        if any(self._owner[b] is not None for b in back):
+            raise RuntimeError("only free blocks can be restored to the cache")
+        self._free = [b for b in self._free if b not in back]
+        for block_id in block_ids:
+            self._owner[block_id] = CACHED
+        self._evictable = dict.fromkeys([*block_ids, *self._evictable])
+        self.num_evicted -= len(back)
+
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 

@@ -28,6 +28,8 @@ class BlockCache:
         self._refs: dict[int, int] = {}
         self.num_refs = 0  # references over all cached blocks (a block held twice counts 2)
         self.num_evicted = 0
+        # while a token transaction is open: (block, hash) of each block it evicted, oldest first
+        self._journal: list[tuple[int, BlockHash]] | None = None
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -101,9 +103,40 @@ class BlockCache:
         return True
 
     def _evicted(self, block_id: int) -> None:
-        del self._block_of[self._hash_of.pop(block_id)]
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
         del self._refs[block_id]
         self.num_evicted += 1
+        if self._journal is not None:
+            self._journal.append((block_id, block_hash))
+
+    def open_journal(self) -> None:
+        """A token transaction starts: remember what its allocations evict."""
+        self._journal = []
+
+    def close_journal(self, bytes_restored: bool) -> None:
+        """The transaction ended (committed, aborted, or failed to begin). Each block it
+        evicted that is free again — an abort, a failed begin, or a partial commit gave it
+        back — is cached again under its hash, evictable and as least recently used as
+        before, when ``bytes_restored``: the transaction put back every slot it wrote, so the
+        block holds the cached K/V again. So an aborted step loses no cached block. Otherwise
+        (a cache with ``restore_on_abort=False``, a failed single-layer append) the bytes may
+        have changed and the blocks stay evicted."""
+        journal, self._journal = self._journal, None
+        if not journal or not bytes_restored:
+            return
+        allocator = self._allocator
+        back = [
+            (b, h) for b, h in journal if allocator.owner_of(b) is None and h not in self._block_of
+        ]
+        if not back:
+            return
+        allocator.restore_evicted([b for b, _ in back])
+        for block_id, block_hash in back:
+            self._block_of[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+            self._refs[block_id] = 0
+        self.num_evicted -= len(back)
 
     def check_integrity(self, held: Counter, where: str = "") -> None:
         """RuntimeError unless every indexed block is owned by CACHED, its count equals the

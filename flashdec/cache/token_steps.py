@@ -100,6 +100,15 @@ class TokenSteps:
             self._release(plan.reserved())
             raise
 
+    def _open_journals(self) -> None:
+        """What this transaction's allocations evict is remembered (BlockCache.close_journal)."""
+        for group in self._groups:
+            group.block_cache.open_journal()
+
+    def _close_journals(self, bytes_restored: bool = True) -> None:
+        for group in self._groups:
+            group.block_cache.close_journal(bytes_restored)
+
     def _release(self, reserved: list[dict[RequestId, list[int]]]) -> None:
         for manager, per_request in zip(self._managers, reserved, strict=False):
             manager.release(per_request)
@@ -145,15 +154,22 @@ class TokenSteps:
         self._tx.ensure_none_open("append")
         counts = [1] * len(records)
         plan = self._plan(records, counts)
-        self._take_all(plan, one_each=True)
+        self._open_journals()
+        try:
+            self._take_all(plan, one_each=True)
+        except BaseException:
+            self._close_journals()
+            raise
         group, part = self._groups[0], plan.groups[0]
         try:
             slots = fresh_slots(group, plan, part)
             result = writer(*self._layers[0], slots)
         except BaseException:
             self._release(plan.reserved())
+            self._close_journals(bytes_restored=False)  # the writer may have stored some
             raise
         self._publish(records, counts, plan.reserved(), [p.starts for p in plan.groups])
+        self._close_journals()
         self._version += 1
         return result
 
@@ -203,19 +219,26 @@ class TokenSteps:
             else self._requests.active_records(rids, "begin a token for")
         )
         self._tx.ensure_none_open("begin a token transaction")
-        if memo is not None:
-            plan = memo.plan(self._managers)
-        if plan is None:  # the general path (also to raise a full request's exact error)
-            plan = self._plan(records, [1] * len(records))
-            self._take_all(plan, one_each=True)
+        self._open_journals()
         try:
-            slots = [
-                fixed_slots(group, plan, part, num_rows, self._tx.next_id())
-                for group, part in zip(self._groups, plan.groups, strict=True)
-            ]
-            return self._open(rids, plan, slots, one_each=True, backup_by_writer=backup_by_writer)
+            if memo is not None:
+                plan = memo.plan(self._managers)
+            if plan is None:  # the general path (also to raise a full request's exact error)
+                plan = self._plan(records, [1] * len(records))
+                self._take_all(plan, one_each=True)
+            try:
+                slots = [
+                    fixed_slots(group, plan, part, num_rows, self._tx.next_id())
+                    for group, part in zip(self._groups, plan.groups, strict=True)
+                ]
+                return self._open(
+                    rids, plan, slots, one_each=True, backup_by_writer=backup_by_writer
+                )
+            except BaseException:
+                self._release(plan.reserved())
+                raise
         except BaseException:
-            self._release(plan.reserved())
+            self._close_journals()  # nothing was written yet
             raise
 
     def begin_tokens(
@@ -233,15 +256,20 @@ class TokenSteps:
         records = self._requests.active_records(rids, "begin tokens for")
         self._tx.ensure_none_open("begin a token transaction")
         plan = self._plan(records, counts)
-        self._take_all(plan, one_each=False)
+        self._open_journals()
         try:
-            slots = [
-                fresh_slots(group, plan, part)
-                for group, part in zip(self._groups, plan.groups, strict=True)
-            ]
-            return self._open(rids, plan, slots)
+            self._take_all(plan, one_each=False)
+            try:
+                slots = [
+                    fresh_slots(group, plan, part)
+                    for group, part in zip(self._groups, plan.groups, strict=True)
+                ]
+                return self._open(rids, plan, slots)
+            except BaseException:
+                self._release(plan.reserved())
+                raise
         except BaseException:
-            self._release(plan.reserved())
+            self._close_journals()  # nothing was written yet
             raise
 
     def _open(
@@ -445,6 +473,7 @@ class TokenSteps:
         )
         self._publish(records, open_tx.counts, open_tx.reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
+        self._close_journals()
         # the next step of the same batch starts from arrays, if nothing else changed since
         # this transaction began (one transaction at a time: nothing can, but be exact)
         if not open_tx.one_each or not self._memoizable or self._version != open_tx.cache_version:
@@ -476,6 +505,7 @@ class TokenSteps:
             manager.release(dict(release))
         self._publish(records, accept, reserved, open_tx.starts)
         self._tx.close(TransactionState.COMMITTED, version)
+        self._close_journals(open_tx.backups is not None)  # released blocks: bytes put back
         self._memo = None  # lengths moved unevenly: the next step is planned afresh
         self._version = version
         return view
@@ -488,5 +518,6 @@ class TokenSteps:
         open_tx.restore_all(self._groups)
         self._release(open_tx.reserved)
         self._tx.close(TransactionState.ABORTED, version)
+        self._close_journals(open_tx.backups is not None)
         self._version = version
         return view
