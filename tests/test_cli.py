@@ -163,6 +163,22 @@ BAD_COMMANDS = [
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
     (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
+    (["generate", "--speculative", "draft"], "argument --speculative: invalid choice: 'draft'"),
+    (["generate", "--num-speculative-tokens", "8"], "needs --speculative ngram"),
+    (["bench-serve", "--ngram-max", "2"], "--ngram-max needs --speculative ngram"),
+    (
+        ["generate", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+        "num_speculative_tokens must be >= 1, got 0",
+    ),
+    (
+        ["bench-serve", "--speculative", "ngram", "--num-speculative-tokens", "99"],
+        "num_speculative_tokens must be <= 64",
+    ),
+    (
+        ["serve", "--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "3"],
+        "ngram_min (5) must not exceed ngram_max (3)",
+    ),
+    (["generate", "--speculative", "ngram", "--ngram-min", "x"], "invalid int value: 'x'"),
 ]
 
 
