@@ -532,6 +532,14 @@ class LLM:
         counted as free), ``evicted_blocks`` (reclaimed by allocations so far), ``enabled``."""
         return self.engine.cache.prefix_cache_stats()
 
+    def speculative_counters(self) -> dict[str, int]:
+        """Running totals since the LLM was made (SPEC §8.8): ``draft_tokens`` (drafts
+        verified), ``accepted_tokens``, ``request_steps`` (a request decoded in a step) and
+        ``step_tokens`` (the tokens those gave); the difference of two readings covers what
+        ran between them. Without speculation the drafts stay 0 and every request step gives
+        one token."""
+        return dict(self._runner.counters)
+
     def has_unfinished(self) -> bool:
         return not self.loop.idle or self._runner.pending is not None
 

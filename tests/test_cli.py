@@ -163,6 +163,22 @@ BAD_COMMANDS = [
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
     (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
+    (["generate", "--speculative", "draft"], "argument --speculative: invalid choice: 'draft'"),
+    (["generate", "--num-speculative-tokens", "8"], "needs --speculative ngram"),
+    (["bench-serve", "--ngram-max", "2"], "--ngram-max needs --speculative ngram"),
+    (
+        ["generate", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+        "num_speculative_tokens must be >= 1, got 0",
+    ),
+    (
+        ["bench-serve", "--speculative", "ngram", "--num-speculative-tokens", "99"],
+        "num_speculative_tokens must be <= 64",
+    ),
+    (
+        ["serve", "--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "3"],
+        "ngram_min (5) must not exceed ngram_max (3)",
+    ),
+    (["generate", "--speculative", "ngram", "--ngram-min", "x"], "invalid int value: 'x'"),
 ]
 
 
@@ -383,6 +399,29 @@ def test_generate_writes_json_and_matches_transformers(tmp_path, capsys):
     assert result["matches_transformers"] == 2 and len(result["generated"]) == 2
 
 
+SPECULATION_ROWS = ("draft tokens / accepted", "acceptance rate", "tokens per step")
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_generate_reports_speculation_only_when_it_is_on(speculative, tmp_path, capsys):
+    path = tmp_path / "g.json"
+    argv = ["generate", "--batch", "2", "--prompt-len", "9", "--max-new-tokens", "8"]
+    argv += ["--ignore-eos", "--compare", "--speculative", speculative, "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2/2 prompts identical, 16/16 tokens (100.0%)" in out  # speculation keeps greedy
+    result = json.loads(path.read_text())
+    shown = [row in out for row in SPECULATION_ROWS]
+    if speculative == "off":
+        assert shown == [False] * 3 and result["speculation"] is None
+        return
+    assert shown == [True] * 3
+    spec = result["speculation"]
+    assert spec["method"] == "ngram" and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert 1.0 <= spec["tokens_per_step"] <= 5.0
+    assert f"{spec['draft_tokens']:,} / {spec['accepted_tokens']:,}" in out
+
+
 def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
     path = tmp_path / "g.json"
     argv = [
@@ -448,6 +487,20 @@ def test_bench_serve_reports_latency_percentiles(capsys):
     assert "4/4 requests done" in out
     # every request token-exact against transformers' greedy generate (issue 21's CPU target)
     assert "4/4 requests identical" in out
+
+
+def test_bench_serve_reports_speculation_and_stays_exact(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    argv = ["bench-serve", "--num-requests", "4", "--request-rate", "200"]
+    argv += ["--max-prompt-len", "20", "--max-new-tokens", "6", "--compare"]
+    argv += ["--speculative", "ngram", "--num-speculative-tokens", "3", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4/4 requests identical" in out
+    assert all(row in out for row in SPECULATION_ROWS)
+    spec = json.loads(path.read_text())["speculation"]
+    assert spec["method"] == "ngram" and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert 1.0 <= spec["tokens_per_step"] <= 4.0
 
 
 def test_demo_runs_as_a_module():

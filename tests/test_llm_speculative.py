@@ -220,3 +220,97 @@ def test_verified_drafts_keep_greedy_output_exact_on_the_gpu(name):
     _oracle(llm, dict(enumerate(expected)))
     assert llm.generate(prompts, NEW, ignore_eos=True) == expected
     assert 0 < llm.last_stats.accepted_tokens < llm.last_stats.draft_tokens
+
+
+def test_a_verification_step_reads_the_device_once(monkeypatch):
+    """Every token a verification step decides (greedy targets, sampled accepts and next
+    tokens, first tokens of prompts that end in it) reaches the host in ONE read: on a GPU
+    that read is the step's one wait (the uploads around it are pinned and asynchronous)."""
+    from flashdec.engine.runner import ModelRunner
+    from flashdec.engine.sampling import SamplingParams
+
+    model = _copying_model()
+    prompts = [[7, 1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5, 6], [9, 8, 7, 9, 8, 7, 9] * 3]
+    expected = flashdec.LLM(model, max_batch_size=4).generate(prompts, 12, ignore_eos=True)
+    llm = flashdec.LLM(model, max_batch_size=4, max_num_batched_tokens=10, speculative=SPEC)
+    sampled = SamplingParams(temperature=0.3, seed=5)
+    rids = [llm.add_request(prompts[0], 12, ignore_eos=True)]
+    rids.append(llm.add_request(prompts[1], 12, ignore_eos=True, sampling=sampled))
+    truth = dict(zip(rids, expected, strict=False))
+    _oracle(llm, truth)
+    reads, calls = [0], []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+
+    def counting(method):
+        def read(self, *args, **kwargs):
+            reads[0] += 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    verify = ModelRunner._verify
+
+    def counted_verify(self, logits, live, drafted, first_rids):
+        monkeypatch.setattr(torch.Tensor, "tolist", counting(tolist))
+        monkeypatch.setattr(torch.Tensor, "item", counting(item))
+        reads[0] = 0
+        try:
+            return verify(self, logits, live, drafted, first_rids)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+            monkeypatch.setattr(torch.Tensor, "item", item)
+            calls.append((reads[0], bool(first_rids), any(r in self.sampled for r in live)))
+
+    monkeypatch.setattr(ModelRunner, "_verify", counted_verify)
+    for _ in range(3):
+        llm.step()
+    rids.append(llm.add_request(prompts[2], 12, ignore_eos=True))  # its chunks join the steps
+    truth[rids[2]] = expected[2]
+    while llm.has_unfinished():
+        llm.step()
+    assert calls and all(n == 1 for n, _, _ in calls)
+    assert any(first for _, first, _ in calls) and any(s for _, _, s in calls)
+    assert [llm.output(rids[i]) for i in (0, 2)] == [expected[0], expected[2]]  # greedy: exact
+
+
+@pytest.mark.gpu
+def test_a_verification_step_synchronises_once_on_the_gpu(monkeypatch):
+    """torch's sync debug mode flags every call that waits for the GPU (``.tolist()``,
+    pageable uploads; an explicit ``cudaEventSynchronize`` is not one). Within a greedy
+    verification step the runner's own flagged calls are exactly one: the read of the step's
+    tokens. The engine's and the model's calls are counted apart (``engine.py`` uploads the
+    step's query lengths). The wait for the previous step's token (``_peek``, before drafting)
+    comes before the verification step."""
+    import copy
+    import os
+    import warnings
+
+    from flashdec.engine.runner import ModelRunner
+
+    model = copy.deepcopy(_copying_model()).to("cuda")
+    prompts = [[7, 1, 2, 3, 4, 1, 2, 3], [5, 6, 5, 6, 5, 6], [9, 8, 7, 9, 8, 7, 9] * 3]
+    expected = flashdec.LLM(model, max_batch_size=4).generate(prompts, 16, ignore_eos=True)
+    llm = flashdec.LLM(model, max_batch_size=4, max_num_batched_tokens=10, speculative=SPEC)
+    _oracle(llm, dict(enumerate(expected)))
+    flagged = []
+    run_verify = ModelRunner._run_verify
+    runner_file = os.path.join("engine", "runner.py")
+
+    def counted(self, *args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return run_verify(self, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                flagged.append(
+                    sum(
+                        "synchronizing" in str(w.message) and w.filename.endswith(runner_file)
+                        for w in caught
+                    )
+                )
+
+    monkeypatch.setattr(ModelRunner, "_run_verify", counted)
+    assert llm.generate(prompts, 16, ignore_eos=True) == expected
+    assert flagged and all(n == 1 for n in flagged), flagged

@@ -83,6 +83,15 @@ def now(device: torch.device | None = None) -> float:
     return time.perf_counter()
 
 
+def _upload(values: Sequence, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device`` without a wait: a pageable host-to-GPU copy synchronises
+    the stream, so a GPU gets them through pinned memory, asynchronously (torch's pinned
+    allocator keeps the staging buffer until the copy has run)."""
+    on_gpu = device.type == "cuda"
+    host = torch.tensor(values, dtype=torch.long, pin_memory=on_gpu)
+    return host.to(device, non_blocking=on_gpu)
+
+
 class ModelRunner(StepExecutor):
     """The serving loop's executor for a model: mixed prompt + decode steps, decode steps (eager
     or graph), sampling.
@@ -339,7 +348,8 @@ class ModelRunner(StepExecutor):
         (``n = 1 + len(drafts)``), the prompt ``chunks`` follow; logits for every verified row.
         The accepted drafts plus the target's next token are committed (``commit_step(accept=)``
         restores the rest). Synchronous: the acceptance must reach the host before the commit,
-        so the tokens are recorded at once (nothing stays pending)."""
+        so the tokens are recorded at once (nothing stays pending). One wait for the device
+        (:meth:`_verify`'s read); the index uploads are asynchronous (:func:`_upload`)."""
         engine, cache = self.engine, self.engine.cache
         self._ensure_slots()
         live = [rid for rid in batch if rid not in skipped]
@@ -363,10 +373,10 @@ class ModelRunner(StepExecutor):
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
             slots = cache.transaction_slots(tx).request_slots
-            ids = torch.tensor(flat, dtype=torch.long, device=device)
+            ids = _upload(flat, device)
             ids.index_copy_(
                 0,
-                torch.tensor(firsts, device=device),
+                _upload(firsts, device),
                 self.last_tokens.index_select(0, slots[: len(live)]),
             )
             pieces = [ids] + [
@@ -376,7 +386,7 @@ class ModelRunner(StepExecutor):
             logits = self.adapter.decode(
                 torch.cat(pieces),
                 self._attention(tx),
-                logits_rows=torch.tensor(rows, dtype=torch.long, device=device),
+                logits_rows=_upload(rows, device),
             )
             first_rids = [chunks[i][0] for i in ending]
             emitted, accepted = self._verify(logits, live, drafted, first_rids)
@@ -398,8 +408,8 @@ class ModelRunner(StepExecutor):
             self._accepted[rid] = taken
         for rid in skipped:
             self._served[rid] = 0
-        index = torch.tensor([*range(len(live)), *(len(live) + i for i in ending)], device=device)
-        last = torch.tensor([e[-1] for e in emitted], dtype=torch.long, device=device)
+        index = _upload([*range(len(live)), *(len(live) + i for i in ending)], device)
+        last = _upload([e[-1] for e in emitted], device)
         self.last_tokens.index_copy_(0, slots.index_select(0, index), last)
         counters = self.counters
         counters["draft_tokens"] += sum(map(len, drafted))
@@ -417,19 +427,26 @@ class ModelRunner(StepExecutor):
         first EOS unless ``ignore_eos``, and how many of them are drafts; then the first token
         of each request of ``first_rids`` (its prompt's last row, after the verified rows)."""
         greedy = torch.argmax(logits, dim=-1)
-        targets = greedy.tolist()  # the one wait for the device
+        draws, row = [], 0  # sampled requests' (accepted, next token), enqueued in batch order
+        for rid, draft in zip(live, drafted, strict=True):
+            width = 1 + len(draft)
+            if rid in self.sampled:
+                req = self.requests[rid]
+                probs = probabilities(logits[row : row + width], req.sampling)
+                drafts = _upload([draft], logits.device).view(1, len(draft))
+                draws += accept_sampled(probs.unsqueeze(0), drafts, req.generator)
+            row += width
+        chosen = self._choose(logits[row:], greedy[row:], first_rids) if first_rids else None
+        # the one wait for the device: every token of the step in one read
+        host = torch.cat([greedy, *draws, *([chosen] if first_rids else [])]).tolist()
+        targets, drawn = host[: greedy.shape[0]], iter(host[greedy.shape[0] :])
         emitted, accepted, row = [], [], 0
         for rid, draft in zip(live, drafted, strict=True):
             width = 1 + len(draft)
             req = self.requests[rid]
             if rid in self.sampled:
-                probs = probabilities(logits[row : row + width], req.sampling)
-                num, token = accept_sampled(
-                    probs.unsqueeze(0),
-                    torch.tensor([draft], dtype=torch.long, device=logits.device),
-                    req.generator,
-                )
-                tokens = [*draft[: int(num)], int(token)]
+                num, token = next(drawn), next(drawn)
+                tokens = [*draft[:num], token]
             else:
                 tokens = accept_greedy(draft, targets[row : row + width])
             taken = len(tokens) - 1
@@ -440,9 +457,7 @@ class ModelRunner(StepExecutor):
             emitted.append(tokens)
             accepted.append(taken)
             row += width
-        if first_rids:
-            chosen = self._choose(logits[row:], greedy[row:], first_rids)
-            emitted += [[t] for t in chosen.tolist()]
+        emitted += [[t] for t in drawn]  # the first tokens of ``first_rids``
         return emitted, accepted
 
     def _run_plain(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:

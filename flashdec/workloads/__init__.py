@@ -21,7 +21,7 @@ from flashdec.workloads.scheduler_workload import (
     build_trace,
     run_scheduler_workload,
 )
-from flashdec.workloads.stats import LatencyStats, jain_index
+from flashdec.workloads.stats import LatencyStats, SpeculationStats, jain_index
 from flashdec.workloads.window_workload import (
     ConcurrencyRun,
     WindowWorkloadResult,
@@ -36,6 +36,7 @@ __all__ = [
     "PolicyRunResult",
     "SchedulerWorkloadConfig",
     "SchedulerWorkloadResult",
+    "SpeculationStats",
     "StepRecord",
     "SyntheticWorkloadConfig",
     "WindowWorkloadConfig",

@@ -26,6 +26,8 @@ from flashdec.cache.kv_spec import KVGroupSpec, check_storable, format_kv_spec, 
 from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS
 from flashdec.runtime import triton_mode
 from flashdec.scheduler import SchedulerConfig
+from flashdec.speculative import SPECULATIVE_METHODS, SpeculativeConfig
+from flashdec.speculative.config import MAX_NUM_TOKENS as MAX_SPECULATIVE_TOKENS
 from flashdec.workloads.scheduler_workload import TRACE_NAMES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -536,6 +538,7 @@ class WindowWorkloadConfig:
 
 
 CUDA_GRAPHS = ("auto", "on", "off")
+SPECULATIVE_CHOICES = ("off", *SPECULATIVE_METHODS)
 KV_CACHE_DTYPES = ("auto", "fp8")  # flashdec.LLM's kv_cache_dtype
 
 
@@ -573,6 +576,25 @@ class ModelRunConfig:
     seed: int = _knob(
         0, "random seed (weights of a built-in shape, prompts)", minimum=0, maximum=SEED_MAX
     )
+    speculative: str = _knob(
+        "off",
+        "speculative decoding (ngram: prompt lookup drafts, verified in one step; greedy "
+        "output is unchanged)",
+        choices=SPECULATIVE_CHOICES,
+    )
+    num_speculative_tokens: int = _knob(
+        4,
+        "drafts per request per step at most (with --speculative ngram)",
+        minimum=1,
+        maximum=MAX_SPECULATIVE_TOKENS,
+        why="a verification step's width",
+    )
+    ngram_min: int = _knob(
+        1, "shortest n-gram the drafter matches (with --speculative ngram)", minimum=1
+    )
+    ngram_max: int = _knob(
+        4, "longest n-gram the drafter matches (with --speculative ngram)", minimum=1
+    )
     kv_cache_dtype: str = _knob(
         "auto",
         "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a fixed, "
@@ -582,6 +604,7 @@ class ModelRunConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        self._check_speculative()
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 "device 'cuda' was requested, but torch sees no CUDA device; use 'cpu' or 'auto'"
@@ -596,6 +619,30 @@ class ModelRunConfig:
                 f"kv_cache_dtype fp8 needs a float16 or bfloat16 model; this one would run in "
                 f"{str(dtype).removeprefix('torch.')} ({where}): add --dtype bfloat16"
             )
+
+    _SPECULATIVE_KNOBS = ("num_speculative_tokens", "ngram_min", "ngram_max")
+
+    def _check_speculative(self) -> None:
+        if self.speculative == "off":
+            defaults = {f.name: f.default for f in fields(ModelRunConfig)}
+            given = [n for n in self._SPECULATIVE_KNOBS if getattr(self, n) != defaults[n]]
+            if given:
+                flags = ", ".join("--" + n.replace("_", "-") for n in given)
+                raise ValueError(f"{flags} needs --speculative ngram")
+            return
+        _check_min_max(self, "ngram_min", "ngram_max")
+        self.speculative_config()  # SpeculativeConfig's own rules, in one place
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """What ``flashdec.LLM(speculative=...)`` gets (None: speculation off)."""
+        if self.speculative == "off":
+            return None
+        return SpeculativeConfig(
+            method=self.speculative,
+            num_tokens=self.num_speculative_tokens,
+            min_ngram=self.ngram_min,
+            max_ngram=self.ngram_max,
+        )
 
     @property
     def on_gpu(self) -> bool:

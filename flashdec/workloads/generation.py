@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdec.workloads.config import GenerateConfig, ModelRunConfig
-from flashdec.workloads.stats import LatencyStats
+from flashdec.workloads.stats import LatencyStats, SpeculationStats
 
 # `flashdec demo`'s chat turns: short answers, a list, a poem (tests keep their own)
 DEMO_CHAT_PROMPTS = (
@@ -51,6 +51,7 @@ def load_llm(config: ModelRunConfig, loaded=None, *, max_model_len: int | None =
         kv_cache_dtype=config.kv_cache_dtype,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.prefix_caching,
+        speculative=config.speculative_config(),
     )
 
 
@@ -72,6 +73,7 @@ class GenerateResult:
     tokens_equal: int | None  # positions equal to transformers' over all prompts (compare)
     # per prompt, the first step where the tokens differ from transformers' (None: identical)
     first_divergence: tuple[int | None, ...] | None = None
+    speculation: SpeculationStats | None = None  # with speculative decoding on
 
     @property
     def text(self) -> str | None:
@@ -106,6 +108,8 @@ class GenerateResult:
         ]
         if self.config.warmup_run:
             rows.append(("timings", "after an untimed warm-up run of the same generation"))
+        if self.speculation is not None:
+            rows += self.speculation.rows()
         if self.matches_transformers is not None:
             total = self.generated_tokens
             rows.append(
@@ -205,7 +209,13 @@ def run_generate(
 
     if config.warmup_run:
         generate()
+    counted = llm.speculative_counters()
     generated = generate(progress, on_tokens)
+    speculation = None
+    if llm.speculative is not None:
+        speculation = SpeculationStats.between(
+            llm.speculative.method, counted, llm.speculative_counters()
+        )
     if stream is not None:
         stream.update(generated[0], final=True)
     stats = llm.last_stats
@@ -236,6 +246,7 @@ def run_generate(
         matches_transformers=matches,
         tokens_equal=equal,
         first_divergence=divergence,
+        speculation=speculation,
     )
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.generation import transformers_greedy
-from flashdec.workloads.stats import LatencyStats
+from flashdec.workloads.stats import LatencyStats, SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -29,28 +29,30 @@ class ServeBenchResult:
     max_batch: int  # largest batch one step decoded
     # with ``config.compare``: requests whose tokens equal transformers' greedy ones (else None)
     matches_transformers: int | None = None
+    speculation: SpeculationStats | None = None  # with speculative decoding on
 
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def rows(self) -> list[tuple[str, str]]:
-        return [
+        rows = [
             ("requests", f"{self.config.num_requests} at {self.config.request_rate}/s (Poisson)"),
             ("TTFT p50 / p90 / p99", _p50_p90_p99(self.ttft, 1)),
             ("TPOT p50 / p90 / p99", _p50_p90_p99(self.tpot, 2)),
             ("output tokens/s", f"{self.output_tok_s:,.0f}"),
             ("steps, largest batch", f"{self.steps}, {self.max_batch}"),
-        ] + (
-            []
-            if self.matches_transformers is None
-            else [
+        ]
+        if self.speculation is not None:
+            rows += self.speculation.rows()
+        if self.matches_transformers is not None:
+            rows.append(
                 (
                     "agreement with transformers",
                     f"{self.matches_transformers}/{self.config.num_requests} requests identical",
                 )
-            ]
-        )
+            )
+        return rows
 
     def as_dict(self) -> dict:
         return {
@@ -66,6 +68,7 @@ class ServeBenchResult:
             "steps": self.steps,
             "max_batch": self.max_batch,
             "matches_transformers": self.matches_transformers,
+            "speculation": None if self.speculation is None else asdict(self.speculation),
         }
 
 
@@ -110,6 +113,7 @@ def run_serve_benchmark(
         max_prompt_len=config.max_prompt_len,
         vocab_size=llm.adapter.spec.vocab_size,
     )
+    counted = llm.speculative_counters()
     start = time.perf_counter()
     arrived_at, rids, running = {}, [], set()
     steps = max_batch = done = 0
@@ -140,6 +144,11 @@ def run_serve_benchmark(
     finally:
         llm.loop.close()
     elapsed = time.perf_counter() - start
+    speculation = None
+    if llm.speculative is not None:
+        speculation = SpeculationStats.between(
+            llm.speculative.method, counted, llm.speculative_counters()
+        )
     ttft, tpot, tokens, outputs = [], [], 0, []
     for rid in rids:
         timing = llm.request_timing(rid)
@@ -165,4 +174,5 @@ def run_serve_benchmark(
         steps=steps,
         max_batch=max_batch,
         matches_transformers=matches,
+        speculation=speculation,
     )

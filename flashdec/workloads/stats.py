@@ -92,3 +92,35 @@ def safe_rate(amount: float, seconds: float) -> float:
 def ratio(part: int, whole: int) -> float:
     """``part / whole`` as a fraction; 1.0 for an empty whole (nothing was left undone)."""
     return part / whole if whole else 1.0
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Speculative decoding over a run: drafts verified and accepted, and the mean tokens a
+    request got per step that decoded it (1.0: no gain; 1 + num_speculative_tokens at most)."""
+
+    method: str
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float  # accepted / drafted (0.0 when nothing was drafted)
+    tokens_per_step: float
+
+    @classmethod
+    def between(cls, method: str, before: dict, after: dict) -> SpeculationStats:
+        """From two readings of ``flashdec.LLM.speculative_counters()`` around a run."""
+        d = {key: after[key] - before[key] for key in after}
+        return cls(
+            method=method,
+            draft_tokens=d["draft_tokens"],
+            accepted_tokens=d["accepted_tokens"],
+            acceptance_rate=d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+            tokens_per_step=d["step_tokens"] / d["request_steps"] if d["request_steps"] else 1.0,
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("speculation", self.method),
+            ("draft tokens / accepted", f"{self.draft_tokens:,} / {self.accepted_tokens:,}"),
+            ("acceptance rate", f"{100 * self.acceptance_rate:.1f}%"),
+            ("tokens per step (per request)", f"{self.tokens_per_step:.2f}"),
+        ]

@@ -263,6 +263,12 @@ def test_fp8_kv_cache_reads_a_directory_checkpoint_dtype(tmp_path):
         ({"top_p": math.inf}, "top_p must be finite"),
         ({"prompt": "hi", "prompt_len": 8}, "a text prompt sets its own length"),
         ({"model": ""}, "neither a built-in shape"),
+        ({"speculative": "draft"}, "speculative must be one of 'off', 'ngram'"),
+        ({"num_speculative_tokens": 2}, "--num-speculative-tokens needs --speculative ngram"),
+        ({"ngram_min": 2, "ngram_max": 5}, "--ngram-min, --ngram-max needs --speculative ngram"),
+        ({"speculative": "ngram", "num_speculative_tokens": 0}, "must be >= 1, got 0"),
+        ({"speculative": "ngram", "num_speculative_tokens": 65}, "step's width), got 65"),
+        ({"speculative": "ngram", "ngram_min": 3, "ngram_max": 2}, "must not exceed ngram_max"),
     ],
 )
 def test_generate_config_rejects(overrides, message):
@@ -292,3 +298,16 @@ def test_model_memory_estimate_is_weights_plus_the_longest_request():
     serve = ServeConfig(device="cpu", max_prompt_len=40, max_new_tokens=9)  # 49 tokens: 4 blocks
     assert serve.memory_estimate().kv_cache_bytes == 4 * 16 * per_token
     assert "one request of 49 tokens" in serve.kv_description()
+
+
+def test_speculative_knobs_make_the_llm_config():
+    assert GenerateConfig().speculative_config() is None
+    config = ServeConfig(
+        speculative="ngram", num_speculative_tokens=6, ngram_min=2, ngram_max=3
+    ).speculative_config()
+    assert (config.method, config.num_tokens, config.min_ngram, config.max_ngram) == (
+        "ngram",
+        6,
+        2,
+        3,
+    )

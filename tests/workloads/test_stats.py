@@ -3,7 +3,14 @@ import math
 
 import pytest
 
-from flashdec.workloads.stats import LatencyStats, jain_index, percentile, ratio, safe_rate
+from flashdec.workloads.stats import (
+    LatencyStats,
+    SpeculationStats,
+    jain_index,
+    percentile,
+    ratio,
+    safe_rate,
+)
 
 
 def test_percentile_interpolates_between_ranks():
@@ -63,3 +70,14 @@ def test_jain_index():
 def test_rate_helpers():
     assert safe_rate(10, 2.0) == 5.0 and safe_rate(10, 0.0) == 0.0
     assert ratio(1, 4) == 0.25 and ratio(0, 0) == 1.0
+
+
+def test_speculation_stats_between_two_counter_readings():
+    before = {"draft_tokens": 10, "accepted_tokens": 4, "request_steps": 8, "step_tokens": 12}
+    after = {"draft_tokens": 30, "accepted_tokens": 19, "request_steps": 18, "step_tokens": 37}
+    stats = SpeculationStats.between("ngram", before, after)
+    assert (stats.draft_tokens, stats.accepted_tokens) == (20, 15)
+    assert stats.acceptance_rate == 0.75 and stats.tokens_per_step == 2.5
+    assert dict(stats.rows())["acceptance rate"] == "75.0%"
+    idle = SpeculationStats.between("ngram", before, before)
+    assert (idle.acceptance_rate, idle.tokens_per_step) == (0.0, 1.0)
