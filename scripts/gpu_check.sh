@@ -4,7 +4,7 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests (or its halves tests1, tests2: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
-#   launch e2e extendtests extend extendsweep
+#   launch e2e extendtests extend extendsweep http serve prefix spec
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
 #   (extend, extendsweep)
@@ -107,6 +107,20 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     e2e)
       python3 benchmarks/bench_e2e.py --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    http)  # needs the server wheels in .whl (fastapi, uvicorn, httpx and their deps)
+      python3 benchmarks/bench_http.py --rate 4 16 64 --json "$OUT/bench_http.json" \
+        ${HTTP_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    serve)
+      python3 benchmarks/bench_serve.py --out-dir "$OUT" ${SERVE_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    prefix)
+      python3 benchmarks/bench_prefix.py --out-dir "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    spec)
+      python3 benchmarks/bench_speculative.py --out-dir "$OUT" ${SPEC_ARGS:-} 2>&1 \
+        | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     *) echo "unknown phase $phase"; rc=2 ;;
   esac
