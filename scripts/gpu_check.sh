@@ -17,6 +17,9 @@
 #   extendtests: the extend kernel's tests only (tests/kernels/test_extend.py, CPU cases too);
 #   extend: extend attention vs FlashInfer's best prefill path, issue 20's matrix (<= 8 min
 #     budget, extend.md); extendsweep: its launch-configuration sweep (extend_sweep.md)
+#   http: the HTTP layer's cost (bench_http.py; the server wheels carried in .whl); serve:
+#     serve_trace.py's method at 4/16/64 req/s (serve.md; SERVE_ARGS="--vllm-json F" adds vLLM);
+#     prefix: caching on vs off (prefix_cache.md); spec: speculation off vs ngram (speculative.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
