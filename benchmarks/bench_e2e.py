@@ -309,16 +309,18 @@ def kernel_profile(llm: LLM, batch: int, context: int, steps: int = 8) -> list[d
     ]
 
 
-def graph_replay_us(llm: LLM, batch: int) -> float | None:
-    """GPU time of the captured decode step of this batch's bucket, replayed alone (it rewrites
-    the last step's slots: a measurement, after the runs that used them)."""
-    if not torch.cuda.is_available():
+def graph_replay_us(llm: LLM, batch: int, max_len: int) -> float | None:
+    """GPU time of the captured decode step of this batch's bucket and length (the longest
+    request's), replayed alone (it rewrites the last step's slots: a measurement, after the runs
+    that used them)."""
+    graphs = llm._runner.graphs
+    if graphs is None:
         return None
     from benchmarks._common import bench_us
 
-    bucket = next(b for b in llm._runner.buckets if b >= batch)
-    held = llm._runner.graphs.get(bucket)
-    return bench_us(held[2].graph.replay) if held else None
+    bucket = graphs.bucket(batch)
+    held = graphs.graphs.get((bucket, graphs.key(bucket, max_len)))
+    return bench_us(held.graph.replay) if held else None
 
 
 def main() -> None:
@@ -393,7 +395,7 @@ def main() -> None:
         kv_bytes = kv_token_bytes * batch * (total_len - args.new_tokens / 2)
         floor_ms = (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3 if copy_tbs else None
         row["floor_ms"] = floor_ms
-        replay = graph_replay_us(llm, batch)
+        replay = graph_replay_us(llm, batch, total_len)
         row["graph_replay_ms"] = None if replay is None else replay / 1e3
         if floor_ms:
             row["floor_fraction"] = floor_ms / row["flashdec"]["step_ms"]

@@ -1,13 +1,13 @@
 """``flashdec.LLM``: generate with a transformers model through FlashDec's runtime.
 
 The model's own weights run the projections and the MLP (PyTorch, with FlashDec's fused
-RMSNorm and SiLU kernels on CUDA); attention is FlashDec's: the prompt's K/V enter the paged
-cache in one transaction per request, and every decode step is one engine step for the whole
-running batch — fused RoPE + append and paged decode per layer. Requests are admitted by the
-lifetime scheduler and joined into the running batch as others finish (continuous batching),
-all through the one serving loop. On CUDA the decode forward — every layer and the final argmax —
-is captured in a CUDA graph per batch-size bucket and replayed; the host does bookkeeping and one
-graph launch per step.
+RMSNorm and SiLU kernels on CUDA); attention is FlashDec's paged cache. Every loop step is one
+engine step over the running batch: each running request's decode token plus chunks of admitted
+prompts, under a token budget (``max_num_batched_tokens``). Requests are admitted by the lifetime
+scheduler and joined into the running batch as others finish (continuous batching), all through
+the one serving loop. On CUDA a decode-only step — every layer and the final argmax — replays a
+CUDA graph per batch-size bucket and decode plan, all captured before the constructor returns;
+the host does bookkeeping and one graph launch per step.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from flashdec._checks import (
 )
 from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import DecodeEngine
+from flashdec.engine.decode_graphs import WarmStart
 from flashdec.engine.loop import LoopStep, ServingLoop
 from flashdec.engine.runner import ModelRunner, Request, now
 from flashdec.engine.sampling import SamplingParams, make_generator
@@ -103,7 +104,8 @@ class LLM:
             GPU (CPU: a quarter of the available host memory, at most 4 GiB), capped at what
             ``max_batch_size`` requests of ``max_model_len`` tokens can use.
         max_batch_size: requests decoded per step at most.
-        cuda_graphs: capture the decode forward per batch-size bucket (default: on CUDA).
+        cuda_graphs: capture the decode forward per batch-size bucket and decode plan, all of
+            them before this constructor returns (the warm start; default: on CUDA).
         tokenizer: used for text prompts (default: the one loaded with a model directory).
         max_model_len: longest prompt + output (default: the model's max positions, at most
             32768).
@@ -267,6 +269,8 @@ class LLM:
         )
         self._next_id = 0
         self.last_stats: GenerationStats | None = None
+        # on CUDA, every decode graph is captured before a request arrives (None: no graphs)
+        self.warm_start: WarmStart | None = self._runner.warm_start() if cuda_graphs else None
 
     def _kv_budget_bytes(self, fraction: float) -> float:
         """Bytes the KV pools may take: ``fraction`` of the GPU after the weights and the

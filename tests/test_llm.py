@@ -392,9 +392,10 @@ def test_fp8_kv_cache_on_the_gpu_graphs_equal_eager():
 
 
 @pytest.mark.gpu
-def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
-    """A batch-1 graph, then a batch of 12 (the cache's slot buffers grow: new addresses),
-    then batch 1 again: the old graph must not be replayed; the tokens equal eager decoding."""
+def test_graphs_replay_across_batch_sizes_without_a_capture():
+    """Batch 1, then a batch of 12, then batch 1 again: the warm start sized the cache's slot
+    buffers for the largest bucket, so every step replays a graph captured before it (none is
+    made while serving) and the tokens equal eager decoding."""
     model = build_random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=0)
     gen = torch.Generator().manual_seed(3)
     one = [torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()]
@@ -408,7 +409,7 @@ def test_graphs_recapture_after_a_bigger_batch_replaced_the_slot_buffers():
         assert graphed.generate(prompts, NEW, ignore_eos=True) == eager.generate(
             prompts, NEW, ignore_eos=True
         )
-    assert graphed._runner.graph_replays > 0
+    assert graphed._runner.graph_replays > 0 and graphed._runner.graphs.eager_steps == 0
 
 
 _WORKSPACE_SCRIPT = """
@@ -420,13 +421,15 @@ config.num_hidden_layers = 2  # the 8B GEMM shapes (cuBLAS picks workspace kerne
 model = random_model(config, dtype=torch.bfloat16, device="cuda", seed=0)
 gen = torch.Generator().manual_seed(5)
 prompts = [torch.randint(0, 1000, (40 + i,), generator=gen).tolist() for i in range(2)]
-graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=256)
-graphed.generate(prompts[:1], 8, ignore_eos=True)  # the process's first capture: bucket 1
-before = graphed.generate(prompts, 8, ignore_eos=True)  # bucket 2's graph
-graphed._runner.graphs.pop(1)  # the first graph goes, with its private pool
+graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=256)  # captures every graph
+graphed.generate(prompts[:1], 8, ignore_eos=True)  # replays bucket 1
+before = graphed.generate(prompts, 8, ignore_eos=True)  # bucket 2's graphs
+graphs = graphed._runner.graphs
+for key in [key for key in graphs.graphs if key[0] != 2]:
+    del graphs.graphs[key]  # every other graph goes, the first captured ones too
 torch._C._cuda_clearCublasWorkspaces()  # as torch.compile's CUDA graph trees do
 torch.cuda.empty_cache()
-again = graphed.generate(prompts, 8, ignore_eos=True)  # replays bucket 2's graph
+again = graphed.generate(prompts, 8, ignore_eos=True)  # replays bucket 2's graphs
 torch.cuda.synchronize()
 eager = flashdec.LLM(model, max_batch_size=4, max_model_len=256, cuda_graphs=False)
 assert again == before == eager.generate(prompts, 8, ignore_eos=True), (again, before)
@@ -437,9 +440,10 @@ print("OK")
 
 @pytest.mark.gpu
 def test_graphs_survive_cleared_blas_workspaces_and_a_dropped_first_graph():
-    """A captured GEMM bakes in the cuBLAS workspace's address: each graph must own its
-    workspace (in its private pool), or clearing the workspaces — torch.compile's CUDA graph
-    trees do — leaves later graphs replaying into freed, then unmapped, memory (an illegal
+    """A captured GEMM bakes in the cuBLAS workspace's address: each graph's workspace must
+    live in the graphs' own pool (kept while a graph lives), or clearing the workspaces —
+    torch.compile's CUDA graph trees do — leaves later graphs replaying into freed, then
+    unmapped, memory (an illegal
     memory access on the H200 after transformers' compiled generate). A subprocess: such a
     fault poisons the CUDA context of the whole process."""
     import subprocess

@@ -98,6 +98,7 @@ class RequestTable:
         """An active request leaves without a trace (its id may be added again)."""
         del self.records[record.request_id]
         del self.active[record.request_id]
+        self.num_added -= 1
 
     def ids(self, state: RequestState | str | None) -> list[RequestId]:
         if state is None:

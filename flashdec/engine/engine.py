@@ -29,6 +29,7 @@ import torch
 from flashdec._checks import (
     FLOAT_DTYPES,
     check_choice,
+    check_positive_int,
     check_request_id,
     check_tensor,
     check_token_counts,
@@ -344,13 +345,16 @@ class DecodeEngine:
         pad_to: int | None = None,
         *,
         num_tokens: Sequence[int] | None = None,
+        plan_len: int | None = None,
     ):
         """Open a step: the cache reserves ``num_tokens[i]`` slots for request ``i`` (None: one
         each), all or nothing.
 
         One token each is the decode step: ``pad_to`` pads its rows to a CUDA graph's captured
         batch (every layer then takes ``q, k, v`` with ``pad_to`` rows; padding rows are neither
-        stored nor attended). With more, every layer takes ``q, k, v`` packed
+        stored nor attended). ``plan_len`` sizes its decode plans for requests that long (at
+        least the batch's longest after the step): a CUDA graph captured before such requests
+        exist. With more, every layer takes ``q, k, v`` packed
         ``[sum(num_tokens), H, D]`` in ``request_ids`` order and returns the extend attention of
         each new token over its request's context and the new tokens before it. A scheduled
         request's tokens come out of its lifetime commitment; a sliding-window group takes at
@@ -358,14 +362,16 @@ class DecodeEngine:
         """
         self._require_no_open_step("begin_step")
         _check_batch_type(request_ids)
+        if plan_len is not None:
+            check_positive_int("plan_len", plan_len)
         if num_tokens is not None:
             counts = check_token_counts("num_tokens", num_tokens, len(request_ids))
             self._check_token_budget(request_ids, counts)
             if any(n != 1 for n in counts):
-                if pad_to is not None:
+                if pad_to is not None or plan_len is not None:
                     raise ValueError(
-                        "pad_to pads one-token (decode) steps; a step with num_tokens > 1 is "
-                        "not padded"
+                        "pad_to and plan_len are for one-token (decode) steps; a step with "
+                        "num_tokens > 1 is neither padded nor planned ahead"
                     )
                 return self._begin_extend(request_ids, counts)
         cache = self.cache
@@ -385,6 +391,8 @@ class DecodeEngine:
             positions,
             tuple(map((1).__add__, positions)),
         )
+        if plan_len is not None:
+            step.plan_len = max(step.plan_len, plan_len)
         if by_writer:
             step.backups = tuple(
                 cache.transaction_backup(view, group=g) for g in range(self._num_groups)
@@ -789,11 +797,9 @@ class DecodeEngine:
         state = step.decode[g]
         if state is None:
             state = self._decode_states[g]
-            if state is None or not state.fits(
-                self.cache, step.num_rows, num_heads, step.max_len_after
-            ):
+            if state is None or not state.fits(self.cache, step.num_rows, num_heads, step.plan_len):
                 state = self._decode_states[g] = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.max_len_after, g, self._dtype
+                    self.cache, step.num_rows, num_heads, step.plan_len, g, self._dtype
                 )
             step.decode[g] = state
         return state

@@ -14,7 +14,7 @@ sliding window (``group=`` below; group 0 is the only group of a classic cache).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,7 @@ from flashdec.cache import PagedKVCache, TransactionSlots
 from flashdec.cache.paged_kv_cache import torch_scatter
 from flashdec.kernels import (
     BoundLayerAttention,
+    DecodePlan,
     DecodeWorkspace,
     extend,
     launch_decode,
@@ -246,6 +247,42 @@ def plan_bucket(cache: PagedKVCache, max_len: int, limit: int | None = None) -> 
     return max(min(1 << max(0, (max_len - 1).bit_length()), limit), max_len)
 
 
+def group_decode_plan(
+    cache: PagedKVCache,
+    group: int,
+    num_rows: int,
+    num_q_heads: int,
+    planned_len: int,
+    dtype: torch.dtype,
+) -> DecodePlan:
+    """The decode plan of KV group ``group`` for ``num_rows`` requests of up to ``planned_len``
+    tokens (a :func:`plan_bucket` value)."""
+    spec = cache.kv_groups[group]
+    return plan_decode(
+        num_rows,
+        num_q_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        planned_len,
+        dtype,
+        cache.device,
+        max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
+        window=spec.window,
+        kv_dtype=spec.dtype,
+    )
+
+
+def launch_key(plan: DecodePlan) -> DecodePlan:
+    """What a plan's launches depend on: the plan less the length it was sized for (and, in a
+    single pass, less the split length and program count, which it does not read). Plans with
+    equal keys launch the same kernels on the same grids (each request's range is read from the
+    device lengths), so one CUDA graph serves both."""
+    if plan.num_splits == 1:
+        return replace(plan, max_seq_len=0, tokens_per_split=0, num_programs=0)
+    return replace(plan, max_seq_len=0)
+
+
 class DecodeState:
     """A Triton decode plan and its workspace, shared by every layer of a step (of one layer
     group: ``group``, whose geometry and sliding window the plan has).
@@ -287,19 +324,7 @@ class DecodeState:
         self.limit = max_table_tokens(cache)
         planned = plan_bucket(cache, max_len, self.limit)
         self.window = spec.window
-        plan = plan_decode(
-            num_rows,
-            num_q_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.block_size,
-            planned,
-            dtype,
-            cache.device,
-            max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
-            window=spec.window,
-            kv_dtype=spec.dtype,
-        )
+        plan = group_decode_plan(cache, group, num_rows, num_q_heads, planned, dtype)
         self.workspace = DecodeWorkspace.allocate(plan)
         self.num_rows = num_rows
         self.num_q_heads = num_q_heads

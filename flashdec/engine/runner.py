@@ -2,8 +2,9 @@
 
 It owns what a step of :class:`flashdec.LLM` does beyond the engine: each request's record
 (prompt, tokens, timing, sampling), the device-resident last tokens and their hand-off to the
-host one step late, the choice of the next token (argmax or a sample), and the CUDA graphs of
-the decode forward per batch-size bucket (their warm-up marks and captured steps).
+host one step late, the choice of the next token (argmax or a sample), and the warm start: the
+CUDA graphs of the decode forward (:class:`~flashdec.engine.decode_graphs.DecodeGraphs`) and the
+mixed step's kernels, made ready before the first request.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from flashdec.engine.decode_graphs import (
+    DecodeGraphs,
+    WarmStart,
+    free_rows,
+    placeholder_requests,
+)
 from flashdec.engine.engine import DecodeEngine
-from flashdec.engine.layer_ops import plan_bucket
+from flashdec.engine.layer_ops import max_table_tokens
 from flashdec.engine.loop import StepExecutor
 from flashdec.engine.sampling import (
     GREEDY,
@@ -24,7 +31,6 @@ from flashdec.engine.sampling import (
     probabilities,
     sample,
 )
-from flashdec.engine.step import CapturedStep
 from flashdec.speculative import (
     DraftController,
     NgramDrafter,
@@ -124,8 +130,17 @@ class ModelRunner(StepExecutor):
         self.requests: dict[int, Request] = {}
         self.sampled: set = set()  # requests that sample (the others take the argmax)
         self._shared_generator: torch.Generator | None = None  # of unseeded add_request calls
-        self.graph_replays = 0
         self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self.graphs = (
+            DecodeGraphs(
+                engine,
+                self._forward,
+                max_batch_size=max_batch_size,
+                num_q_heads=self.spec.num_q_heads,
+            )
+            if cuda_graphs
+            else None
+        )
         self._ensure_slots()
         # the step whose tokens are still on their way to the host: (batch, host view, event)
         self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -135,11 +150,6 @@ class ModelRunner(StepExecutor):
             torch.zeros(max_batch_size, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
         self._turn = 0
-        # CUDA graphs: buckets of batch sizes, warm-up marks and the captured steps
-        sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
-        self.buckets = sorted({b for b in sizes if b < max_batch_size} | {max_batch_size})
-        self.warm: set[tuple[int, int]] = set()
-        self.graphs: dict[int, tuple[int, int, CapturedStep]] = {}  # bucket -> (plan, size, g)
         # speculative decoding: drafts per request, verified in one mixed-token step
         self.speculative = speculative
         self.max_step_tokens = max_step_tokens  # drafts keep a step within it
@@ -162,7 +172,42 @@ class ModelRunner(StepExecutor):
             grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
             grown[: self.last_tokens.shape[0]] = self.last_tokens
             self.last_tokens = grown
-            self.graphs = {}
+            if self.graphs is not None:  # they read the old tensor
+                self.graphs.drop()
+
+    @property
+    def graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.replays
+
+    def warm_start(self) -> WarmStart:
+        """Before the first request (the engine idle): capture every decode graph, then
+        compile the mixed step's kernels with one aborted step, all on placeholder requests."""
+        engine = self.engine
+        rows = min(self.graphs.buckets[-1], free_rows(engine))
+        with placeholder_requests(engine, rows) as rids:
+            self._ensure_slots()  # the graphs read last_tokens: sized for the rows first
+            report = self.graphs.capture_all(rids)
+            self._compile_mixed_step(rids)
+        return report
+
+    def _compile_mixed_step(self, rids: list) -> None:
+        """One mixed step (a decode row and a prompt chunk of up to 128 tokens), aborted: its
+        extend kernels are compiled before a prompt waits for them."""
+        engine = self.engine
+        cache = engine.cache
+        room = (free_rows(engine) - 1) * min(spec.block_size for spec in cache.kv_groups)
+        chunk = min(128, engine.max_tokens_per_request_step or 128, max_table_tokens(cache), room)
+        if chunk < 2:
+            return  # no room for a chunk: the first prompt compiles them
+        counts = [1, chunk][-len(rids) :]
+        device = self.spec.device
+        tx = engine.begin_step(rids[: len(counts)], num_tokens=counts)
+        try:
+            ids = torch.zeros(sum(counts), dtype=torch.long, device=device)
+            last_rows = torch.tensor(counts, device=device).cumsum(0) - 1
+            self.adapter.decode(ids, self._attention(tx), logits_rows=last_rows)
+        finally:
+            engine.abort_step(tx)
 
     def request_generator(self, sampling: SamplingParams) -> torch.Generator:
         """A seeded request's own generator (its samples then do not depend on the batch);
@@ -513,14 +558,13 @@ class ModelRunner(StepExecutor):
         engine = self.engine
         batch = list(batch)
         rows = len(batch)
-        bucket = rows
-        if self.cuda_graphs:
-            bucket = next(b for b in self.buckets if b >= rows)
+        bucket = rows if self.graphs is None else self.graphs.bucket(rows)
         tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
         try:
             slots = engine.cache.transaction_slots(tx)
-            if self.cuda_graphs:
-                logits, greedy_ids = self._decode_graphed(tx, batch, bucket, slots)
+            if self.graphs is not None:
+                max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
+                logits, greedy_ids = self.graphs.run(tx, slots, bucket, max_len)
             else:
                 logits, greedy_ids = self._forward(tx, slots)
             tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
@@ -544,21 +588,3 @@ class ModelRunner(StepExecutor):
         ids = self.last_tokens.index_select(0, slots.request_slots)  # [rows], on the device
         logits = self.adapter.decode(ids, self._attention(tx))
         return logits, torch.argmax(logits, dim=-1)
-
-    def _decode_graphed(self, tx, batch: list, bucket: int, slots):
-        engine = self.engine
-        max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
-        plan = plan_bucket(engine.cache, max_len)
-        held = self.graphs.get(bucket)
-        if held is not None and held[:2] == (plan, self.last_tokens.shape[0]) and held[2].fits(tx):
-            self.graph_replays += 1
-            return engine.replay_step(tx, held[2])
-        if (bucket, plan) not in self.warm:  # first use: run eagerly (compiles the kernels)
-            out = self._forward(tx, slots)
-            self.warm.add((bucket, plan))
-            return out
-        # each graph owns its memory pool: a replaced graph (new plan bucket) frees its pool with
-        # it, and a pool shared with a freed graph cannot be captured into again
-        captured = engine.capture_step(tx, lambda: self._forward(tx, slots))
-        self.graphs[bucket] = (plan, self.last_tokens.shape[0], captured)
-        return captured.output

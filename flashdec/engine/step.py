@@ -39,6 +39,7 @@ class OpenStep:
         "num_rows",
         "num_tokens",
         "outputs",
+        "plan_len",
         "positions",
         "query_lens",
         "request_ids",
@@ -64,6 +65,7 @@ class OpenStep:
         self.positions: tuple[int, ...] = tuple(positions)
         self.seq_lens_after: tuple[int, ...] = tuple(lens_after)
         self.max_len_after = max(lens_after)
+        self.plan_len = self.max_len_after  # the length decode plans are sized for
         count = len(group_slots)
         self.decode: list[DecodeState | None] = [None] * count
         # [layers of the group, rows, Hq, D]: every layer's attention, and its views per layer

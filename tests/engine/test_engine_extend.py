@@ -150,7 +150,12 @@ def test_n_equal_one_everywhere_is_the_decode_step():
         ({"num_tokens": [1]}, ValueError, "1 entries for 2 requests"),
         ({"num_tokens": [2, 0]}, ValueError, r"num_tokens\[1\] must be >= 1"),
         ({"num_tokens": [2, 1.0]}, TypeError, r"num_tokens\[1\] must be an int"),
-        ({"num_tokens": [2, 1], "pad_to": 4}, ValueError, "pad_to pads one-token"),
+        ({"num_tokens": [2, 1], "pad_to": 4}, ValueError, "pad_to and plan_len are for one-token"),
+        (
+            {"num_tokens": [2, 1], "plan_len": 64},
+            ValueError,
+            "pad_to and plan_len are for one-token",
+        ),
         ({"num_tokens": [2, 200]}, RuntimeError, "full|out of KV blocks"),
     ],
 )

@@ -1,0 +1,146 @@
+"""The warm start: every decode graph captured before ``flashdec.LLM(...)`` returns, keyed by
+(batch bucket, decode launches) so that lengths crossing plan buckets neither re-capture nor run
+eagerly; ``begin_step(plan_len=...)``, which plans a step for requests not there yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashdec
+from flashdec.engine.decode_graphs import DecodeGraphs, placeholder_requests
+from flashdec.engine.layer_ops import launch_key
+from flashdec.kernels import plan_decode
+from flashdec.models import build_random_model
+from tests.cache.snapshot import assert_same_state, snapshot
+from tests.engine.conftest import make_engine
+
+
+def _tiny(device: str = "cpu", dtype=torch.float32):
+    return build_random_model("tiny-llama", dtype=dtype, device=device, seed=0)
+
+
+def test_a_single_pass_plan_keys_without_its_split_length():
+    """Single-pass plans of different lengths launch the same kernel on the same grid: one
+    key. Split plans whose split count differs do not share one."""
+    short, long = (
+        plan_decode(
+            64, 32, 8, 128, 16, n, torch.bfloat16, "cpu", max_blocks_per_seq=256, num_splits=1
+        )
+        for n in (512, 4096)
+    )
+    assert short.tokens_per_split != long.tokens_per_split
+    assert launch_key(short) == launch_key(long)
+    two, four = (
+        plan_decode(1, 32, 8, 128, 16, 4096, torch.bfloat16, "cpu", num_splits=s) for s in (2, 4)
+    )
+    assert launch_key(two) != launch_key(four)
+
+
+def test_plan_lengths_cover_every_key_once():
+    llm = flashdec.LLM(_tiny(), max_batch_size=8, cuda_graphs=False)
+    assert llm.warm_start is None and llm._runner.graphs is None  # no graphs on the CPU
+    graphs = DecodeGraphs(llm.engine, None, max_batch_size=8, num_q_heads=4)
+    assert graphs.buckets == (1, 2, 4, 8)
+    for bucket in graphs.buckets:
+        lengths = graphs.plan_lengths(bucket)
+        keys = [graphs.key(bucket, n) for n in lengths]
+        assert len(set(keys)) == len(keys)
+        limit = llm.engine.cache.max_blocks_per_seq * llm.block_size
+        every = {graphs.key(bucket, n) for n in range(1, limit + 1, 7)}
+        assert every == set(keys)  # every reachable length maps to a captured key
+
+
+def test_placeholder_requests_leave_the_cache_as_it_was():
+    llm = flashdec.LLM(_tiny(), max_batch_size=4, cuda_graphs=False)
+    cache = llm.engine.cache
+
+    # everything but the version and the transactions' history and counts: they move on
+    moving = ("version", "num_aborted_transactions", "terminal_transaction_history_count")
+
+    def state():
+        now = {k: v for k, v in snapshot(cache).items() if k not in ("version", "history")}
+        now["metrics"] = {k: v for k, v in now["metrics"].items() if k not in moving}
+        return now
+
+    before = state()
+    with placeholder_requests(llm.engine, 3) as rids:
+        tx = llm.engine.begin_step(rids, plan_len=200)
+        llm.engine.abort_step(tx)
+        assert cache.metrics()["num_requests"] == 3
+    after = state()
+    assert after.pop("k").equal(before.pop("k")) and after.pop("v").equal(before.pop("v"))
+    assert after == before
+    cache.validate_invariants()
+    llm.generate([[1, 2, 3]], 4)  # placeholder ids are free again; the LLM serves as before
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
+def test_begin_step_rejects_a_bad_plan_len_and_changes_nothing(bad):
+    engine = make_engine()
+    engine.add_request("a")
+    engine.admit("a")
+    before = snapshot(engine.cache)
+    with pytest.raises((TypeError, ValueError), match="plan_len"):
+        engine.begin_step(["a"], plan_len=bad)
+    assert_same_state(engine.cache, before)
+    assert not engine.has_open_step
+
+
+def test_plan_len_is_for_decode_steps_only():
+    engine = make_engine()
+    engine.add_request("a")
+    engine.admit("a")
+    before = snapshot(engine.cache)
+    with pytest.raises(ValueError, match="plan_len are for one-token"):
+        engine.begin_step(["a"], num_tokens=[3], plan_len=64)
+    assert_same_state(engine.cache, before)
+    assert not engine.has_open_step
+
+
+def _prompts(vocab: int, lens, seed: int = 2) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.mark.gpu
+def test_gpu_warm_start_serves_every_step_from_a_graph_captured_before_it():
+    """After construction no graph is captured and no decode step runs eagerly, over batch
+    sizes 1..12 and lengths that cross plan buckets both ways; tokens equal eager decoding."""
+    model = _tiny("cuda", torch.bfloat16)
+    vocab = model.config.vocab_size
+    graphed = flashdec.LLM(model, max_batch_size=16, max_model_len=512)
+    eager = flashdec.LLM(model, max_batch_size=16, max_model_len=512, cuda_graphs=False)
+    warm = graphed.warm_start
+    graphs = graphed._runner.graphs
+    assert warm.buckets == graphs.buckets == (1, 2, 4, 8, 16)
+    assert (
+        warm.graphs == len(graphs.graphs) == sum(len(graphs.plan_lengths(b)) for b in warm.buckets)
+    )
+    assert graphed.engine.cache.metrics()["num_requests"] == 0
+    assert graphed.engine.cache.metrics()["num_used_blocks"] == 0
+    captured = dict(graphs.graphs)
+    # 120 -> 184 tokens crosses the 128 plan bucket; then short ones again, then 12 at once
+    for lens in ([120], [3, 250], [9], [5 + 7 * i for i in range(12)], [60, 300]):
+        prompts = _prompts(vocab, lens)
+        assert graphed.generate(prompts, 64, ignore_eos=True) == eager.generate(
+            prompts, 64, ignore_eos=True
+        )
+    assert graphs.graphs == captured  # the same objects: nothing re-captured
+    assert graphs.eager_steps == 0 and graphs.replays > 0
+    graphed.engine.cache.validate_invariants()
+
+
+@pytest.mark.gpu
+def test_gpu_warm_start_fits_a_small_pool_and_serves_it():
+    """A pool smaller than the largest bucket: the buckets that fit are captured, the rest of
+    the steps run eagerly (counted), and the tokens still equal eager decoding."""
+    model = _tiny("cuda", torch.bfloat16)
+    graphed = flashdec.LLM(model, max_batch_size=8, num_blocks=6, max_model_len=64)
+    eager = flashdec.LLM(model, max_batch_size=8, num_blocks=6, max_model_len=64, cuda_graphs=False)
+    assert graphed.warm_start.buckets == (1, 2, 4)
+    prompts = _prompts(model.config.vocab_size, [5, 6, 7, 9, 3])
+    assert graphed.generate(prompts, 8, ignore_eos=True) == eager.generate(
+        prompts, 8, ignore_eos=True
+    )
+    assert graphed._runner.graphs.eager_steps > 0  # the 5-request steps: bucket 8, not captured
