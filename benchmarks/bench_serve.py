@@ -19,6 +19,7 @@ Writes serve.md, serve.json and serve.png (latency against rate).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -60,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def serve(args: argparse.Namespace) -> tuple[list[dict], float]:
-    """Every (rate, pass) of FlashDec; the LLM's construction time in seconds."""
+def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every (rate, pass) of FlashDec; the LLM's construction: seconds, and its warm start."""
     import flashdec
     from flashdec.models import build_random_model
     from flashdec.workloads.config import ServeConfig
@@ -77,7 +78,9 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], float]:
         num_blocks=args.max_batch * (longest // 16 + 2) + 64,  # serve_trace.py's pool
         max_model_len=longest + 64,
     )
-    built_s = time.perf_counter() - start
+    built = {"seconds": time.perf_counter() - start}
+    if llm.warm_start is not None:
+        built["warm_start"] = dataclasses.asdict(llm.warm_start)
     rows = []
     for rate in args.rate:
         config = ServeConfig(
@@ -95,7 +98,7 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], float]:
             done = result["output_tokens"] == args.requests * args.new
             rows.append({"rate": rate, "pass_": pass_, **result, "all_done": done})
             print(json.dumps(rows[-1]), flush=True)
-    return rows, built_s
+    return rows, built
 
 
 def _cells(row: dict | None) -> list:
@@ -112,7 +115,7 @@ def _cells(row: dict | None) -> list:
     ]
 
 
-def report(args, env: dict, rows: list[dict], built_s: float, vllm: dict | None) -> str:
+def report(args, env: dict, rows: list[dict], built: dict, vllm: dict | None) -> str:
     peer = {(r["rate"], r["pass_"]): r for r in (vllm or {}).get("passes", [])}
     columns = ["rate /s", "pass", "engine", "TTFT p50", "p90", "p99 ms", "TPOT p50", "p90"]
     columns += ["p99 ms", "out tok/s"]
@@ -145,7 +148,7 @@ def report(args, env: dict, rows: list[dict], built_s: float, vllm: dict | None)
         f"- trace: {args.requests} requests per rate, prompts {args.min_prompt}-{args.max_prompt} "
         f"random tokens, {args.new} new tokens, greedy, EOS ignored, max batch {args.max_batch}, "
         f"seed {args.seed} (serve_trace.py's arrivals)",
-        f"- `flashdec.LLM(...)` construction: {built_s:.1f} s",
+        f"- `flashdec.LLM(...)` construction: {built['seconds']:.1f} s{_warm(built)}",
         f"- vLLM: {vllm.get('version') if vllm else 'not given (--vllm-json)'}",
         "",
         markdown_table(columns, table),
@@ -183,17 +186,27 @@ def plot(path: Path, rows: list[dict], vllm: dict | None) -> Path | None:
     )
 
 
+def _warm(built: dict) -> str:
+    warm = built.get("warm_start")
+    if warm is None:
+        return " (no CUDA graphs)"
+    return (
+        f", of which the warm start {warm['seconds']:.1f} s: {warm['graphs']} decode graphs "
+        f"for batch buckets {', '.join(map(str, warm['buckets']))}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = environment()
     vllm = json.loads(Path(args.vllm_json).read_text()) if args.vllm_json else None
-    rows, built_s = serve(args)
-    markdown = report(args, env, rows, built_s, vllm)
+    rows, built = serve(args)
+    markdown = report(args, env, rows, built, vllm)
     out_dir = Path(args.out_dir)
     png = plot(out_dir / f"{args.name}.png", rows, vllm)
     if png is not None:
         markdown += f"\n\n![latency against rate]({png.name})"
-    payload = {"environment": env, "args": vars(args), "construction_s": built_s, "rows": rows}
+    payload = {"environment": env, "args": vars(args), "construction": built, "rows": rows}
     payload["vllm"] = vllm
     md_path, _ = write_results(args.name, markdown, payload, out_dir)
     print(markdown)
