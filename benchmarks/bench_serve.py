@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-json", help="serve_trace.py --engine vllm's --json output")
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="FlashDec's prefix cache (default off, as serve_trace.py runs vLLM: pass 2 of a "
+        "trace would otherwise hit pass 1's prompts)",
+    )
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="serve")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small trace")
@@ -77,6 +84,7 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
         max_batch_size=args.max_batch,
         num_blocks=args.max_batch * (longest // 16 + 2) + 64,  # serve_trace.py's pool
         max_model_len=longest + 64,
+        enable_prefix_caching=args.prefix_caching,
     )
     built = {"seconds": time.perf_counter() - start}
     if llm.warm_start is not None:
@@ -147,7 +155,8 @@ def report(args, env: dict, rows: list[dict], built: dict, vllm: dict | None) ->
         environment_markdown(env),
         f"- trace: {args.requests} requests per rate, prompts {args.min_prompt}-{args.max_prompt} "
         f"random tokens, {args.new} new tokens, greedy, EOS ignored, max batch {args.max_batch}, "
-        f"seed {args.seed} (serve_trace.py's arrivals)",
+        f"seed {args.seed} (serve_trace.py's arrivals), prefix caching "
+        f"{'on' if args.prefix_caching else 'off'} (vLLM: off)",
         f"- `flashdec.LLM(...)` construction: {built['seconds']:.1f} s{_warm(built)}",
         f"- vLLM: {vllm.get('version') if vllm else 'not given (--vllm-json)'}",
         "",

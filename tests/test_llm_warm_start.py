@@ -144,3 +144,49 @@ def test_gpu_warm_start_fits_a_small_pool_and_serves_it():
         prompts, 8, ignore_eos=True
     )
     assert graphed._runner.graphs.eager_steps > 0  # the 5-request steps: bucket 8, not captured
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa"])
+@pytest.mark.parametrize("num_blocks", [None, 5, 2])  # 2: no room for a chunk
+def test_the_mixed_warm_up_steps_leave_nothing_behind(name, num_blocks):
+    """The warm start's mixed steps (one committed chunk, one aborted step over its context)
+    run on placeholders, which take their blocks with them: the pool is whole again."""
+    model = build_random_model(name, dtype=torch.float32, device="cpu", seed=0)
+    llm = flashdec.LLM(model, max_batch_size=4, num_blocks=num_blocks, cuda_graphs=False)
+    cache = llm.engine.cache
+    free = cache.num_free_blocks
+    with placeholder_requests(llm.engine, 4) as rids:
+        llm._runner._compile_mixed_steps(rids)
+        assert cache.metrics()["num_committed_transactions"] == (num_blocks != 2)
+    assert cache.num_free_blocks == free and cache.metrics()["num_requests"] == 0
+    cache.validate_invariants()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    want = flashdec.LLM(model, max_batch_size=4, num_blocks=num_blocks, cuda_graphs=False)
+    assert llm.generate(prompts, 6) == want.generate(prompts, 6)
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled for the mixed step's extend and its metadata check."""
+    from flashdec.kernels.paged_extend import _extend_kernel
+    from flashdec.kernels.validation import _decode_metadata_kernel
+
+    kernels = (_extend_kernel, _decode_metadata_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_gpu_serving_after_the_warm_start_compiles_no_kernel():
+    """Triton compiles a kernel per constexpr set and per class of its int arguments: after
+    the warm start, steps of every batch size and prompt length (chunked, beside decode rows,
+    over long and empty contexts) compile nothing: no prompt waits for a compile."""
+    model = _tiny("cuda", torch.bfloat16)
+    llm = flashdec.LLM(model, max_batch_size=16, max_model_len=512, max_num_batched_tokens=256)
+    compiled = _compiled_kernels()
+    vocab = model.config.vocab_size
+    for lens in ([300], [5, 17, 33], [2, 255, 100, 64, 3, 31, 16, 1, 7, 480], [129] * 16):
+        rids = [llm.add_request(p, 24, ignore_eos=True) for p in _prompts(vocab, lens)]
+        while llm.has_unfinished():
+            llm.step()
+        for rid in rids:
+            llm.release(rid)
+    assert _compiled_kernels() == compiled

@@ -181,33 +181,48 @@ class ModelRunner(StepExecutor):
 
     def warm_start(self) -> WarmStart:
         """Before the first request (the engine idle): capture every decode graph, then
-        compile the mixed step's kernels with one aborted step, all on placeholder requests."""
+        compile the mixed steps' kernels, all on placeholder requests."""
         engine = self.engine
         rows = min(self.graphs.buckets[-1], free_rows(engine))
         with placeholder_requests(engine, rows) as rids:
             self._ensure_slots()  # the graphs read last_tokens: sized for the rows first
             report = self.graphs.capture_all(rids)
-            self._compile_mixed_step(rids)
+            self._compile_mixed_steps(rids)
         return report
 
-    def _compile_mixed_step(self, rids: list) -> None:
-        """One mixed step (a decode row and a prompt chunk of up to 128 tokens), aborted: its
-        extend kernels are compiled before a prompt waits for them."""
+    def _compile_mixed_steps(self, rids: list) -> None:
+        """Mixed steps before serving, so that no prompt waits for a kernel compile: a prompt
+        chunk, committed, leaves a long context; then, per query tile height, a chunk alone
+        (single-pass extend) and beside a decode row over that context (split-KV), aborted.
+        The placeholders take the committed blocks with them."""
         engine = self.engine
         cache = engine.cache
-        room = (free_rows(engine) - 1) * min(spec.block_size for spec in cache.kv_groups)
-        chunk = min(128, engine.max_tokens_per_request_step or 128, max_table_tokens(cache), room)
-        if chunk < 2:
+        # the committed chunk and a later step's chunk fit together, with a block to spare each
+        room = (free_rows(engine) - 2) * min(spec.block_size for spec in cache.kv_groups) // 2
+        limit = engine.max_tokens_per_request_step or 1024
+        chunk = min(1024, limit, max_table_tokens(cache) - 1, room)
+        if chunk < 2 or len(rids) < 2:
             return  # no room for a chunk: the first prompt compiles them
-        counts = [1, chunk][-len(rids) :]
+        self._placeholder_step(rids[:1], [chunk], commit=True)
+        group = self.spec.num_q_heads // self.spec.num_kv_heads
+        # one query length per tile height (16..128 rows of tokens x group heads)
+        for n in sorted({min(chunk, max(2, rows // group)) for rows in (16, 32, 64, 128)}):
+            self._placeholder_step(rids[1:2], [n], commit=False)  # no context: single pass
+            self._placeholder_step(rids[:2], [1, n], commit=False)  # a long one: split-KV
+
+    def _placeholder_step(self, rids: list, counts: list[int], *, commit: bool) -> None:
+        engine = self.engine
         device = self.spec.device
-        tx = engine.begin_step(rids[: len(counts)], num_tokens=counts)
+        tx = engine.begin_step(rids, num_tokens=counts)
         try:
             ids = torch.zeros(sum(counts), dtype=torch.long, device=device)
             last_rows = torch.tensor(counts, device=device).cumsum(0) - 1
             self.adapter.decode(ids, self._attention(tx), logits_rows=last_rows)
+            if commit:
+                engine.commit_step(tx)
         finally:
-            engine.abort_step(tx)
+            if engine.has_open_step:
+                engine.abort_step(tx)
 
     def request_generator(self, sampling: SamplingParams) -> torch.Generator:
         """A seeded request's own generator (its samples then do not depend on the batch);

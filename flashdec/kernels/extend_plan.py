@@ -58,6 +58,9 @@ from flashdec.kernels.decode_plan import (
 # bound; head_dim 256 halves it (the fp32 accumulator is BLOCK_M x 256).
 PREFILL_BLOCK_M = 128
 PREFILL_BLOCK_M_256 = 64
+# The batch scan's width (a constexpr): at least 64 so that every batch of a serving loop with up
+# to 64 requests shares one compiled kernel (a wider masked scan costs nothing measurable).
+MIN_BLOCK_B = 64
 # K+V bytes per loop step of a prompt chunk's tile (in q's dtype).
 PREFILL_TILE_BYTES = 32 * 1024
 # A split of a 128-row tile writes and merges 128 partial rows: longer splits than decode's.
@@ -126,7 +129,7 @@ class ExtendPlan:
     num_warps: int
     num_stages: int
     max_tiles: int  # the grid's tile slots: an upper bound over every batch the plan serves
-    block_b: int  # requests scanned to find a tile's request (power of two >= batch)
+    block_b: int  # requests scanned to find a tile's request (power of two >= batch, >= 64)
     sm_count: int
     window: int | None = None  # sliding window: query at p attends to (p - window, p]
     kv_dtype: torch.dtype | None = None  # the cache's dtype (None: q's); float8_e4m3fn = FP8
@@ -364,7 +367,7 @@ def plan_extend(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         max_tiles=tiles,
-        block_b=next_power_of_2(batch),
+        block_b=max(MIN_BLOCK_B, next_power_of_2(batch)),
         sm_count=num_sms,
         window=window,
         kv_dtype=kv_dtype,

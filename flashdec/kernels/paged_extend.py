@@ -231,7 +231,9 @@ def _merge_tile(
     return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
 
 
-@triton.jit
+# ints that change from step to step are not specialised on (Triton would compile a kernel per
+# value class: == 1, multiple of 16), so a serving run meets no compile after its warm start
+@triton.jit(do_not_specialize=["batch", "num_splits", "tokens_per_split"])
 def _extend_kernel(
     q_ptr,
     k_ptr,

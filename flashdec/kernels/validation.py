@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import AppendStats, PagedDecodeDims, PagedDecodeStats, QueryLenStats
-from flashdec.kernels._runtime import Launcher, next_power_of_2
+from flashdec.kernels._runtime import Launcher
 
 # stands for "no value" in the min/max reductions (ids and lengths are far smaller)
 _BIG = tl.constexpr(2**62)
@@ -39,7 +39,7 @@ _DECODE_TILE = 1024  # table entries per loop step of one program
 _APPEND_COLS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])  # one kernel for every batch size (no recompiles)
 def _decode_metadata_kernel(
     tables_ptr,
     lens_ptr,
@@ -124,7 +124,7 @@ def _decode_metadata_kernel(
         tl.store(out + 8, tl.sum(q_sum, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])  # one kernel for every batch size (no recompiles)
 def _append_metadata_kernel(
     ids_ptr,
     offsets_ptr,
@@ -184,10 +184,6 @@ _DECODE_METADATA = Launcher(_decode_metadata_kernel)
 _APPEND_METADATA = Launcher(_append_metadata_kernel)
 
 
-def _rows_per_program(batch: int, most: int) -> int:
-    return max(2, min(most, next_power_of_2(batch)))
-
-
 def decode_metadata_stats(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -225,7 +221,7 @@ def _metadata_columns(
     window: int | None,
 ) -> list[tuple[int, ...]]:
     """The stats kernel's output, one tuple per slot over its programs (the one read)."""
-    rows = _rows_per_program(dims.batch, 16)
+    rows = 16  # fixed: a constexpr per batch size would compile a kernel per size class
     programs = min(triton.cdiv(dims.batch, rows), _MAX_PROGRAMS)
     out = torch.empty(programs, _STATS_WIDTH.value, dtype=torch.int64, device=seq_lens.device)
     qlens = seq_lens if query_lens is None else query_lens  # a stand-in pointer, never read
@@ -266,7 +262,7 @@ def append_metadata_stats(
     """:class:`AppendStats` of validated-shape slot metadata (batch > 0): one launch, one small
     read."""
     batch = block_ids.shape[0]
-    rows = _rows_per_program(batch, 32)
+    rows = 32  # fixed, as in _metadata_columns
     programs = min(triton.cdiv(batch, rows), _MAX_PROGRAMS)
     out = torch.empty(programs, _STATS_WIDTH.value, dtype=torch.int64, device=block_ids.device)
     has_positions = positions is not None
