@@ -10,7 +10,7 @@ import contextlib
 import os
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,3 +146,12 @@ def own_blas_workspace() -> Iterator[None]:
     finally:
         if clear is not None:
             clear()
+
+
+def upload(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` on ``device`` without a wait: a pageable host-to-GPU copy synchronises the
+    stream, so a GPU gets them through pinned memory, asynchronously (torch's pinned allocator
+    keeps the staging buffer until the copy has run)."""
+    on_gpu = device.type == "cuda"
+    host = torch.tensor(values, dtype=dtype, pin_memory=on_gpu)
+    return host.to(device, non_blocking=on_gpu)

@@ -45,6 +45,7 @@ from flashdec.engine.layer_ops import (
     check_prompt_layers,
     check_step_inputs,
     extend_attention,
+    extend_workspace,
     torch_paged_decode,
     write_plain_layer,
     write_rope_layer,
@@ -54,7 +55,7 @@ from flashdec.engine.states import FROM_CACHE, EngineRequestState
 from flashdec.engine.step import CapturedStep, OpenStep, StepResult
 from flashdec.engine.submissions import SubmissionQueue
 from flashdec.kernels import triton_runs_on
-from flashdec.runtime import own_blas_workspace
+from flashdec.runtime import own_blas_workspace, upload
 from flashdec.scheduler import (
     BlockAwareScheduler,
     RequestSpec,
@@ -431,7 +432,7 @@ class DecodeEngine:
         starts = view.host_seq_lens.tolist()
         after = [s + n for s, n in zip(starts, counts, strict=True)]
         step = OpenStep("extend", view, self._all_group_slots(view), starts, after)
-        step.query_lens = torch.tensor(counts, dtype=torch.int32, device=cache.device)
+        step.query_lens = upload(counts, cache.device, torch.int32)  # no wait for the GPU
         self._open = step
         return view
 
@@ -503,6 +504,12 @@ class DecodeEngine:
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
+        workspace = step.extend[g]
+        if workspace is None and self.decode_backend == "triton":
+            counts = [a - s for a, s in zip(step.seq_lens_after, step.positions, strict=True)]
+            workspace = step.extend[g] = extend_workspace(
+                self.cache, g, q_rot.shape[1], q_rot.dtype, counts, step.max_len_after
+            )
         return extend_attention(
             self.decode_backend,
             q_rot,
@@ -514,6 +521,7 @@ class DecodeEngine:
             self._sm_scales[g],
             self._windows[g],
             *self._scales[g],
+            workspace,
         )
 
     def commit_step(self, tx, accept: Sequence[int] | None = None) -> StepResult:

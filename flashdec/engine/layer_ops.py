@@ -30,11 +30,13 @@ from flashdec.kernels import (
     BoundLayerAttention,
     DecodePlan,
     DecodeWorkspace,
+    ExtendWorkspace,
     extend,
     launch_decode,
     launch_fused_rope_kv_append,
     launch_kv_append,
     plan_decode,
+    plan_extend,
 )
 from flashdec.reference import (
     apply_rope,
@@ -210,11 +212,30 @@ def extend_attention(
     window: int | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    workspace: ExtendWorkspace | None = None,
 ) -> torch.Tensor:
     """The new tokens' attention ``[T, Hq, D]`` over a layer's cache (their K/V stored): the
-    ``triton`` extend kernel, or the ``torch`` reference (float32 math) in q's dtype."""
-    attend = extend if backend == "triton" else paged_extend_attention_ref
-    out = attend(
+    ``triton`` extend kernel, or the ``torch`` reference (float32 math) in q's dtype.
+
+    ``workspace`` (triton, from :func:`extend_workspace`): the step's plan, made from the
+    lengths the host knows, so the kernel runs without reading the metadata back (the cache
+    reserved it: trusted, as decode's)."""
+    if backend == "triton":
+        extra = {} if workspace is None else {"workspace": workspace, "out": torch.empty_like(q)}
+        return extend(
+            q,
+            k_layer,
+            v_layer,
+            block_tables,
+            seq_lens,
+            query_lens,
+            sm_scale,
+            window=window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **extra,
+        )
+    out = paged_extend_attention_ref(
         q,
         k_layer,
         v_layer,
@@ -227,6 +248,35 @@ def extend_attention(
         v_scale=v_scale,
     )
     return out.to(q.dtype)
+
+
+def extend_workspace(
+    cache: PagedKVCache,
+    group: int,
+    num_q_heads: int,
+    dtype: torch.dtype,
+    query_lens: Sequence[int],
+    max_seq_len: int,
+) -> ExtendWorkspace:
+    """The extend plan and workspace of KV group ``group`` for one step: ``query_lens`` new
+    tokens per request, the longest request ``max_seq_len`` tokens after the step."""
+    spec = cache.kv_groups[group]
+    plan = plan_extend(
+        len(query_lens),
+        sum(query_lens),
+        num_q_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        max_seq_len,
+        dtype,
+        cache.device,
+        max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
+        max_query_len=max(query_lens),
+        window=spec.window,
+        kv_dtype=spec.dtype,
+    )
+    return ExtendWorkspace.allocate(plan)
 
 
 def max_table_tokens(cache: PagedKVCache) -> int:

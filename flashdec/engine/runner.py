@@ -31,6 +31,7 @@ from flashdec.engine.sampling import (
     probabilities,
     sample,
 )
+from flashdec.runtime import upload
 from flashdec.speculative import (
     DraftController,
     NgramDrafter,
@@ -87,15 +88,6 @@ def now(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def _upload(values: Sequence, device: torch.device) -> torch.Tensor:
-    """int64 ``values`` on ``device`` without a wait: a pageable host-to-GPU copy synchronises
-    the stream, so a GPU gets them through pinned memory, asynchronously (torch's pinned
-    allocator keeps the staging buffer until the copy has run)."""
-    on_gpu = device.type == "cuda"
-    host = torch.tensor(values, dtype=torch.long, pin_memory=on_gpu)
-    return host.to(device, non_blocking=on_gpu)
 
 
 class ModelRunner(StepExecutor):
@@ -216,7 +208,7 @@ class ModelRunner(StepExecutor):
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
             ids = torch.zeros(sum(counts), dtype=torch.long, device=device)
-            last_rows = torch.tensor(counts, device=device).cumsum(0) - 1
+            last_rows = upload(counts, device).cumsum(0) - 1
             self.adapter.decode(ids, self._attention(tx), logits_rows=last_rows)
             if commit:
                 engine.commit_step(tx)
@@ -267,7 +259,7 @@ class ModelRunner(StepExecutor):
             return tokens
         tokens = tokens.clone()  # greedy_ids may be a CUDA graph's output: never written
         for req, rows in groups.values():
-            index = torch.tensor(rows, device=logits.device)
+            index = upload(rows, logits.device)
             sampled = sample(logits.index_select(0, index), req.sampling, req.generator)
             tokens.index_copy_(0, index, sampled)
         return tokens
@@ -433,10 +425,10 @@ class ModelRunner(StepExecutor):
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
             slots = cache.transaction_slots(tx).request_slots
-            ids = _upload(flat, device)
+            ids = upload(flat, device)
             ids.index_copy_(
                 0,
-                _upload(firsts, device),
+                upload(firsts, device),
                 self.last_tokens.index_select(0, slots[: len(live)]),
             )
             pieces = [ids] + [
@@ -446,7 +438,7 @@ class ModelRunner(StepExecutor):
             logits = self.adapter.decode(
                 torch.cat(pieces),
                 self._attention(tx),
-                logits_rows=_upload(rows, device),
+                logits_rows=upload(rows, device),
             )
             first_rids = [chunks[i][0] for i in ending]
             emitted, accepted = self._verify(logits, live, drafted, first_rids)
@@ -468,8 +460,8 @@ class ModelRunner(StepExecutor):
             self._accepted[rid] = taken
         for rid in skipped:
             self._served[rid] = 0
-        index = _upload([*range(len(live)), *(len(live) + i for i in ending)], device)
-        last = _upload([e[-1] for e in emitted], device)
+        index = upload([*range(len(live)), *(len(live) + i for i in ending)], device)
+        last = upload([e[-1] for e in emitted], device)
         self.last_tokens.index_copy_(0, slots.index_select(0, index), last)
         counters = self.counters
         counters["draft_tokens"] += sum(map(len, drafted))
@@ -493,7 +485,7 @@ class ModelRunner(StepExecutor):
             if rid in self.sampled:
                 req = self.requests[rid]
                 probs = probabilities(logits[row : row + width], req.sampling)
-                drafts = _upload([draft], logits.device).view(1, len(draft))
+                drafts = upload([draft], logits.device).view(1, len(draft))
                 draws += accept_sampled(probs.unsqueeze(0), drafts, req.generator)
             row += width
         chosen = self._choose(logits[row:], greedy[row:], first_rids) if first_rids else None
@@ -540,8 +532,8 @@ class ModelRunner(StepExecutor):
             if start + n == self.requests[rid].prompt.shape[0]
         ]
         device = self.spec.device
-        index = torch.tensor(sampled, dtype=torch.long, device=device)
-        last_rows = (torch.tensor(counts, device=device).cumsum(0) - 1).index_select(0, index)
+        index = upload(sampled, device)
+        last_rows = (upload(counts, device).cumsum(0) - 1).index_select(0, index)
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
             slots = cache.transaction_slots(tx).request_slots

@@ -8,6 +8,7 @@ import torch
 
 from flashdec.cache import TokenTransactionView
 from flashdec.engine.layer_ops import DecodeState
+from flashdec.kernels import ExtendWorkspace
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class OpenStep:
         "backups",
         "bound",
         "decode",
+        "extend",
         "group_slots",
         "kind",
         "layer_outputs",
@@ -68,6 +70,8 @@ class OpenStep:
         self.plan_len = self.max_len_after  # the length decode plans are sized for
         count = len(group_slots)
         self.decode: list[DecodeState | None] = [None] * count
+        # an extend step's plan and workspace per group, made by its first layer (host lengths)
+        self.extend: list[ExtendWorkspace | None] = [None] * count
         # [layers of the group, rows, Hq, D]: every layer's attention, and its views per layer
         self.outputs: list[torch.Tensor | None] = [None] * count
         self.layer_outputs: list[tuple[torch.Tensor, ...]] = [()] * count
