@@ -171,6 +171,26 @@ def report(args, env: dict, rows: list[dict], built: dict, vllm: dict | None) ->
             "",
             markdown_table(["rate /s", "TTFT p50", "TTFT p99", "TPOT p50", "out tok/s"], ratios),
         ]
+    steps = [
+        [
+            fmt(r["rate"], 0),
+            r["pass_"] + 1,
+            f"{fmt(r['decode_step']['p50_ms'], 1)} / {fmt(r['decode_step']['p99_ms'], 1)}",
+            f"{fmt(r['mixed_step']['p50_ms'], 1)} / {fmt(r['mixed_step']['max_ms'], 1)}",
+            r["kernel_builds"],
+        ]
+        for r in rows
+    ]
+    lines += [
+        "",
+        "FlashDec's steps (wall time of `LLM.step`; mixed: with prompt chunks) and the Triton "
+        "kernels built during each pass (each one stalls a step):",
+        "",
+        markdown_table(
+            ["rate /s", "pass", "decode p50 / p99 ms", "mixed p50 / max ms", "kernels built"],
+            steps,
+        ),
+    ]
     incomplete = [f"{r['rate']}/s pass {r['pass_'] + 1}" for r in rows if not r["all_done"]]
     lines += ["", f"Incomplete runs: {', '.join(incomplete) or 'none'}."]
     return "\n".join(lines)

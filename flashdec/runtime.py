@@ -155,3 +155,35 @@ def upload(values: Sequence, device: torch.device, dtype: torch.dtype = torch.lo
     on_gpu = device.type == "cuda"
     host = torch.tensor(values, dtype=dtype, pin_memory=on_gpu)
     return host.to(device, non_blocking=on_gpu)
+
+
+class KernelBuilds:
+    """Counts the Triton kernels built in this process while active (compiled, or loaded from
+    Triton's disk cache): each one stalls the step that needs it for 50 ms to seconds, so a
+    serving run after the warm start should count none. ``names``: builds per kernel."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.names: dict[str, int] = {}
+        self._previous = None
+
+    def _hook(self, **kwargs) -> None:
+        self.count += 1
+        fn = kwargs.get("fn")
+        name = getattr(getattr(fn, "fn", fn), "__name__", "?")
+        self.names[name] = self.names.get(name, 0) + 1
+        if self._previous is not None:
+            self._previous(**kwargs)
+
+    def __enter__(self) -> KernelBuilds:
+        import triton  # here, not at import: the interpreter must be chosen before Triton loads
+
+        runtime = triton.knobs.runtime
+        self._previous = runtime.jit_post_compile_hook
+        runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import triton
+
+        triton.knobs.runtime.jit_post_compile_hook = self._previous

@@ -190,3 +190,25 @@ def test_gpu_serving_after_the_warm_start_compiles_no_kernel():
         for rid in rids:
             llm.release(rid)
     assert _compiled_kernels() == compiled
+
+
+def test_kernel_builds_counts_through_tritons_hook_and_restores_it():
+    import triton
+
+    from flashdec.runtime import KernelBuilds
+
+    seen = []
+    runtime = triton.knobs.runtime
+    before = runtime.jit_post_compile_hook
+    earlier = runtime.jit_post_compile_hook = lambda **kw: seen.append(kw)  # one already there
+    try:
+        with KernelBuilds() as builds:
+            hook = runtime.jit_post_compile_hook
+            fn = type("JIT", (), {"fn": _tiny})()  # what Triton passes: the JITFunction
+            hook(fn=fn, key="k")
+            hook(fn=fn, key="k2")
+        assert builds.count == 2 and builds.names == {"_tiny": 2}
+        assert len(seen) == 2  # the earlier hook still ran
+        assert runtime.jit_post_compile_hook is earlier  # restored on exit
+    finally:
+        runtime.jit_post_compile_hook = before

@@ -8,11 +8,13 @@ time between its later tokens. Timestamps are taken when a step's tokens reach t
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from flashdec.runtime import KernelBuilds, triton_mode
 from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.generation import transformers_greedy
 from flashdec.workloads.stats import LatencyStats, SpeculationStats
@@ -30,6 +32,10 @@ class ServeBenchResult:
     # with ``config.compare``: requests whose tokens equal transformers' greedy ones (else None)
     matches_transformers: int | None = None
     speculation: SpeculationStats | None = None  # with speculative decoding on
+    # wall time of the loop's steps: decode-only ones, and those with prompt chunks (mixed)
+    decode_step: LatencyStats | None = None
+    mixed_step: LatencyStats | None = None
+    kernel_builds: int = 0  # Triton kernels built during the pass (each one stalls a step)
 
     @property
     def output_tok_s(self) -> float:
@@ -43,6 +49,16 @@ class ServeBenchResult:
             ("output tokens/s", f"{self.output_tok_s:,.0f}"),
             ("steps, largest batch", f"{self.steps}, {self.max_batch}"),
         ]
+        for label, stats in (("decode", self.decode_step), ("mixed", self.mixed_step)):
+            if stats is not None and stats.count:
+                rows.append(
+                    (
+                        f"{label} steps: count, p50 / p99 / max",
+                        f"{stats.count}, {stats.p50_ms:.1f} / {stats.p99_ms:.1f} / "
+                        f"{stats.max_ms:.1f} ms",
+                    )
+                )
+        rows.append(("Triton kernels built during the run", str(self.kernel_builds)))
         if self.speculation is not None:
             rows += self.speculation.rows()
         if self.matches_transformers is not None:
@@ -69,6 +85,9 @@ class ServeBenchResult:
             "max_batch": self.max_batch,
             "matches_transformers": self.matches_transformers,
             "speculation": None if self.speculation is None else asdict(self.speculation),
+            "decode_step": None if self.decode_step is None else self.decode_step.as_dict(),
+            "mixed_step": None if self.mixed_step is None else self.mixed_step.as_dict(),
+            "kernel_builds": self.kernel_builds,
         }
 
 
@@ -114,35 +133,42 @@ def run_serve_benchmark(
         vocab_size=llm.adapter.spec.vocab_size,
     )
     counted = llm.speculative_counters()
-    start = time.perf_counter()
-    arrived_at, rids, running = {}, [], set()
-    steps = max_batch = done = 0
-    next_arrival = 0
-    try:
-        while next_arrival < len(arrivals) or llm.has_unfinished():
-            now = time.perf_counter() - start
-            while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= now:
-                rid = llm.add_request(
-                    arrivals[next_arrival][1], config.max_new_tokens, ignore_eos=True
-                )
-                arrived_at[rid] = start + arrivals[next_arrival][0]
-                rids.append(rid)
-                running.add(rid)
-                next_arrival += 1
-            if llm.has_unfinished():
-                record = llm.step()
-                if record is not None:
-                    steps += 1
-                    max_batch = max(max_batch, len(record.served))
-                if progress is not None:  # O(running) per step, not O(all requests)
-                    ended = {r for r in running if llm.request_timing(r).finished_at is not None}
-                    running -= ended
-                    done += len(ended)
-                    progress(done, config.num_requests)
-            else:  # idle until the next arrival
-                time.sleep(max(0.0, arrivals[next_arrival][0] - now))
-    finally:
-        llm.loop.close()
+    # kernels a GPU builds mid-run (the interpreter builds none)
+    builds = KernelBuilds() if triton_mode() == "native" else None
+    with builds or contextlib.nullcontext():
+        start = time.perf_counter()
+        arrived_at, rids, running = {}, [], set()
+        steps = max_batch = done = 0
+        step_s: dict[bool, list[float]] = {False: [], True: []}  # by "had prompt chunks"
+        next_arrival = 0
+        try:
+            while next_arrival < len(arrivals) or llm.has_unfinished():
+                now = time.perf_counter() - start
+                while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= now:
+                    rid = llm.add_request(
+                        arrivals[next_arrival][1], config.max_new_tokens, ignore_eos=True
+                    )
+                    arrived_at[rid] = start + arrivals[next_arrival][0]
+                    rids.append(rid)
+                    running.add(rid)
+                    next_arrival += 1
+                if llm.has_unfinished():
+                    began = time.perf_counter()
+                    record = llm.step()
+                    if record is not None:
+                        step_s[bool(record.prefilled)].append(time.perf_counter() - began)
+                        steps += 1
+                        max_batch = max(max_batch, len(record.served))
+                    if progress is not None:  # O(running) per step, not O(all requests)
+                        timing = llm.request_timing
+                        ended = {r for r in running if timing(r).finished_at is not None}
+                        running -= ended
+                        done += len(ended)
+                        progress(done, config.num_requests)
+                else:  # idle until the next arrival
+                    time.sleep(max(0.0, arrivals[next_arrival][0] - now))
+        finally:
+            llm.loop.close()
     elapsed = time.perf_counter() - start
     speculation = None
     if llm.speculative is not None:
@@ -175,4 +201,7 @@ def run_serve_benchmark(
         max_batch=max_batch,
         matches_transformers=matches,
         speculation=speculation,
+        decode_step=LatencyStats.from_seconds(step_s[False]),
+        mixed_step=LatencyStats.from_seconds(step_s[True]),
+        kernel_builds=0 if builds is None else builds.count,
     )
