@@ -238,7 +238,7 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
     slots = engine.cache.transaction_slots(tx)
     from flashdec.engine.layer_ops import write_rope_layer
 
-    state = engine._decode_states[0]
+    state = engine.attention.decode_states[0]
     scales = engine.cache.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
 
     def attention_only():

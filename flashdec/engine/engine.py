@@ -12,10 +12,11 @@ per layer (a thin launch of RoPE + append and decode over fixed-address buffers)
 ``commit_step``. Once ``begin_step`` has run, the layers of a step can be captured in a CUDA
 graph (``capture_step``) and replayed for later steps of the same batch (``replay_step``).
 
-Over a cache with several KV layer groups (SPEC §8.2) each layer runs in its group: its storage,
-block tables and lengths, its geometry (RoPE and the softmax scale follow the group's head_dim)
-and its sliding window; each group has its own decode plan, workspace and bound launch per step.
-One group is the normal case of the same path (no separate one-group methods).
+How a layer's attention runs — RoPE + append, then decode or extend, in the layer's KV group
+(SPEC §8.2: its storage, tables, geometry and window; its own plan, workspace and bound launch per
+step) — is :class:`~flashdec.engine.attention.StepAttention`'s (``engine.attention``); the engine
+decides which step is open and whether a layer may run. One group is the normal case of the same
+path (no separate one-group methods).
 """
 
 from __future__ import annotations
@@ -27,29 +28,15 @@ from typing import Any, TypeVar
 import torch
 
 from flashdec._checks import (
-    FLOAT_DTYPES,
     check_choice,
     check_positive_int,
     check_request_id,
-    check_tensor,
     check_token_counts,
-    resolve_sm_scale,
 )
 from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
-from flashdec.engine.layer_ops import (
-    APPEND_BACKENDS,
-    DECODE_BACKENDS,
-    DecodeState,
-    Rope,
-    check_prompt_layers,
-    check_step_inputs,
-    extend_attention,
-    extend_workspace,
-    torch_paged_decode,
-    write_plain_layer,
-    write_rope_layer,
-)
+from flashdec.engine.attention import StepAttention, activation_dtype_of
+from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS, check_prompt_layers
 from flashdec.engine.snapshot import cache_group_shapes
 from flashdec.engine.states import FROM_CACHE, EngineRequestState
 from flashdec.engine.step import CapturedStep, OpenStep, StepResult
@@ -105,18 +92,7 @@ class DecodeEngine:
         append_backend = check_choice("append_backend", append_backend, APPEND_BACKENDS)
         decode_backend = check_choice("decode_backend", decode_backend, DECODE_BACKENDS)
         specs = cache.kv_groups
-        self.activation_dtype = _activation_dtype(specs, activation_dtype)
-        # per group: the FP8 scales (cache-owned device tensors: fixed addresses) or None
-        self._scales = tuple(cache.group_kv_scales(g) or (None, None) for g in range(len(specs)))
-        # per group: RoPE and the softmax scale follow the group's head_dim
-        self._ropes = tuple(
-            Rope.build(spec.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
-            for spec in specs
-        )
-        self._sm_scales = tuple(resolve_sm_scale(sm_scale, spec.head_dim) for spec in specs)
-        self._windows = tuple(spec.window for spec in specs)
-        self.rope = self._ropes[0]
-        self.sm_scale = self._sm_scales[0]
+        self.activation_dtype = activation_dtype_of(specs, activation_dtype)
         if not triton_runs_on(cache.device) and "torch" not in (append_backend, decode_backend):
             log.warning(
                 "Triton kernels cannot run on %s tensors in this process (set TRITON_INTERPRET=1 "
@@ -128,26 +104,27 @@ class DecodeEngine:
         self.cache = cache
         self.append_backend = append_backend
         self.decode_backend = decode_backend
-        self._fused_triton = (append_backend, decode_backend) == ("fused", "triton")
-        self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
+        # how a layer's attention runs in its group (RoPE, append, decode / extend)
+        self.attention = StepAttention(
+            cache,
+            append_backend,
+            decode_backend,
+            self.activation_dtype,
+            rotary_dim,
+            rope_base,
+            sm_scale,
+            rope_inv_freq,
+        )
+        self.rope = self.attention.ropes[0]
+        self.sm_scale = self.attention.sm_scales[0]
+        self._windows = self.attention.windows
         self._num_groups = len(specs)
         self._num_layers = cache.num_layers
         self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
-        # each layer's index inside its group (its row of the group's per-step outputs)
-        self._layer_local = tuple(
-            cache.group_layers(g).index(i) for i, g in enumerate(self._layer_groups)
-        )
-        self._group_views = tuple(
-            [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
-        )
-        # per group: the decode plan reused while the layout holds
-        self._decode_states: list[DecodeState | None] = [None] * len(specs)
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
         self._dtype = self.activation_dtype
-        # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
-        self._device_index = cache.device.index if cache.device.type == "cuda" else -1
         self._open: OpenStep | None = None
         self._capturing = False
         # the lifecycle before and beside the cache; what stays of a terminal request is
@@ -377,7 +354,7 @@ class DecodeEngine:
                 return self._begin_extend(request_ids, counts)
         cache = self.cache
         # the fused append saves the old slot bytes for abort in its own launch
-        by_writer = self._fused_triton
+        by_writer = self.attention.fused_triton
         try:  # the cache validates the batch (in O(1) when it is the last step's)
             view = cache.begin_token(request_ids, pad_to=pad_to, backup_by_writer=by_writer)
         except (ValueError, RuntimeError):
@@ -446,83 +423,34 @@ class DecodeEngine:
     def step_layer(
         self, tx, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """RoPE + append + decode for one layer; any failure aborts the whole token.
+        """RoPE + append + attention for one layer; any failure aborts the whole step.
 
-        Returns the attention output ``[rows, Hq, D]`` of the rotated q over the cache including
-        the new token. After an automatic abort, outputs of earlier layers must be discarded.
+        Returns the attention output of the rotated q over the cache including the new
+        token(s): ``[rows, Hq, D]`` (decode) or ``[sum(num_tokens), Hq, D]`` (extend). After an
+        automatic abort, outputs of earlier layers must be discarded.
         """
         step = self._require_open_step(tx)
         try:
-            if step.kind != "decode":
-                return self._extend_layer(step, layer_idx, q, k, v)
-            groups = self._layer_groups  # the layer's KV group (_group_of, inlined: per layer)
+            groups = self._layer_groups  # the layer's KV group, looked up inline (per layer)
             if type(layer_idx) is int and 0 <= layer_idx < self._num_layers:
                 g = groups[layer_idx]
             else:
                 g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
-            self._check_layer_inputs(step, g, q, k, v)
+            if step.kind != "decode":
+                if step.kind != "extend":
+                    raise RuntimeError(
+                        f"step {step.transaction_id} is a prefill transaction; use prefill_layer"
+                    )
+                return self.attention.extend_layer(step, layer_idx, g, q, k, v)
             if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "step_layer is being captured in a CUDA graph outside capture_step: the "
                     "engine would count layers the graph has not run yet; use capture_step"
                 )
-            if self._fused_triton:
-                return self._fast_layer(step, layer_idx, g, q, k, v)
-            q_rot = self._write_rope(step, layer_idx, g, q, k, v)
-            return self._decode_layer(step, layer_idx, g, q_rot)
+            return self.attention.decode_layer(step, layer_idx, g, q, k, v)
         except BaseException:
             self._abort_open_step()
             raise
-
-    def _group_of(self, layer_idx: object) -> int:
-        """The KV group of a layer (TypeError / ValueError for a bad index)."""
-        if type(layer_idx) is int and 0 <= layer_idx < len(self._layer_groups):
-            return self._layer_groups[layer_idx]
-        return self.cache.layer_group(layer_idx)
-
-    def _write_rope(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
-        """RoPE + append of one layer through the cache with the append backend, unbound (the
-        decode step's fast path binds its launches instead); returns the rotated q."""
-        backend, rope, (k_scale, v_scale) = self.append_backend, self._ropes[g], self._scales[g]
-        return self.cache.write_token_layer_with(
-            step.transaction_id,
-            layer_idx,
-            lambda k_layer, v_layer, slots: write_rope_layer(
-                backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
-            ),
-        )
-
-    def _extend_layer(self, step: OpenStep, layer_idx: int, q, k, v) -> torch.Tensor:
-        """``step_layer`` of an extend step: RoPE + append of every new token, then each new
-        token attends to its request's context and the new tokens up to itself."""
-        if step.kind != "extend":
-            raise RuntimeError(
-                f"step {step.transaction_id} is a prefill transaction; use prefill_layer"
-            )
-        g = self._group_of(layer_idx)
-        q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self._dtype)
-        slots = step.group_slots[g]
-        q_rot = self._write_rope(step, layer_idx, g, q, k, v)
-        k_layer, v_layer = self._layer_views[layer_idx]
-        workspace = step.extend[g]
-        if workspace is None and self.decode_backend == "triton":
-            counts = [a - s for a, s in zip(step.seq_lens_after, step.positions, strict=True)]
-            workspace = step.extend[g] = extend_workspace(
-                self.cache, g, q_rot.shape[1], q_rot.dtype, counts, step.max_len_after
-            )
-        return extend_attention(
-            self.decode_backend,
-            q_rot,
-            k_layer,
-            v_layer,
-            slots.block_tables,
-            slots.seq_lens_after,
-            step.query_lens,
-            self._sm_scales[g],
-            self._windows[g],
-            *self._scales[g],
-            workspace,
-        )
 
     def commit_step(self, tx, accept: Sequence[int] | None = None) -> StepResult:
         """Publish the step: request ``i``'s seq_len grows by ``accept[i]`` of its new tokens
@@ -623,26 +551,7 @@ class DecodeEngine:
         keeps only the rows its window needs; any failure aborts the whole import."""
         step = self._require_open_step(tx, "prefill")
         try:
-            cache = self.cache
-            rows = step.num_tokens
-            g = cache.layer_group(layer_idx)
-            spec = cache.kv_groups[g]
-            for name, t in (("k", k), ("v", v)):
-                check_tensor(name, t, ndim=3, dtypes=(self._dtype,), device=cache.device)
-                if tuple(t.shape) != (rows, spec.num_kv_heads, spec.head_dim):
-                    raise ValueError(
-                        f"{name} must have shape {(rows, spec.num_kv_heads, spec.head_dim)}, "
-                        f"got {tuple(t.shape)}"
-                    )
-            backend = "torch" if self.append_backend == "torch" else "triton"
-            k_scale, v_scale = self._scales[g]
-            cache.write_token_layer_with(
-                step.transaction_id,
-                layer_idx,
-                lambda k_layer, v_layer, slots: write_plain_layer(
-                    backend, k, v, k_layer, v_layer, slots, k_scale, v_scale
-                ),
-            )
+            self.attention.import_layer(step, layer_idx, self.cache.layer_group(layer_idx), k, v)
         except BaseException:
             self._abort_open_step()
             raise
@@ -731,136 +640,7 @@ class DecodeEngine:
         self._open = None
         self.cache.abort_token(tx_id)
 
-    def _check_layer_inputs(self, step: OpenStep, g: int, q, k, v) -> None:
-        """Checks of a layer's inputs in its group ``g`` (its Hkv, D); after the group's first
-        layer only a comparison with that layer's shapes, dtype and device."""
-        seen = step.shapes[g]
-        try:  # the common case: the shapes, dtype and device of the group's first layer
-            device = self._device_index
-            if (
-                seen is not None
-                and q.shape == seen[0]
-                and k.shape == seen[1]
-                and v.shape == seen[1]
-                and q.dtype is self._dtype
-                and k.dtype is q.dtype
-                and v.dtype is q.dtype
-                and q.get_device() == device
-                and k.get_device() == device
-                and v.get_device() == device
-            ):
-                return
-        except AttributeError:  # not tensors: the full check says what is wrong
-            pass
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self._dtype)
-        if seen is not None and q.shape != seen[0]:
-            where = "this step" if self._num_groups == 1 else f"KV group {g} in this step"
-            raise ValueError(
-                f"q has {q.shape[1]} heads but earlier layers of {where} had {seen[0][1]}"
-            )
-        step.shapes[g] = (q.shape, k.shape)
-
-    def _fast_layer(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
-        """Fused RoPE + append and Triton decode bound once per group and batch shape (the
-        common path): per layer only the layer's tensors are read, every other argument was
-        bound once."""
-        strides = (q.stride(), k.stride(), v.stride())
-        bound = step.bound[g]
-        if bound is None or bound[1] != strides:  # the group's first layer (or new strides)
-            bound = step.bound[g] = self._bind(step, g, q, k, v, strides)
-        launch, _, outs = bound
-        local = self._layer_local[layer_idx]
-        out = outs[local]
-        self.cache.write_token_layer_with(
-            step.transaction_id, layer_idx, lambda *_: launch(local, q, k, v, out)
-        )
-        return out
-
-    def _bind(self, step: OpenStep, g: int, q, k, v, strides: tuple) -> tuple:
-        """Group ``g``'s bound launch for the step (its plan, slots, window, backup), the
-        strides it was bound to and its layers' outputs (one allocation per step and group)."""
-        state = self._decode_state(step, g, q.shape[1])
-        outs = step.layer_outputs[g]
-        if not outs:
-            outputs = step.outputs[g] = torch.empty(
-                (len(self._group_views[g]), *q.shape), dtype=q.dtype, device=q.device
-            )
-            outs = step.layer_outputs[g] = outputs.unbind(0)
-        backup = step.backups[g] if step.backups else None
-        launch = state.bound(
-            self._ropes[g],
-            step.group_slots[g],
-            self._sm_scales[g],
-            q,
-            k,
-            v,
-            self._group_views[g],
-            backup,
-            outs[0],
-        )
-        return launch, strides, outs
-
-    def _decode_state(self, step: OpenStep, g: int, num_heads: int) -> DecodeState:
-        """Group ``g``'s decode plan and workspace for the step (the last one while it fits)."""
-        state = step.decode[g]
-        if state is None:
-            state = self._decode_states[g]
-            if state is None or not state.fits(self.cache, step.num_rows, num_heads, step.plan_len):
-                state = self._decode_states[g] = DecodeState(
-                    self.cache, step.num_rows, num_heads, step.plan_len, g, self._dtype
-                )
-            step.decode[g] = state
-        return state
-
-    def _decode_layer(
-        self, step: OpenStep, layer_idx: int, g: int, q_rot: torch.Tensor
-    ) -> torch.Tensor:
-        """Decode of a layer whose RoPE + append is written (the unbound backends)."""
-        k_layer, v_layer = self._layer_views[layer_idx]
-        slots = step.group_slots[g]
-        if self.decode_backend == "torch":
-            return torch_paged_decode(
-                q_rot,
-                k_layer,
-                v_layer,
-                slots.block_tables,
-                slots.seq_lens_after,
-                step.max_len_after,
-                self._sm_scales[g],
-                self._windows[g],
-                *self._scales[g],
-            )
-        state = self._decode_state(step, g, q_rot.shape[1])
-        # each layer's output outlives the shared workspace
-        return state.decode(
-            q_rot, k_layer, v_layer, slots, self._sm_scales[g], torch.empty_like(q_rot)
-        )
-
 
 def _check_batch_type(request_ids: object) -> None:
     if not isinstance(request_ids, (list, tuple)):
         raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
-
-
-def _activation_dtype(specs: Sequence, dtype: object) -> torch.dtype:
-    """The engine's q/k/v/output dtype: ``dtype`` checked against every group's storage."""
-    fp8 = [g for g, spec in enumerate(specs) if spec.dtype == torch.float8_e4m3fn]
-    if dtype is None:
-        if fp8:
-            raise ValueError(
-                f"KV group {fp8[0]} stores float8_e4m3fn: pass activation_dtype=torch.float16 "
-                "or torch.bfloat16 (the dtype of q, k, v and the attention output)"
-            )
-        dtype = specs[0].dtype
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"activation_dtype must be a torch.dtype or None, got {dtype!r}")
-    allowed = (torch.float16, torch.bfloat16) if fp8 else FLOAT_DTYPES
-    if dtype not in allowed:
-        raise ValueError(f"activation_dtype must be one of {allowed}, got {dtype}")
-    for g, spec in enumerate(specs):
-        if g not in fp8 and spec.dtype != dtype:
-            raise ValueError(
-                f"KV group {g} stores {spec.dtype} but activation_dtype is {dtype}: a float "
-                "group's storage dtype must be the activation dtype"
-            )
-    return dtype

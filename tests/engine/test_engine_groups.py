@@ -194,7 +194,7 @@ def test_a_failure_at_any_layer_leaves_every_group_unchanged(failing_layer, how,
             def boom(*args, **kwargs):
                 raise RuntimeError("injected write failure")
 
-            monkeypatch.setattr("flashdec.engine.engine.write_rope_layer", boom)
+            monkeypatch.setattr("flashdec.engine.attention.write_rope_layer", boom)
             with pytest.raises(RuntimeError, match="injected"):
                 engine.step_layer(tx, layer, q, k, v)
         break

@@ -120,7 +120,7 @@ def test_failure_at_any_layer_rolls_back_the_whole_token(fail_layer, where, gen,
                 def broken_decode(*args, **kwargs):
                     raise ArithmeticError("injected decode failure")
 
-                monkeypatch.setattr(engine, "_decode_layer", broken_decode)
+                monkeypatch.setattr(engine.attention, "_decode", broken_decode)
             with pytest.raises(expected):
                 engine.step_layer(tx, layer, q, k, v)
             break
