@@ -105,7 +105,8 @@ class LLM:
             ``max_batch_size`` requests of ``max_model_len`` tokens can use.
         max_batch_size: requests decoded per step at most.
         cuda_graphs: capture the decode forward per batch-size bucket and decode plan, all of
-            them before this constructor returns (the warm start; default: on CUDA).
+            them before this constructor returns (the warm start; default: on CUDA with the
+            Triton decode).
         tokenizer: used for text prompts (default: the one loaded with a model directory).
         max_model_len: longest prompt + output (default: the model's max positions, at most
             32768).
@@ -205,12 +206,17 @@ class LLM:
         if max_model_len is None:
             max_model_len = min(spec.max_position_embeddings, 32768)
         self.max_model_len = check_positive_int("max_model_len", max_model_len)
-        if cuda_graphs is None:
-            cuda_graphs = spec.device.type == "cuda"
+        if cuda_graphs is None:  # a graph captures the Triton decode (torch's syncs the host)
+            cuda_graphs = spec.device.type == "cuda" and decode_backend != "torch"
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None, got {cuda_graphs!r}")
         if cuda_graphs and spec.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        if cuda_graphs and decode_backend == "torch":
+            raise ValueError(
+                "cuda_graphs=True needs decode_backend='triton' (the torch decode reads lengths "
+                "back to the host, which a CUDA graph cannot capture)"
+            )
         self.cuda_graphs = cuda_graphs
         if self.max_model_len > spec.max_position_embeddings:
             raise ValueError(

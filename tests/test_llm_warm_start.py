@@ -212,3 +212,13 @@ def test_kernel_builds_counts_through_tritons_hook_and_restores_it():
         assert runtime.jit_post_compile_hook is earlier  # restored on exit
     finally:
         runtime.jit_post_compile_hook = before
+
+
+@pytest.mark.gpu
+def test_gpu_the_torch_decode_runs_without_graphs_and_refuses_them():
+    model = _tiny("cuda", torch.bfloat16)
+    llm = flashdec.LLM(model, max_batch_size=4, max_model_len=64, decode_backend="torch")
+    assert not llm.cuda_graphs and llm.warm_start is None and llm._runner.graphs is None
+    assert len(llm.generate([[1, 2, 3]], 4)[0]) == 4
+    with pytest.raises(ValueError, match="cuda_graphs=True needs decode_backend='triton'"):
+        flashdec.LLM(model, max_model_len=64, decode_backend="torch", cuda_graphs=True)
