@@ -141,6 +141,9 @@ class DecodeGraphs:
         self.drop()
         self.pool = torch.cuda.graph_pool_handle()
         buckets = [b for b in self.buckets if b <= len(placeholders)]
+        log.info(  # it takes seconds (tens with cold Triton compiles): say what is happening
+            "warm start: capturing the decode graphs of batch buckets %s before serving", buckets
+        )
         for bucket in reversed(buckets):
             for plan_len in self.plan_lengths(bucket):
                 for capture in (False, True):
