@@ -3,7 +3,7 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests (or its halves tests1, tests2: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
+#   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
 #   launch e2e extendtests extend extendsweep http serve prefix spec
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
@@ -49,13 +49,19 @@ for phase in $PHASES; do
     tests)
       python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
-    tests1)  # the whole gpu suite takes over one device call's 10 minutes: two halves
-      python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider 2>&1 \
+    tests1)  # the whole gpu suite takes over one device call's 10 minutes: three parts
+      python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider \
+        --durations=15 2>&1 \
         | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
-    tests2)
-      python3 -m pytest -m gpu tests -q -p no:cacheprovider --ignore=tests/kernels \
-        --ignore=tests/reference 2>&1 | tee -a "$LOG"
+    tests2)  # the rest but flashdec.LLM's and the server's tests (tests3)
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 \
+        --ignore=tests/kernels --ignore=tests/reference --ignore=tests/server \
+        --ignore-glob='tests/test_llm*.py' 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    tests3)  # every LLM here captures its graphs first (the warm start): a call of its own
+      python3 -m pytest -m gpu tests/server tests/test_llm*.py -q -p no:cacheprovider \
+        --durations=15 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     quicktests)
       python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
