@@ -19,7 +19,10 @@
 #     budget, extend.md); extendsweep: its launch-configuration sweep (extend_sweep.md)
 #   http: the HTTP layer's cost (bench_http.py; the server wheels carried in .whl); serve:
 #     serve_trace.py's method at 4/16/64 req/s (serve.md; SERVE_ARGS="--vllm-json F" adds vLLM);
-#     prefix: caching on vs off (prefix_cache.md); spec: speculation off vs ngram (speculative.md)
+#     prefix: caching on vs off (prefix_cache.md; PREFIX_ARGS="--vllm-json F" adds vLLM's rows
+#     and the issue-22 verdicts: F from `python3 benchmarks/vllm_prefix.py --json F` after vLLM's
+#     install.sh, same trace flags; the window model: --model mistral-7b-window-shape --system 6144);
+#     spec: speculation off vs ngram (speculative.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}

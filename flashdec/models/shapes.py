@@ -1,9 +1,10 @@
 """Built-in model shapes with random weights, built directly on the target device.
 
 ``tiny`` (the default) is small enough for CPU demos and CI; ``llama3-8b-shape`` is the issue's
-benchmark model (Llama-3-8B geometry and RoPE scaling, bf16); ``tiny-<family>`` are small
-shapes that exercise each family's features (llama3 RoPE scaling; Qwen2 q/k/v bias and tied
-embeddings; Mistral; Qwen3 q/k norm with head_dim != hidden / heads).
+benchmark model (Llama-3-8B geometry and RoPE scaling, bf16); ``mistral-7b-window-shape`` is its
+sliding-window counterpart (Mistral-7B-v0.1 geometry, a 4096-token window); ``tiny-<family>``
+are small shapes that exercise each family's features (llama3 RoPE scaling; Qwen2 q/k/v bias
+and tied embeddings; Mistral; Qwen3 q/k norm with head_dim != hidden / heads).
 """
 
 from __future__ import annotations
@@ -85,6 +86,26 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
             "rope_parameters": _LLAMA3_ROPE_8B,
             "bos_token_id": 128000,
             "eos_token_id": [128001, 128008, 128009],
+        },
+    ),
+    "mistral-7b-window-shape": ModelShape(
+        "mistral",
+        torch.bfloat16,
+        "Mistral-7B-v0.1 geometry: 32 layers, hidden 4096, 32/8 heads of 128, intermediate "
+        "14336, vocab 32000, a 4096-token sliding window in every layer",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_window": 4096,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
         },
     ),
     "tiny-llama": ModelShape(

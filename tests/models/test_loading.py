@@ -84,6 +84,26 @@ class TestBuiltinShapes:
         assert config.rope_parameters["factor"] == 8.0
         assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
+    def test_mistral_7b_window_shape(self):
+        """The window model of bench_prefix (issue 22): Mistral-7B-v0.1's geometry, a 4096-token
+        window in every layer (vllm_prefix.py gives vLLM the same numbers)."""
+        model = build_random_model("mistral-7b-window-shape", device="meta")
+        config = model.config
+        assert type(model).__name__ == "MistralForCausalLM"
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        geometry = (
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.sliding_window,
+        )
+        assert geometry == (4096, 32, 32, 8, 128, 14336, 32000, 4096)
+        assert sum(p.numel() for p in model.parameters()) == 7_241_732_096
+
     def test_every_builtin_shape_is_supported(self):
         for name, shape in BUILTIN_SHAPES.items():
             config = shape.make_config()
