@@ -175,12 +175,15 @@ def _compiled_kernels() -> int:
 
 
 @pytest.mark.gpu
-def test_gpu_serving_after_the_warm_start_compiles_no_kernel():
+@pytest.mark.parametrize("max_batch", [16, 1])
+def test_gpu_serving_after_the_warm_start_compiles_no_kernel(max_batch):
     """Triton compiles a kernel per constexpr set and per class of its int arguments: after
     the warm start, steps of every batch size and prompt length (chunked, beside decode rows,
     over long and empty contexts) compile nothing: no prompt waits for a compile."""
     model = _tiny("cuda", torch.bfloat16)
-    llm = flashdec.LLM(model, max_batch_size=16, max_model_len=512, max_num_batched_tokens=256)
+    llm = flashdec.LLM(
+        model, max_batch_size=max_batch, max_model_len=512, max_num_batched_tokens=256
+    )
     compiled = _compiled_kernels()
     vocab = model.config.vocab_size
     for lens in ([300], [5, 17, 33], [2, 255, 100, 64, 3, 31, 16, 1, 7, 480], [129] * 16):

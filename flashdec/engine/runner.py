@@ -175,7 +175,8 @@ class ModelRunner(StepExecutor):
         """Before the first request (the engine idle): capture every decode graph, then
         compile the mixed steps' kernels, all on placeholder requests."""
         engine = self.engine
-        rows = min(self.graphs.buckets[-1], free_rows(engine))
+        # two at least: the mixed warm-up pairs a long context with a chunk (max_batch_size=1)
+        rows = min(max(self.graphs.buckets[-1], 2), free_rows(engine))
         with placeholder_requests(engine, rows) as rids:
             self._ensure_slots()  # the graphs read last_tokens: sized for the rows first
             report = self.graphs.capture_all(rids)
