@@ -225,3 +225,20 @@ def test_gpu_the_torch_decode_runs_without_graphs_and_refuses_them():
     assert len(llm.generate([[1, 2, 3]], 4)[0]) == 4
     with pytest.raises(ValueError, match="cuda_graphs=True needs decode_backend='triton'"):
         flashdec.LLM(model, max_model_len=64, decode_backend="torch", cuda_graphs=True)
+
+
+def test_a_failing_warm_up_step_raises_its_own_error_and_leaves_nothing_open():
+    """A layer that fails inside a warm-up step aborts it (step_layer's rule): the warm start
+    must raise that error, not a second one from aborting again, and leave no step open."""
+    llm = flashdec.LLM(_tiny(), max_batch_size=4, cuda_graphs=False)
+    engine = llm.engine
+
+    def broken_forward(tx, slots):
+        engine.step_layer(tx, 0, *(torch.zeros(1, 1, 1),) * 3)  # wrong shapes: ValueError
+
+    graphs = DecodeGraphs(engine, broken_forward, max_batch_size=4, num_q_heads=4)
+    with placeholder_requests(engine, 2) as rids:
+        with pytest.raises(ValueError):
+            graphs._step(rids, 64, capture=False)
+        assert not engine.has_open_step
+    assert engine.cache.metrics()["num_requests"] == 0

@@ -136,7 +136,6 @@ class DecodeGraphs:
         see :func:`placeholder_requests`; buckets above their count are left out), largest
         bucket first so the cache's slot buffers are sized once, each shape's kernels compiled
         by one eager step before its capture. Every step is aborted: nothing is committed."""
-        engine = self.engine
         start = time.perf_counter()
         self.drop()
         self.pool = torch.cuda.graph_pool_handle()
@@ -146,21 +145,9 @@ class DecodeGraphs:
         )
         for bucket in reversed(buckets):
             for plan_len in self.plan_lengths(bucket):
-                for capture in (False, True):
-                    tx = engine.begin_step(placeholders[:bucket], plan_len=plan_len)
-                    try:
-                        slots = engine.cache.transaction_slots(tx)
-                        if capture:
-                            key = self.key(bucket, plan_len)
-                            self.graphs[bucket, key] = engine.capture_step(
-                                tx,
-                                lambda tx=tx, slots=slots: self.forward(tx, slots),
-                                pool=self.pool,
-                            )
-                        else:
-                            self.forward(tx, slots)
-                    finally:
-                        engine.abort_step(tx)
+                self._step(placeholders[:bucket], plan_len, capture=False)  # compiles
+                key = self.key(bucket, plan_len)
+                self.graphs[bucket, key] = self._step(placeholders[:bucket], plan_len, capture=True)
         torch.cuda.synchronize()
         self.warm_start = WarmStart(len(self.graphs), tuple(buckets), time.perf_counter() - start)
         log.info(
@@ -170,6 +157,21 @@ class DecodeGraphs:
             self.warm_start.seconds,
         )
         return self.warm_start
+
+    def _step(self, rids: list, plan_len: int, *, capture: bool) -> CapturedStep | None:
+        """One decode step of ``rids`` planned for ``plan_len`` tokens: run eagerly, or
+        captured (and replayed once); aborted either way."""
+        engine = self.engine
+        tx = engine.begin_step(rids, plan_len=plan_len)
+        try:
+            slots = engine.cache.transaction_slots(tx)
+            if not capture:
+                self.forward(tx, slots)
+                return None
+            return engine.capture_step(tx, lambda: self.forward(tx, slots), pool=self.pool)
+        finally:
+            if engine.has_open_step:  # a failed layer or capture aborted it already
+                engine.abort_step(tx)
 
 
 def free_rows(engine: DecodeEngine) -> int:
