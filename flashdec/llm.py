@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashdec._blocks import lifetime_blocks
 from flashdec._checks import (
     check_choice,
     check_device,
@@ -29,24 +28,18 @@ from flashdec._checks import (
     check_token_ids,
     type_name,
 )
-from flashdec.cache import KVGroupSpec, PagedKVCache
 from flashdec.engine import DecodeEngine
 from flashdec.engine.decode_graphs import WarmStart
 from flashdec.engine.loop import LoopStep, ServingLoop
 from flashdec.engine.runner import ModelRunner, Request, now
 from flashdec.engine.sampling import SamplingParams, make_generator
+from flashdec.kv_pool import FP8_DTYPE, KVPoolConfig, build_kv_cache
 from flashdec.models import DecoderAdapter, resolve_model
-from flashdec.runtime import available_host_bytes, free_memory_bytes
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 from flashdec.speculative import SpeculativeConfig
 
 log = logging.getLogger("flashdec")
 
-# bytes of activations per running request the graphs and the eager forward keep, on top of the
-# weights and the KV pool (a generous bound: hidden states, q/k/v, MLP intermediates, logits)
-_ACTIVATION_RESERVE = 256 * 2**20
-
-FP8_DTYPE = torch.float8_e4m3fn
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto" (or None): the model's dtype; "fp8": float8_e4m3fn
 
 
@@ -224,25 +217,21 @@ class LLM:
                 f"max_position_embeddings ({spec.max_position_embeddings})"
             )
 
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        if spec.windowed or fp8:
-            cache = self._grouped_cache(num_blocks, fraction)
-        else:
-            if num_blocks is None:
-                num_blocks = self._default_num_blocks(blocks_per_seq, fraction)
-            else:
-                self._check_pool_fits(num_blocks, num_blocks * spec.kv_bytes_per_token * block_size)
-            cache = PagedKVCache(
-                spec.num_layers,
-                spec.num_kv_heads,
-                spec.head_dim,
-                block_size,
-                num_blocks,
-                dtype=spec.dtype,
-                device=spec.device,
-                max_blocks_per_seq=min(blocks_per_seq, num_blocks),
-                **self._caching_kwargs(),
-            )
+        cache = build_kv_cache(
+            model,
+            spec,
+            KVPoolConfig(
+                block_size=self.block_size,
+                num_blocks=num_blocks,
+                max_batch_size=self.max_batch_size,
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_scale=self.kv_scale,
+                memory_fraction=fraction,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+        )
         on_cuda = spec.device.type == "cuda"
         self.engine = DecodeEngine(
             cache,
@@ -277,114 +266,6 @@ class LLM:
         self.last_stats: GenerationStats | None = None
         # on CUDA, every decode graph is captured before a request arrives (None: no graphs)
         self.warm_start: WarmStart | None = self._runner.warm_start() if cuda_graphs else None
-
-    def _kv_budget_bytes(self, fraction: float) -> float:
-        """Bytes the KV pools may take: ``fraction`` of the GPU after the weights and the
-        activations, or on the CPU a quarter of the available host memory (at most 4 GiB)."""
-        device = self.adapter.spec.device
-        if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            used = torch.cuda.memory_allocated(device)
-            return fraction * total - used - _ACTIVATION_RESERVE
-        return min((available_host_bytes() or 0) / 4, 4 * 2**30)
-
-    def _grouped_cache(self, num_blocks: int | None, fraction: float) -> PagedKVCache:
-        """A cache with one KV layer group per distinct sliding window (None = full attention),
-        in ``kv_cache_dtype`` (FP8 groups get ``kv_scale`` for every head).
-
-        A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
-        its pool needs only that many per running request, plus room for the blocks a prompt
-        chunk's step holds while it is open; the full-attention group gets the rest of the
-        budget. ``num_blocks`` (when given) sizes every group's pool.
-        """
-        spec = self.adapter.spec
-        windows = sorted(set(spec.layer_windows), key=lambda w: (w is not None, w or 0))
-        index = {w: g for g, w in enumerate(windows)}
-        counts = [spec.layer_windows.count(w) for w in windows]
-        dtype = self.kv_cache_dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()  # FP8: 1 byte per element
-        layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * self.block_size * itemsize
-        # a prompt chunk's step holds a window group's blocks from the window before its
-        # first token to its last: up to ceil(n / block_size) + 2 blocks past the bound while
-        # the step is open, for every request the step imports
-        chunk_room = -(-self.max_num_batched_tokens // self.block_size) + 2 * self.max_batch_size
-        wanted = [
-            self.max_batch_size * lifetime_blocks(self.max_model_len, self.block_size, w)
-            + 1
-            + (0 if w is None else chunk_room)
-            for w in windows
-        ]
-        if num_blocks is None:
-            budget = self._kv_budget_bytes(fraction)
-            shapes = list(zip(wanted, counts, windows, strict=True))
-            fixed = sum(n * c * layer_block_bytes for n, c, w in shapes if w is not None)
-            full_layers = sum(c for c, w in zip(counts, windows, strict=True) if w is None)
-            sizes = []
-            for n, w in zip(wanted, windows, strict=True):
-                if w is None:
-                    n = min(n, int((budget - fixed) // (full_layers * layer_block_bytes)))
-                elif full_layers == 0:
-                    n = min(n, int(budget // (sum(counts) * layer_block_bytes)))
-                if n < 1:
-                    raise ValueError(
-                        f"no memory left for a KV cache: budget {budget / 2**30:.2f} GiB after "
-                        "the weights; pass num_blocks= or a larger gpu_memory_fraction"
-                    )
-                sizes.append(n)
-        else:
-            sizes = [num_blocks] * len(windows)
-            self._check_pool_fits(num_blocks, num_blocks * sum(counts) * layer_block_bytes)
-        groups = [
-            KVGroupSpec(2, n, self.block_size, spec.num_kv_heads, spec.head_dim, dtype, c, w)
-            for n, c, w in zip(sizes, counts, windows, strict=True)
-        ]
-        full_pools = [n for n, w in zip(sizes, windows, strict=True) if w is None]
-        max_seq_len = self.max_model_len
-        if full_pools:  # a request can never hold more than the smallest full pool
-            max_seq_len = min(max_seq_len, min(full_pools) * self.block_size)
-        scales = (self.kv_scale, self.kv_scale) if dtype == FP8_DTYPE else None
-        return PagedKVCache(
-            kv_spec=groups,
-            layer_groups=[index[w] for w in spec.layer_windows],
-            max_seq_len=max_seq_len,
-            device=spec.device,
-            kv_scales=[scales] * len(groups),
-            **self._caching_kwargs(),
-        )
-
-    def _caching_kwargs(self) -> dict:
-        """The cache's prefix-caching arguments: the model's identity keys the hash chain (one
-        cache serves one model; the cache adds its layout, dtype and scales)."""
-        config = getattr(self.model, "config", None)
-        name = getattr(config, "_name_or_path", "") or type(self.model).__name__
-        return {
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "prefix_caching_key": (name, id(self.model)),
-        }
-
-    def _check_pool_fits(self, num_blocks: int, pool_bytes: int) -> None:
-        """ValueError before allocating a pool of ``num_blocks`` that the device cannot hold."""
-        device = self.adapter.spec.device
-        free = free_memory_bytes(device)
-        if free is not None and pool_bytes > free:
-            raise ValueError(
-                f"num_blocks={num_blocks} needs a KV pool of {pool_bytes / 2**30:.2f} GiB, more "
-                f"than the {free / 2**30:.2f} GiB free on {device}; pass fewer blocks, or "
-                "leave num_blocks out to size the pool from memory"
-            )
-
-    def _default_num_blocks(self, blocks_per_seq: int, fraction: float) -> int:
-        spec = self.adapter.spec
-        per_block = spec.kv_bytes_per_token * self.block_size
-        wanted = self.max_batch_size * blocks_per_seq + 1
-        budget = self._kv_budget_bytes(fraction)
-        affordable = int(budget // per_block)
-        if affordable < 1:
-            raise ValueError(
-                f"no memory left for a KV cache: budget {budget / 2**30:.2f} GiB after the "
-                "weights; pass num_blocks= or a larger gpu_memory_fraction"
-            )
-        return min(affordable, wanted)
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt) -> list[int]:

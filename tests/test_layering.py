@@ -27,6 +27,7 @@ ALLOWED = {
     "cache": {"_checks", "_blocks"},
     "scheduler": {"_checks", "_blocks"},
     "speculative": {"_checks"},  # drafts and accept rules: no engine, no model
+    "kv_pool": {"_checks", "_blocks", "runtime", "cache"},  # how LLM sizes a model's cache
     "engine": {
         "_checks",
         "_blocks",
@@ -59,6 +60,7 @@ ALLOWED = {
         "speculative",
         "engine",
         "models",
+        "kv_pool",
     },
     "workloads": {
         "_checks",
@@ -71,6 +73,7 @@ ALLOWED = {
         "speculative",
         "engine",
         "models",
+        "kv_pool",
         "llm",
     },
     "cli": {
@@ -84,6 +87,7 @@ ALLOWED = {
         "speculative",
         "engine",
         "models",
+        "kv_pool",
         "llm",
         "workloads",
         "server",
@@ -99,6 +103,7 @@ ALLOWED = {
         "speculative",
         "engine",
         "models",
+        "kv_pool",
         "llm",
         "workloads",
     },

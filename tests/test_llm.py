@@ -335,7 +335,7 @@ def test_fp8_kv_cache_generates_through_the_interpreted_kernels():
 
 def test_fp8_kv_pool_counts_one_byte_per_element(monkeypatch):
     model = _bf16_model("tiny-llama")
-    monkeypatch.setattr(flashdec.LLM, "_kv_budget_bytes", lambda self, fraction: 2**20)
+    monkeypatch.setattr("flashdec.kv_pool.kv_budget_bytes", lambda device, fraction: 2**20)
     blocks = {}
     for kv in ("auto", "fp8"):
         llm = flashdec.LLM(model, kv_cache_dtype=kv, max_batch_size=4096, max_model_len=256)

@@ -714,7 +714,8 @@ class ModelRunConfig:
         built-in shape's are made in place."""
         from transformers import AutoModelForCausalLM
 
-        from flashdec.llm import _ACTIVATION_RESERVE, LLM  # what LLM reserves, one definition
+        from flashdec.kv_pool import ACTIVATION_RESERVE  # what LLM reserves, one definition
+        from flashdec.llm import LLM
         from flashdec.models import BUILTIN_SHAPES
 
         block_size = inspect.signature(LLM).parameters["block_size"].default  # load_llm keeps it
@@ -728,7 +729,7 @@ class ModelRunConfig:
         kv_itemsize = 1 if self.kv_cache_dtype == "fp8" else dtype.itemsize
         per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
         kv_cache = -(-self.longest_request() // block_size) * block_size * per_token * kv_itemsize
-        device_bytes = weights + kv_cache + _ACTIVATION_RESERVE
+        device_bytes = weights + kv_cache + ACTIVATION_RESERVE
         device = self.torch_device()
         if device.type == "cpu":
             host = device_bytes

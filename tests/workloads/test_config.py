@@ -278,7 +278,7 @@ def test_generate_config_rejects(overrides, message):
 
 
 def test_model_memory_estimate_is_weights_plus_the_longest_request():
-    from flashdec.llm import _ACTIVATION_RESERVE
+    from flashdec.kv_pool import ACTIVATION_RESERVE
     from flashdec.models import build_random_model
 
     model = build_random_model("tiny", device="cpu")  # float32: 4 bytes
@@ -289,7 +289,7 @@ def test_model_memory_estimate_is_weights_plus_the_longest_request():
     est = config.memory_estimate()
     assert est.weight_bytes == weights
     assert est.kv_cache_bytes == 3 * 16 * per_token
-    assert est.device_bytes == weights + 3 * 16 * per_token + _ACTIVATION_RESERVE
+    assert est.device_bytes == weights + 3 * 16 * per_token + ACTIVATION_RESERVE
     assert est.host_bytes == est.device_bytes  # on the CPU
     half = dataclasses.replace(config, dtype="bfloat16").memory_estimate()
     assert (half.weight_bytes, half.kv_cache_bytes) == (weights // 2, est.kv_cache_bytes // 2)
