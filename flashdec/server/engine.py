@@ -233,7 +233,7 @@ class EngineThread:
 
     def _snapshot(self) -> dict:
         """Gauges read between steps: requests running and waiting, KV blocks used and in the
-        pool, and the prefix cache's counters when the LLM has one."""
+        pool, the prefix cache's counters when it is on, and speculation's when it is on."""
         llm = self.llm
         view = llm.engine.scheduling_snapshot(llm.loop.step_index)
         cache = llm.engine.cache.metrics()
@@ -243,11 +243,14 @@ class EngineThread:
             "kv_blocks_used": cache["num_used_blocks"],
             "kv_blocks_total": cache["num_blocks"],
         }
-        prefix_stats = getattr(llm, "prefix_cache_stats", None)  # SPEC §8.7, when it lands
-        if prefix_stats is not None:
-            stats = prefix_stats()
+        if llm.enable_prefix_caching:
+            stats = llm.prefix_cache_stats()
             gauges["prefix_cache_queried_tokens_total"] = stats["queried_tokens"]
             gauges["prefix_cache_hit_tokens_total"] = stats["hit_tokens"]
+        if llm.speculative is not None:
+            counts = llm.speculative_counters()
+            gauges["speculative_draft_tokens_total"] = counts["draft_tokens"]
+            gauges["speculative_accepted_tokens_total"] = counts["accepted_tokens"]
         return gauges
 
     def _publish(self, items: list) -> None:

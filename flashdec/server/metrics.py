@@ -137,7 +137,9 @@ class ServerMetrics:
             ("kv_blocks_total", "gauge", "KV cache blocks in the pool (all layer groups)."),
             ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up."),
             ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the cache."),
+            ("speculative_draft_tokens_total", "counter", "Draft tokens verified."),
+            ("speculative_accepted_tokens_total", "counter", "Draft tokens accepted."),
         ):
-            if key in gauges:  # the prefix-cache families only with a prefix cache
+            if key in gauges:  # the prefix-cache and speculation families only when they are on
                 family(f"flashdec_{key}", kind, help_text, [f"flashdec_{key} {gauges[key]}"])
         return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """``GET /metrics``: valid Prometheus text (every sample declared, histogram buckets cumulative
-and ending at the count), counting requests, tokens, KV blocks and the LLM's prefix-cache
-lookups (``prefix_cache_stats``)."""
+and ending at the count), counting requests, tokens, KV blocks, the LLM's prefix-cache
+lookups (``prefix_cache_stats``) and its speculation counters."""
 
 from __future__ import annotations
 
@@ -86,3 +86,31 @@ def test_prefix_cache_families_when_the_llm_has_one(server_for):
     _parse(text)
     assert metric(text, "flashdec_prefix_cache_queried_tokens_total") == 40
     assert metric(text, "flashdec_prefix_cache_hit_tokens_total") == 16
+    assert "speculative" not in text  # speculation is off
+
+
+def test_no_prefix_cache_family_without_one(server_for):
+    server = server_for(make_llm(tokenizer=False, enable_prefix_caching=False))
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    _parse(text)
+    assert "prefix_cache" not in text
+
+
+def test_speculation_families_count_the_llms_drafts(server_for):
+    """With speculation on the server exports the drafts verified and accepted: the LLM's own
+    counters. (A tiny random model seldom repeats its context, so the drafter here always
+    proposes; verification keeps the output exact either way.)"""
+    from flashdec.speculative import SpeculativeConfig
+
+    llm = make_llm(tokenizer=False, speculative=SpeculativeConfig(method="ngram", num_tokens=3))
+    llm._runner.drafter.propose = lambda rid, prompt, tokens, k, tail=(): [5, 6, 7][:k]
+    server = server_for(llm)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"prompt": [5, 6, 7, 8] * 6, "max_tokens": 12, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        text = client.get("/metrics").text
+    _parse(text)
+    counts = llm.speculative_counters()
+    assert counts["draft_tokens"] > 0
+    assert metric(text, "flashdec_speculative_draft_tokens_total") == counts["draft_tokens"]
+    assert metric(text, "flashdec_speculative_accepted_tokens_total") == counts["accepted_tokens"]
