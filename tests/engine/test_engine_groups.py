@@ -321,3 +321,46 @@ def test_the_baselines_on_groups_stall_or_cancel_without_breaking_the_cache(poli
         assert not any(step.stuck for step in run.steps)
     assert cache.metrics()["num_active_requests"] == 0
     cache.validate_invariants()
+
+
+def test_an_extend_step_over_groups_and_a_window_matches_the_torch_backends():
+    """An n-token step through the Triton extend kernel (planned per group from the host's
+    lengths, window group included) gives every layer the torch backends' attention, over
+    contexts that passed the window and block boundaries; then both commit the same lengths."""
+    gen = torch.Generator().manual_seed(7)
+    engines = [make_engine("torch", "torch"), make_engine("fused", "triton")]
+    rids = ["a", "b", "c"]
+    contexts = [9, 2, 0]  # past the 6-token window, inside it, empty
+    inputs = []
+    for length in contexts:
+        inputs.append(
+            [
+                torch.randn(2, length, *geometry(engines[0], layer)[:2], generator=gen)
+                for layer in range(3)
+            ]
+        )
+    for engine in engines:
+        for rid, length, kv in zip(rids, contexts, inputs, strict=True):
+            engine.add_request(rid)
+            engine.admit(rid)
+            if length:
+                engine.prefill_request_layers(rid, [t[0] for t in kv], [t[1] for t in kv])
+    counts = [3, 5, 4]  # each below the window
+    layers = []
+    for layer in range(3):
+        hkv, d, _ = geometry(engines[0], layer)
+        layers.append(
+            (
+                torch.randn(sum(counts), HQ, d, generator=gen),
+                torch.randn(sum(counts), hkv, d, generator=gen),
+                torch.randn(sum(counts), hkv, d, generator=gen),
+            )
+        )
+    outs = []
+    for engine in engines:
+        tx = engine.begin_step(rids, num_tokens=counts)
+        outs.append([engine.step_layer(tx, i, *layer) for i, layer in enumerate(layers)])
+        assert engine.commit_step(tx).seq_lens == (12, 7, 4)
+        engine.cache.validate_invariants()
+    for want, got in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
