@@ -220,34 +220,13 @@ def extend_attention(
     ``workspace`` (triton, from :func:`extend_workspace`): the step's plan, made from the
     lengths the host knows, so the kernel runs without reading the metadata back (the cache
     reserved it: trusted, as decode's)."""
-    if backend == "triton":
-        extra = {} if workspace is None else {"workspace": workspace, "out": torch.empty_like(q)}
-        return extend(
-            q,
-            k_layer,
-            v_layer,
-            block_tables,
-            seq_lens,
-            query_lens,
-            sm_scale,
-            window=window,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **extra,
-        )
-    out = paged_extend_attention_ref(
-        q,
-        k_layer,
-        v_layer,
-        block_tables,
-        seq_lens,
-        query_lens,
-        sm_scale,
-        window=window,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    return out.to(q.dtype)
+    args = (q, k_layer, v_layer, block_tables, seq_lens, query_lens, sm_scale)
+    options = {"window": window, "k_scale": k_scale, "v_scale": v_scale}
+    if backend != "triton":
+        return paged_extend_attention_ref(*args, **options).to(q.dtype)
+    if workspace is not None:  # each layer's output outlives the shared workspace
+        options.update(workspace=workspace, out=torch.empty_like(q))
+    return extend(*args, **options)
 
 
 def extend_workspace(
