@@ -116,7 +116,6 @@ class ModelRunner(StepExecutor):
         self.engine = engine
         self.adapter = adapter
         self.spec = adapter.spec
-        self.cuda_graphs = cuda_graphs
         device = self.spec.device
         self.eos = frozenset(self.spec.eos_token_ids)
         self.requests: dict[int, Request] = {}
