@@ -44,6 +44,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   2>&1 | tee -a "$LOG"
 
+# pytest-xdist workers for the compile-bound parts (Triton builds run on the host's cores);
+# flashdec.LLM's tests size their pools from free GPU memory, so tests3 stays one process
+workers() {
+  python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$1}"
+}
+
 status=0
 for phase in $PHASES; do
   start=$(date +%s)
@@ -54,11 +60,10 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     tests1)  # the whole gpu suite takes over one device call's 10 minutes: three parts
       python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider \
-        --durations=15 2>&1 \
-        | tee -a "$LOG"
+        --durations=15 $(workers 8) 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     tests2)  # the rest but flashdec.LLM's and the server's tests (tests3)
-      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 \
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 $(workers 4) \
         --ignore=tests/kernels --ignore=tests/reference --ignore=tests/server \
         --ignore-glob='tests/test_llm*.py' 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;

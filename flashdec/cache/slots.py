@@ -242,6 +242,22 @@ def _flat_updates(updates: list[Update], width: int) -> tuple[np.ndarray, np.nda
     return arr[:, 0] * width + arr[:, 1], arr[:, 2]
 
 
+# int64 elements per 16 bytes: Triton specialises a kernel on each pointer's 16-byte alignment,
+# so a part starting after an odd-length one would compile another variant mid-serving
+_ALIGN = 2
+
+
+def _aligned_upload(pieces: tuple[np.ndarray, ...], device: torch.device) -> list[torch.Tensor]:
+    """``pieces`` (int64) on ``device`` in one copy, each part starting 16-byte aligned."""
+    sizes = [piece.shape[0] for piece in pieces]
+    starts = np.cumsum([0] + [-(-n // _ALIGN) * _ALIGN for n in sizes])
+    host = np.zeros(int(starts[-1]), dtype=np.int64)
+    for start, piece in zip(starts, pieces, strict=False):
+        host[start : start + piece.shape[0]] = piece
+    dev = torch.from_numpy(host).to(device)
+    return [dev[start : start + n] for start, n in zip(starts, sizes, strict=False)]
+
+
 def fresh_slots(group: LayerGroup, plan: Plan, part: Reservation) -> TransactionSlots:
     """Device metadata in new tensors (prompt imports, legacy append)."""
     positions, block_ids = plan.positions, part.block_ids
@@ -256,28 +272,23 @@ def fresh_slots(group: LayerGroup, plan: Plan, part: Reservation) -> Transaction
     flat, values = _flat_updates(_flush_updates(group, part.updates), group.width)
     rows = np.asarray([rec.row for rec in plan.records], dtype=np.int64)
     token_rows = part.token_rows if part.token_rows is not None else np.zeros(0, np.int64)
-    t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
-    host = np.concatenate(
-        [
-            positions,
-            block_ids,
-            offsets,
-            starts,
-            after,
-            rows,
-            flat,
-            values,
-            token_rows,
-            slot_rows.reshape(-1),
-        ],
-        dtype=np.int64,
+    pieces = (
+        positions,
+        block_ids,
+        offsets,
+        starts,
+        after,
+        rows,
+        flat,
+        values,
+        token_rows,
+        slot_rows.reshape(-1),
     )
-    dev = torch.from_numpy(host).to(group.device)
-    cuts = np.cumsum([t, t, t, b, b, b, u, u, token_rows.shape[0]])
-    parts = torch.tensor_split(dev, cuts.tolist())
+    t, b, u = positions.shape[0], starts.shape[0], flat.shape[0]
+    parts = _aligned_upload(pieces, group.device)
     if u:
         group.tables.write(parts[6], parts[7])
-    tables = torch.empty(b, group.width, dtype=torch.int64, device=dev.device)
+    tables = torch.empty(b, group.width, dtype=torch.int64, device=group.device)
     group.tables.gather(parts[5], out=tables)
     return TransactionSlots(
         batch=b,

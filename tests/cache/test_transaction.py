@@ -272,3 +272,23 @@ def test_transaction_log_unit():
         log.resolve(1)
     with pytest.raises(TypeError):
         log.resolve(1.0)
+
+
+@pytest.mark.parametrize("counts", [[3], [1, 2], [3, 1, 5]])
+def test_a_multi_token_steps_metadata_starts_16_byte_aligned(counts):
+    """Triton specialises a kernel on each pointer's 16-byte alignment: metadata parts that
+    followed odd-length ones would build new kernel variants in the middle of serving."""
+    cache = make_cache(max_blocks=16)
+    rids = [f"r{i}" for i in range(len(counts))]
+    for rid in rids:
+        cache.add_request(rid)
+    tx = cache.begin_tokens(rids, counts)
+    seen = []
+    cache.write_token_layer_with(tx.transaction_id, 0, lambda k, v, slots: seen.append(slots))
+    slots = seen[0]
+    for name in ("positions", "block_ids", "offsets", "seq_lens", "seq_lens_after"):
+        assert getattr(slots, name).data_ptr() % 16 == 0, name
+    for name in ("block_tables", "request_slots", "slot_rows"):
+        assert getattr(slots, name).data_ptr() % 16 == 0, name
+    assert slots.seq_lens_after.tolist() == counts
+    cache.abort_token(tx.transaction_id)
