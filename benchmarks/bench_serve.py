@@ -171,13 +171,15 @@ def report(args, env: dict, rows: list[dict], built: dict, vllm: dict | None) ->
             "",
             markdown_table(["rate /s", "TTFT p50", "TTFT p99", "TPOT p50", "out tok/s"], ratios),
         ]
+    from flashdec.workloads.serving import kernel_builds_text  # after the interpreter choice
+
     steps = [
         [
             fmt(r["rate"], 0),
             r["pass_"] + 1,
             f"{fmt(r['decode_step']['p50_ms'], 1)} / {fmt(r['decode_step']['p99_ms'], 1)}",
             f"{fmt(r['mixed_step']['p50_ms'], 1)} / {fmt(r['mixed_step']['max_ms'], 1)}",
-            r["kernel_builds"],
+            kernel_builds_text(r["kernel_builds"], r.get("kernel_build_names", {})),
         ]
         for r in rows
     ]

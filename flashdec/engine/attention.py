@@ -27,6 +27,8 @@ from flashdec.engine.layer_ops import (
     write_rope_layer,
 )
 from flashdec.engine.step import OpenStep
+from flashdec.kernels import ExtendWorkspace, extend
+from flashdec.kernels.extend_plan import extend_plan_variants
 
 
 class StepAttention:
@@ -225,6 +227,48 @@ class StepAttention:
             *self.scales[g],
             workspace,
         )
+
+    def build_extend_kernels(self, num_q_heads: int, max_batch: int) -> int:
+        """Launch the Triton extend kernel once per variant its planner can choose for steps
+        of up to ``max_batch`` requests, in every group, on a one-token problem over the
+        group's first layer: after this (the warm start) no serving step waits for a compile.
+        The metadata has the dtypes and alignment of a step's. Returns the launches made."""
+        if self.decode_backend != "triton":
+            return 0
+        cache, device, launches = self.cache, self.cache.device, 0
+        for g, spec in enumerate(cache.kv_groups):
+            k_layer, v_layer = self._group_views[g][0]
+            width = cache.group_max_blocks_per_seq(g)
+            plans = extend_plan_variants(
+                max_batch,
+                num_q_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.block_size,
+                self.dtype,
+                device,
+                max_blocks_per_seq=width,
+                window=spec.window,
+                kv_dtype=spec.dtype,
+            )
+            for plan in plans:
+                rows = plan.batch  # one token each, attending to itself in block 0
+                ones = torch.ones(rows, dtype=torch.int64, device=device)
+                extend(
+                    torch.zeros(rows, num_q_heads, spec.head_dim, dtype=self.dtype, device=device),
+                    k_layer,
+                    v_layer,
+                    torch.zeros(rows, width, dtype=torch.int64, device=device),
+                    ones,
+                    ones.to(torch.int32),
+                    self.sm_scales[g],
+                    window=spec.window,
+                    k_scale=self.scales[g][0],
+                    v_scale=self.scales[g][1],
+                    workspace=ExtendWorkspace.allocate(plan),
+                )
+                launches += 1
+        return launches
 
     # ------------------------------------------------------------------ prompt import
     def import_layer(self, step: OpenStep, layer_idx: int, g: int, k, v) -> None:

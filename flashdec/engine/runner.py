@@ -116,6 +116,7 @@ class ModelRunner(StepExecutor):
         self.engine = engine
         self.adapter = adapter
         self.spec = adapter.spec
+        self.max_batch_size = max_batch_size
         device = self.spec.device
         self.eos = frozenset(self.spec.eos_token_ids)
         self.requests: dict[int, Request] = {}
@@ -183,22 +184,29 @@ class ModelRunner(StepExecutor):
         return report
 
     def _compile_mixed_steps(self, rids: list) -> None:
-        """Mixed steps before serving, so that no prompt waits for a kernel compile: a prompt
-        chunk, committed, leaves a long context; then, per query tile height, a chunk alone
-        (single-pass extend) and beside a decode row over that context (split-KV), aborted.
-        The placeholders take the committed blocks with them."""
+        """Mixed steps before serving, so that no prompt waits for a kernel compile: every
+        extend kernel variant, launched once; then the steps themselves (their other kernels):
+        a prompt chunk, committed, leaves a long context; then, per query tile height, a chunk
+        alone and beside a decode row over that context, aborted. The placeholders take the
+        committed blocks with them."""
         engine = self.engine
         cache = engine.cache
+        engine.attention.build_extend_kernels(self.spec.num_q_heads, self.max_batch_size)
         # the committed chunk and a later step's chunk fit together, with a block to spare each
         room = (free_rows(engine) - 2) * min(spec.block_size for spec in cache.kv_groups) // 2
         limit = engine.max_tokens_per_request_step or 1024
         chunk = min(1024, limit, max_table_tokens(cache) - 1, room)
-        if chunk < 2 or len(rids) < 2:
-            return  # no room for a chunk: the first prompt compiles them
-        self._placeholder_step(rids[:1], [chunk], commit=True)
+        if chunk < 2:
+            return  # no room for a chunk: the first prompt builds the steps' other kernels
         group = self.spec.num_q_heads // self.spec.num_kv_heads
         # one query length per tile height (16..128 rows of tokens x group heads)
-        for n in sorted({min(chunk, max(2, rows // group)) for rows in (16, 32, 64, 128)}):
+        lengths = sorted({min(chunk, max(2, rows // group)) for rows in (16, 32, 64, 128)})
+        if len(rids) < 2:  # one row: chunks alone
+            for n in lengths:
+                self._placeholder_step(rids, [n], commit=False)
+            return
+        self._placeholder_step(rids[:1], [chunk], commit=True)
+        for n in lengths:
             self._placeholder_step(rids[1:2], [n], commit=False)  # no context: single pass
             self._placeholder_step(rids[:2], [1, n], commit=False)  # a long one: split-KV
 

@@ -66,6 +66,8 @@ WIDE_TILE_BYTES = 32 * 1024
 NARROW_TILE_BYTES = 16 * 1024
 WIDE_TILE_MAX_PROGRAMS_PER_SM = 3
 NARROW_TILE_MAX_PROGRAMS_PER_SM = 6
+# one load (programs per SM) inside each of those three regimes
+LOAD_REGIMES = (0.0, WIDE_TILE_MAX_PROGRAMS_PER_SM + 1.0, NARROW_TILE_MAX_PROGRAMS_PER_SM + 1.0)
 # FP8 (e4m3) KV: how the kernel turns the one-byte tiles into MMA operands (DecodePlan fields).
 # fp8_compute: the dots' dtype. "f16" folds the logit factor (sm_scale * log2(e) * k_scale) into
 # q and runs both dots in fp16 (e4m3 -> fp16 is one cvt per two values on sm_90); "q" converts

@@ -29,6 +29,7 @@ last split of a tile to finish merges the partial results by log-sum-exp in the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ from flashdec.kernels._runtime import next_power_of_2, sm_count
 from flashdec.kernels.decode_plan import (
     DEFAULT_MIN_TOKENS_PER_SPLIT,
     DEFAULT_PROGRAMS_PER_SM,
+    LOAD_REGIMES,
     MAX_SPLITS,
     KernelConfig,
     balance_splits,
@@ -372,6 +374,67 @@ def plan_extend(
         window=window,
         kv_dtype=kv_dtype,
     )
+
+
+def extend_plan_variants(
+    max_batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    max_blocks_per_seq: int,
+    window: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> list[ExtendPlan]:
+    """One plan per kernel variant that :func:`plan_extend` can choose for calls of up to
+    ``max_batch`` requests of this geometry: each compile-time choice (query tile height, KV
+    tile, warps and stages, single pass or split, batch tile), planned for one new token per
+    request. Launching each once builds every kernel such calls can need (a warm start), so
+    that no serving step waits for a compile."""
+    check_positive_int("max_batch", max_batch)
+    cap = PREFILL_BLOCK_M if head_dim <= 128 else PREFILL_BLOCK_M_256
+    heights = [16 << i for i in range((cap // 16).bit_length())]
+    top = max(MIN_BLOCK_B, next_power_of_2(max_batch))
+    # batch sizes whose batch tile (block_b) is each power of two from MIN_BLOCK_B to top
+    batches = [1] + [MIN_BLOCK_B << i for i in range(1, (top // MIN_BLOCK_B).bit_length())]
+    variants = []
+    for block_m in heights:
+        for num_splits in (1, 2):
+            # a single-pass launch's KV tile follows its load; a split one is planned at load 0
+            loads = LOAD_REGIMES if num_splits == 1 else (0.0,)
+            configs = dict.fromkeys(
+                extend_kernel_config(
+                    block_m, head_dim, dtype, programs_per_sm=load, kv_dtype=kv_dtype
+                )
+                for load in loads
+            )
+            for config, batch in itertools.product(configs, batches):
+                variants.append(
+                    plan_extend(
+                        batch,
+                        batch,
+                        num_q_heads,
+                        num_kv_heads,
+                        head_dim,
+                        block_size,
+                        2 * config.block_n,
+                        dtype,
+                        device,
+                        max_blocks_per_seq=max_blocks_per_seq,
+                        max_query_len=1,
+                        window=window,
+                        kv_dtype=kv_dtype,
+                        num_splits=num_splits,
+                        block_m=block_m,
+                        block_n=config.block_n,
+                        num_warps=config.num_warps,
+                        num_stages=config.num_stages,
+                    )
+                )
+    return variants
 
 
 def _check_tile(name: str, value: object) -> None:

@@ -36,6 +36,7 @@ class ServeBenchResult:
     decode_step: LatencyStats | None = None
     mixed_step: LatencyStats | None = None
     kernel_builds: int = 0  # Triton kernels built during the pass (each one stalls a step)
+    kernel_build_names: tuple[tuple[str, int], ...] = ()  # (kernel, builds) of those
 
     @property
     def output_tok_s(self) -> float:
@@ -58,7 +59,8 @@ class ServeBenchResult:
                         f"{stats.max_ms:.1f} ms",
                     )
                 )
-        rows.append(("Triton kernels built during the run", str(self.kernel_builds)))
+        builds = kernel_builds_text(self.kernel_builds, dict(self.kernel_build_names))
+        rows.append(("Triton kernels built during the run", builds))
         if self.speculation is not None:
             rows += self.speculation.rows()
         if self.matches_transformers is not None:
@@ -88,7 +90,14 @@ class ServeBenchResult:
             "decode_step": None if self.decode_step is None else self.decode_step.as_dict(),
             "mixed_step": None if self.mixed_step is None else self.mixed_step.as_dict(),
             "kernel_builds": self.kernel_builds,
+            "kernel_build_names": dict(self.kernel_build_names),
         }
+
+
+def kernel_builds_text(count: int, names: dict[str, int]) -> str:
+    """``"2 (_extend_kernel x2)"``: how many kernels a pass built, then which."""
+    listed = ", ".join(f"{name} x{n}" for name, n in names.items())
+    return f"{count} ({listed})" if listed else str(count)
 
 
 def _p50_p90_p99(stats: LatencyStats, digits: int) -> str:
@@ -204,4 +213,5 @@ def run_serve_benchmark(
         decode_step=LatencyStats.from_seconds(step_s[False]),
         mixed_step=LatencyStats.from_seconds(step_s[True]),
         kernel_builds=0 if builds is None else builds.count,
+        kernel_build_names=() if builds is None else tuple(sorted(builds.names.items())),
     )

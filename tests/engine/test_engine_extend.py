@@ -10,7 +10,7 @@ import torch
 from flashdec import PagedKVCache
 from flashdec.engine import DecodeEngine
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
-from tests.cache.snapshot import assert_same_state
+from tests.cache.snapshot import assert_same_state, snapshot
 from tests.engine.conftest import HKV, HQ, NUM_LAYERS, D, make_engine
 from tests.engine.test_engine_step import (
     BACKENDS,
@@ -253,3 +253,30 @@ def test_every_backend_writes_the_same_whole_cache_in_mixed_steps():
     used = {b for rid in "abcd" for b in caches[0].request_block_ids(rid)}
     unused = [b for b in range(caches[0].max_blocks) if b not in used]
     assert not caches[0].k_cache[:, unused].any() and not caches[-1].v_cache[:, unused].any()
+
+
+def test_building_every_extend_kernel_variant_leaves_the_cache_as_it_was():
+    """The warm start launches each extend kernel variant on a one-token problem over the
+    cache's own layers: it reads them and changes nothing."""
+    from flashdec.kernels.extend_plan import extend_plan_variants
+
+    engine = make_engine("fused", "triton")
+    rids = ["a", "b"]
+    for rid in rids:
+        engine.cache.add_request(rid)
+    _grow(engine, rids, [5, 3], seed=1)
+    before = snapshot(engine.cache)
+    launches = engine.attention.build_extend_kernels(HQ, max_batch=2)
+    variants = extend_plan_variants(
+        2,
+        HQ,
+        HKV,
+        D,
+        engine.cache.kv_groups[0].block_size,
+        torch.float32,
+        "cpu",
+        max_blocks_per_seq=24,
+    )
+    assert launches == len(variants) > 4
+    assert_same_state(engine.cache, before)
+    assert make_engine().attention.build_extend_kernels(HQ, max_batch=2) == 0  # torch backend

@@ -25,7 +25,7 @@ from flashdec.kernels import (
     plan_extend,
 )
 from flashdec.kernels import paged_extend as extend_module
-from flashdec.kernels.extend_plan import allocate_partials, max_tiles
+from flashdec.kernels.extend_plan import allocate_partials, extend_plan_variants, max_tiles
 from tests.helpers import TOLERANCES, device_syncs, make_paged_kv
 from tests.kernels.test_fp8 import FP8, fp8_paged_kv
 
@@ -292,6 +292,64 @@ def test_max_tiles_bounds_every_split_of_the_rows():
         lens = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
         tiles = sum(math.ceil(n * group / block_m) for n in lens)
         assert tiles <= max_tiles(batch, total, group, block_m)
+
+
+def _kernel_key(plan) -> tuple:
+    """What Triton compiles a launch of ``plan`` for (beside the model's fixed geometry)."""
+    tiles = (plan.block_m, plan.block_n, plan.block_b)
+    return (*tiles, plan.uses_split, plan.num_warps, plan.num_stages)
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "dtype", "kv_dtype", "window", "max_batch"),
+    [
+        (32, 8, 128, torch.bfloat16, None, None, 64),
+        (28, 4, 128, torch.float16, None, 4096, 256),
+        (16, 8, 256, torch.bfloat16, FP8, None, 16),
+        (32, 1, 64, torch.float32, None, None, 1),
+    ],
+)
+def test_plan_variants_cover_every_plan_the_planner_chooses(
+    hq, hkv, d, dtype, kv_dtype, window, max_batch
+):
+    """A warm start launches each variant once: every layout of up to max_batch requests (a
+    chunk, verification rows, decode rows beside a chunk; short and 32k contexts) must plan
+    one of them, or a serving step would wait for a compile."""
+    variants = extend_plan_variants(
+        max_batch,
+        hq,
+        hkv,
+        d,
+        16,
+        dtype,
+        "cpu",
+        max_blocks_per_seq=2048,
+        window=window,
+        kv_dtype=kv_dtype,
+    )
+    keys = {_kernel_key(p) for p in variants}
+    assert len(keys) == len(variants)  # no duplicate launches
+    rng = random.Random(0)
+    for _ in range(400):
+        batch = rng.randint(1, max_batch)
+        queries = [rng.choice([1, 1, 2, 4, 8, 33, 512, 2048]) for _ in range(batch)]
+        longest = max(queries) + rng.choice([0, 100, 4096, 32768])
+        plan = plan_extend(
+            batch,
+            sum(queries),
+            hq,
+            hkv,
+            d,
+            16,
+            longest,
+            dtype,
+            "cpu",
+            max_blocks_per_seq=2048,
+            max_query_len=max(queries),
+            window=window,
+            kv_dtype=kv_dtype,
+        )
+        assert _kernel_key(plan) in keys, (batch, queries, longest)
 
 
 @pytest.mark.parametrize(
