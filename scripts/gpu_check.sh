@@ -44,8 +44,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   2>&1 | tee -a "$LOG"
 
-# pytest-xdist workers for the compile-bound parts (Triton builds run on the host's cores);
-# flashdec.LLM's tests size their pools from free GPU memory, so tests3 stays one process
+# pytest-xdist workers (Triton builds and warm starts run on the host's cores); flashdec.LLM's
+# tests use tiny models, whose pools are sized by max_batch_size x max_model_len: few workers
 workers() {
   python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$1}"
 }
@@ -69,7 +69,7 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     tests3)  # every LLM here captures its graphs first (the warm start): a call of its own
       python3 -m pytest -m gpu tests/server tests/test_llm*.py -q -p no:cacheprovider \
-        --durations=15 2>&1 | tee -a "$LOG"
+        --durations=15 $(workers 3) 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     quicktests)
       python3 -m pytest tests/kernels -x -q -p no:cacheprovider -k "not TestErrors" 2>&1 \
