@@ -55,8 +55,9 @@ for phase in $PHASES; do
   start=$(date +%s)
   echo "=== phase $phase ===" | tee -a "$LOG"
   case $phase in
-    tests)
-      python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee -a "$LOG"
+    tests)  # under pytest-xdist one device call holds it (about 5 minutes with 8 workers)
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 $(workers 8) 2>&1 \
+        | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     tests1)  # the whole gpu suite takes over one device call's 10 minutes: three parts
       python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider \
