@@ -36,6 +36,9 @@ class KVPoolConfig:
     kv_scale: float  # FP8: every head's fixed K and V scale
     memory_fraction: float
     enable_prefix_caching: bool
+    # K/V bytes per token of a second pool sized to as many tokens (a draft model's): the
+    # memory budget is shared between the two in proportion
+    companion_kv_bytes_per_token: int = 0
 
 
 def kv_budget_bytes(device: torch.device, fraction: float) -> float:
@@ -101,7 +104,7 @@ def _grouped_cache(spec, config: KVPoolConfig, caching: dict) -> PagedKVCache:
         for w in windows
     ]
     if config.num_blocks is None:
-        budget = kv_budget_bytes(spec.device, config.memory_fraction)
+        budget = _own_budget(spec, config)
         shapes = list(zip(wanted, counts, windows, strict=True))
         fixed = sum(n * c * layer_block_bytes for n, c, w in shapes if w is not None)
         full_layers = sum(c for c, w in zip(counts, windows, strict=True) if w is None)
@@ -141,6 +144,14 @@ def _grouped_cache(spec, config: KVPoolConfig, caching: dict) -> PagedKVCache:
     )
 
 
+def _own_budget(spec, config: KVPoolConfig) -> float:
+    """This pool's share of the KV budget: all of it, or with a companion pool of as many
+    tokens, the share of this model's K/V bytes per token."""
+    budget = kv_budget_bytes(spec.device, config.memory_fraction)
+    own, other = spec.kv_bytes_per_token, config.companion_kv_bytes_per_token
+    return budget * own / (own + other)
+
+
 def _caching_kwargs(model: torch.nn.Module, config: KVPoolConfig) -> dict:
     """The cache's prefix-caching arguments: the model's identity keys the hash chain (one
     cache serves one model; the cache adds its layout, dtype and scales)."""
@@ -166,7 +177,7 @@ def _check_pool_fits(device: torch.device, num_blocks: int, pool_bytes: int) -> 
 def _default_num_blocks(spec, config: KVPoolConfig, blocks_per_seq: int) -> int:
     per_block = spec.kv_bytes_per_token * config.block_size
     wanted = config.max_batch_size * blocks_per_seq + 1
-    budget = kv_budget_bytes(spec.device, config.memory_fraction)
+    budget = _own_budget(spec, config)
     affordable = int(budget // per_block)
     if affordable < 1:
         raise ValueError(

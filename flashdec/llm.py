@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from flashdec._checks import (
 )
 from flashdec.engine import DecodeEngine
 from flashdec.engine.decode_graphs import WarmStart
+from flashdec.engine.draft_model import DraftModelDrafter
 from flashdec.engine.loop import LoopStep, ServingLoop
 from flashdec.engine.runner import ModelRunner, Request, now
 from flashdec.engine.sampling import SamplingParams, make_generator
@@ -217,26 +218,30 @@ class LLM:
                 f"max_position_embeddings ({spec.max_position_embeddings})"
             )
 
-        cache = build_kv_cache(
-            model,
-            spec,
-            KVPoolConfig(
-                block_size=self.block_size,
-                num_blocks=num_blocks,
-                max_batch_size=self.max_batch_size,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                kv_cache_dtype=self.kv_cache_dtype,
-                kv_scale=self.kv_scale,
-                memory_fraction=fraction,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
+        # a draft model is loaded first: its weights count as used when the pools are sized
+        draft = None
+        if speculative is not None and speculative.method == "draft":
+            draft = _draft_adapter(speculative.draft_model, spec, self.max_model_len)
+        pool = KVPoolConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            max_batch_size=self.max_batch_size,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_scale=self.kv_scale,
+            memory_fraction=fraction,
+            enable_prefix_caching=self.enable_prefix_caching,
+            companion_kv_bytes_per_token=0 if draft is None else draft.spec.kv_bytes_per_token,
         )
+        cache = build_kv_cache(model, spec, pool)
         on_cuda = spec.device.type == "cuda"
+        append_backend = append_backend or ("fused" if on_cuda else "torch")
+        decode_backend = decode_backend or ("triton" if on_cuda else "torch")
         self.engine = DecodeEngine(
             cache,
-            append_backend=append_backend or ("fused" if on_cuda else "torch"),
-            decode_backend=decode_backend or ("triton" if on_cuda else "torch"),
+            append_backend=append_backend,
+            decode_backend=decode_backend,
             rotary_dim=spec.rotary_dim,
             sm_scale=spec.sm_scale,
             rope_inv_freq=spec.inv_freq,
@@ -252,6 +257,26 @@ class LLM:
             cuda_graphs=self.cuda_graphs,
             speculative=speculative,
             max_step_tokens=self.max_num_batched_tokens,
+            drafter=None
+            if draft is None
+            else DraftModelDrafter(
+                draft,
+                # as many tokens as the target's (the budget was shared for that)
+                build_kv_cache(
+                    draft.model,
+                    draft.spec,
+                    replace(
+                        pool,
+                        num_blocks=_token_blocks(cache),
+                        kv_cache_dtype=draft.spec.dtype,
+                        kv_scale=1.0,
+                        enable_prefix_caching=False,
+                        companion_kv_bytes_per_token=0,
+                    ),
+                ),
+                append_backend=append_backend,
+                decode_backend=decode_backend,
+            ),
         )
         self.speculative = speculative
         if self.enable_prefix_caching:  # a finished request's answer joins the prefix cache
@@ -586,3 +611,35 @@ def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:
     if kv_scale != 1.0 and not fp8:
         raise ValueError("kv_scale applies only with kv_cache_dtype='fp8'")
     return fp8
+
+
+def _draft_adapter(draft_model, target, max_model_len: int) -> DecoderAdapter:
+    """The draft model of ``SpeculativeConfig(method="draft")`` on the target's device and in
+    its dtype (a module is moved in place, as ``LLM``'s own model is), checked against the
+    target (``target``: its ModelSpec): its token ids must be the target's, and it must reach
+    ``max_model_len``."""
+    to = {"dtype": target.dtype, "device": target.device}
+    if isinstance(draft_model, torch.nn.Module):
+        draft_model.to(**to)
+    else:
+        draft_model = resolve_model(draft_model, **to).model
+    draft = DecoderAdapter(draft_model)
+    spec = draft.spec
+    if spec.vocab_size > target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({spec.vocab_size}) is larger than the target's "
+            f"({target.vocab_size}): a draft model must share the target's tokenizer"
+        )
+    if spec.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model's max_position_embeddings ({spec.max_position_embeddings}) is "
+            f"below max_model_len ({max_model_len}); pass a smaller max_model_len"
+        )
+    return draft
+
+
+def _token_blocks(cache) -> int:
+    """The blocks that hold as many tokens as ``cache`` can: its full-attention pool (window
+    groups hold only their windows), or its largest pool when every group has a window."""
+    full = [g.num_blocks for g in cache.kv_groups if g.window is None]
+    return max(full or [g.num_blocks for g in cache.kv_groups])

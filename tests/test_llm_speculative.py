@@ -189,9 +189,107 @@ def test_bad_configs_are_rejected(kwargs, exc):
         flashdec.SpeculativeConfig(**kwargs)
 
 
-def test_the_draft_method_is_not_built_yet():
-    with pytest.raises(ValueError, match=r"not built yet.*'ngram'"):
-        flashdec.SpeculativeConfig(method="draft")
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"method": "draft"}, ValueError, "needs draft_model="),
+        ({"method": "draft", "draft_model": 3}, TypeError, "draft_model must be"),
+        ({"draft_model": "tiny-llama"}, ValueError, "only with method='draft'"),
+        ({"method": "eagle"}, ValueError, "method"),
+    ],
+)
+def test_bad_draft_configs_are_rejected(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        flashdec.SpeculativeConfig(**kwargs)
+
+
+def _draft_llm(model, draft, **kwargs):
+    spec = flashdec.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4)
+    return flashdec.LLM(model, max_batch_size=4, speculative=spec, **kwargs)
+
+
+def _draft_cache(llm):
+    return llm._runner.drafter.engine.cache
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_draft_model_equal_to_the_target_is_always_accepted(name):
+    """Draft = target (a copy of its weights): every draft is the target's own greedy token,
+    so each verification step brings n = 5 tokens and keeps them all; the output is plain
+    greedy's, and the draft cache ends empty and consistent."""
+    model = _model(name)
+    prompts = _prompts(model.config.vocab_size)
+    llm = _draft_llm(model, _model(name))
+    assert llm.generate(prompts, NEW, ignore_eos=True) == _expected(name)
+    stats = llm.last_stats
+    assert stats.draft_tokens > 0 and stats.acceptance_rate == 1.0
+    assert stats.tokens_per_step > 4  # 5 per verification, fewer only where a request ends
+    cache = _draft_cache(llm)
+    assert cache.metrics()["num_used_blocks"] == 0 and not cache.request_ids()
+    cache.validate_invariants()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-swa"])
+def test_an_unrelated_draft_model_changes_no_token(name):
+    """Another model's drafts (other weights) are mostly rejected, and every rejection rolls
+    back: the output is still exactly plain greedy's, over several rounds per request, with
+    prompts longer than a catch-up chunk's limit too."""
+    model = _model(name)
+    vocab = model.config.vocab_size
+    prompts = _prompts(vocab)
+    draft = build_random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=5)
+    llm = _draft_llm(model, draft)
+    assert llm.generate(prompts, NEW, ignore_eos=True) == _expected(name)
+    stats = llm.last_stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens < stats.draft_tokens
+    _draft_cache(llm).validate_invariants()
+
+
+def test_draft_steps_leave_the_draft_cache_holding_only_verified_tokens(monkeypatch):
+    """After each round the draft cache holds exactly the tokens the target verified (the
+    context minus the token being verified next): drafts never stay in it."""
+    from flashdec.engine import draft_model
+
+    model = _model("tiny-llama")
+    llm = _draft_llm(model, _model("tiny-llama"))
+    drafter = llm._runner.drafter
+    seen = []
+    original = drafter.propose_many
+
+    def propose_many(wanted):
+        out = original(wanted)
+        for rid, want in wanted.items():
+            context = want.prompt.shape[0] + len(want.tokens) + len(want.tail)
+            seen.append((drafter.engine.cache.seq_len(rid), context))
+        return out
+
+    monkeypatch.setattr(drafter, "propose_many", propose_many)
+    monkeypatch.setattr(draft_model, "MAX_CATCH_UP_TOKENS", 4)  # prompts come in chunks
+    prompts = _prompts(model.config.vocab_size)
+    assert llm.generate(prompts, NEW, ignore_eos=True) == _expected("tiny-llama")
+    assert seen and all(held == context for held, context in seen)
+
+
+def _tiny_llama_with(**overrides):
+    """tiny-llama's architecture with some config fields changed (random weights)."""
+    from transformers import LlamaForCausalLM
+
+    config = _model("tiny-llama").config.to_dict()
+    config.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(type(_model("tiny-llama").config).from_dict(config)).float()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"vocab_size": 300}, r"draft model's vocabulary \(300\) is larger than the target's"),
+        ({"max_position_embeddings": 64}, r"draft model's max_position_embeddings \(64\)"),
+    ],
+)
+def test_a_draft_model_that_cannot_serve_the_target_is_refused(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _draft_llm(_model("tiny-llama"), _tiny_llama_with(**overrides))
 
 
 def test_config_is_frozen_and_a_bad_argument_builds_nothing():
@@ -220,6 +318,22 @@ def test_verified_drafts_keep_greedy_output_exact_on_the_gpu(name):
     _oracle(llm, dict(enumerate(expected)))
     assert llm.generate(prompts, NEW, ignore_eos=True) == expected
     assert 0 < llm.last_stats.accepted_tokens < llm.last_stats.draft_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-swa"])
+def test_a_draft_model_keeps_greedy_output_exact_on_the_gpu(name):
+    """The draft-model method on the GPU (bf16, the Triton kernels in both engines): a copy
+    of the target as draft and an unrelated draft both give plain greedy's tokens."""
+    model = build_random_model(name, dtype=torch.bfloat16, device="cuda", seed=0)
+    prompts = _prompts(model.config.vocab_size)
+    expected = flashdec.LLM(model, max_batch_size=4).generate(prompts, NEW, ignore_eos=True)
+    for draft_seed in (0, 5):
+        draft = build_random_model(name, dtype=torch.bfloat16, device="cuda", seed=draft_seed)
+        llm = _draft_llm(model, draft)
+        assert llm.generate(prompts, NEW, ignore_eos=True) == expected
+        assert llm.last_stats.draft_tokens > 0
+        _draft_cache(llm).validate_invariants()
 
 
 def test_a_verification_step_reads_the_device_once(monkeypatch):
@@ -314,3 +428,38 @@ def test_a_verification_step_synchronises_once_on_the_gpu(monkeypatch):
     monkeypatch.setattr(ModelRunner, "_run_verify", counted)
     assert llm.generate(prompts, 16, ignore_eos=True) == expected
     assert flagged and all(n == 1 for n in flagged), flagged
+
+
+def _pool_bytes(groups) -> int:
+    return sum(
+        g.kv_size
+        * g.num_blocks
+        * g.layer_count
+        * g.num_kv_heads
+        * g.block_size
+        * g.head_dim
+        * torch.empty((), dtype=g.dtype).element_size()
+        for g in groups
+    )
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-swa"])
+def test_a_draft_model_shares_the_kv_budget_and_gets_as_many_tokens(monkeypatch, name):
+    """With a draft model the memory budget covers both pools: the target's full-attention
+    pool shrinks (to half when the draft is the same model and has no window group), both fit
+    the budget together, and the draft's pool holds as many blocks as the target's full one."""
+    budget = 2**23  # about half of what the requests would take: the pools are sized by it
+    monkeypatch.setattr("flashdec.kv_pool.kv_budget_bytes", lambda device, fraction: budget)
+    model = _model(name)
+    limits = {"max_batch_size": 64, "max_model_len": 512}
+    alone = flashdec.LLM(model, **limits).engine.cache.kv_groups
+    spec = flashdec.SpeculativeConfig(method="draft", draft_model=_model("tiny-llama"))
+    llm = flashdec.LLM(model, speculative=spec, **limits)
+    paired, draft = llm.engine.cache.kv_groups, _draft_cache(llm).kv_groups
+    full_alone = [g.num_blocks for g in alone if g.window is None]
+    full_paired = [g.num_blocks for g in paired if g.window is None]
+    assert full_paired < full_alone
+    if name == "tiny-llama":
+        assert full_paired == [n // 2 for n in full_alone]
+    assert _pool_bytes(paired) + _pool_bytes(draft) <= budget
+    assert {g.num_blocks for g in draft} == set(full_paired)

@@ -34,6 +34,8 @@ from flashdec.engine.sampling import (
 from flashdec.runtime import upload
 from flashdec.speculative import (
     DraftController,
+    Drafter,
+    DraftRequest,
     NgramDrafter,
     SpeculativeConfig,
     accept_greedy,
@@ -111,6 +113,7 @@ class ModelRunner(StepExecutor):
         cuda_graphs: bool,
         speculative: SpeculativeConfig | None = None,
         max_step_tokens: int | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         # adapter: a flashdec.models.DecoderAdapter (models sit above the engine: not imported)
         self.engine = engine
@@ -145,8 +148,10 @@ class ModelRunner(StepExecutor):
         # speculative decoding: drafts per request, verified in one mixed-token step
         self.speculative = speculative
         self.max_step_tokens = max_step_tokens  # drafts keep a step within it
-        if speculative is not None:
-            self.drafter = NgramDrafter(speculative.min_ngram, speculative.max_ngram)
+        if speculative is not None:  # method="draft": the drafter comes built (its own cache)
+            if drafter is None and speculative.method == "draft":
+                raise ValueError("SpeculativeConfig(method='draft') needs its drafter")
+            self.drafter = drafter or NgramDrafter(speculative.min_ngram, speculative.max_ngram)
             self.controller = DraftController(speculative.num_tokens)
         self._served: dict = {}  # request -> tokens the last run gave it (absent: one)
         self._accepted: dict = {}  # request -> drafts the last run accepted
@@ -378,7 +383,7 @@ class ModelRunner(StepExecutor):
         room = None
         if self.max_step_tokens is not None:
             room = self.max_step_tokens - len(batch) - sum(n for _, n in chunks)
-        drafts, skipped = {}, set()
+        wanted, skipped = {}, set()
         for rid in batch:
             req = self.requests[rid]
             tail = (peek[rid],) if rid in peek else ()
@@ -396,10 +401,10 @@ class ModelRunner(StepExecutor):
                 k = min(k, room)
             if k <= 0:  # no budget, or none left: not a lookup the controller learns from
                 continue
-            drafts[rid] = self.drafter.propose(rid, req.prompt, req.tokens, k, tail)
+            wanted[rid] = DraftRequest(req.prompt, req.tokens, k, tail)
             if room is not None:
-                room -= len(drafts[rid])
-        return drafts, skipped
+                room -= k
+        return (self.drafter.propose_many(wanted) if wanted else {}), skipped
 
     def _run_verify(
         self, batch: list, chunks: Sequence[tuple[object, int]], drafts: dict, skipped: set

@@ -2,18 +2,22 @@
 
 The runner (:mod:`flashdec.engine.runner`) verifies every request's drafts in one mixed-token
 engine step and rolls the rejected ones back with ``commit_step(accept=...)``; this package holds
-the parts that need no engine: the config, the n-gram drafter, the accept rules and the
-per-request adaptivity.
+the parts that need no engine: the config, what a drafter is asked for, the n-gram drafter, the
+accept rules and the per-request adaptivity (the draft-model drafter runs an engine of its own:
+:mod:`flashdec.engine.draft_model`).
 """
 
 from flashdec.speculative.adaptive import DraftController
 from flashdec.speculative.config import SPECULATIVE_METHODS, SpeculativeConfig
+from flashdec.speculative.drafts import Drafter, DraftRequest
 from flashdec.speculative.ngram import NgramDrafter, propose_ngram
 from flashdec.speculative.rules import accept_greedy, accept_sampled
 
 __all__ = [
     "SPECULATIVE_METHODS",
     "DraftController",
+    "DraftRequest",
+    "Drafter",
     "NgramDrafter",
     "SpeculativeConfig",
     "accept_greedy",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from flashdec._checks import check_choice, check_positive_int
+import torch
 
-SPECULATIVE_METHODS = ("ngram",)  # built; "draft" (a second model) is not yet
+from flashdec._checks import check_choice, check_positive_int, type_name
+
+SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 64  # drafts per request per step at most (a verification step's width)
 
 
@@ -17,19 +20,20 @@ class SpeculativeConfig:
     ``method="ngram"`` (prompt lookup): each step, the longest n-gram (``max_ngram`` down to
     ``min_ngram`` tokens) that ends the request's context (prompt + generated) and occurred
     earlier in it proposes the up to ``num_tokens`` tokens that followed that occurrence.
+
+    ``method="draft"``: ``draft_model`` — a smaller model of the same tokenizer (a
+    transformers model, a local model directory or a built-in name, as ``flashdec.LLM``
+    takes) — proposes ``num_tokens`` tokens greedily, from its own paged KV cache on the
+    target's device and in its dtype.
     """
 
     method: str = "ngram"
     num_tokens: int = 4
     min_ngram: int = 1
     max_ngram: int = 4
+    draft_model: torch.nn.Module | str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
-        if self.method == "draft":
-            raise ValueError(
-                "method='draft' (a second, smaller model) is not built yet; the methods "
-                f"available are {', '.join(map(repr, SPECULATIVE_METHODS))}"
-            )
         check_choice("method", self.method, SPECULATIVE_METHODS)
         check_positive_int("num_tokens", self.num_tokens)
         if self.num_tokens > MAX_NUM_TOKENS:
@@ -40,3 +44,14 @@ class SpeculativeConfig:
             raise ValueError(
                 f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
+        draft = self.draft_model
+        if self.method == "draft":
+            if draft is None:
+                raise ValueError("method='draft' needs draft_model= (a smaller model)")
+            if not isinstance(draft, (torch.nn.Module, str, os.PathLike)):
+                raise TypeError(
+                    "draft_model must be a transformers model, a local model directory or a "
+                    f"built-in name, got {type_name(draft)}"
+                )
+        elif draft is not None:
+            raise ValueError(f"draft_model is used only with method='draft', not {self.method!r}")

@@ -10,10 +10,12 @@ takes only the tokens new since its last lookup, so a step costs no copy of the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
+
+from flashdec.speculative.drafts import DraftRequest
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -59,6 +61,13 @@ class NgramDrafter:
 
     def forget(self, rid) -> None:
         self._contexts.pop(rid, None)
+
+    def propose_many(self, wanted: Mapping[object, DraftRequest]) -> dict[object, list[int]]:
+        """Each request's drafts (see :meth:`propose`)."""
+        return {
+            rid: self.propose(rid, w.prompt, w.tokens, w.num_tokens, w.tail)
+            for rid, w in wanted.items()
+        }
 
     def propose(
         self,
