@@ -21,8 +21,8 @@ from flashdec.engine.decode_graphs import (
     free_rows,
     placeholder_requests,
 )
+from flashdec.engine.decode_state import max_table_tokens
 from flashdec.engine.engine import DecodeEngine
-from flashdec.engine.layer_ops import max_table_tokens
 from flashdec.engine.loop import StepExecutor
 from flashdec.engine.sampling import (
     GREEDY,
