@@ -32,7 +32,8 @@ from flashdec.engine import DecodeEngine
 from flashdec.engine.decode_graphs import WarmStart
 from flashdec.engine.draft_model import DraftModelDrafter
 from flashdec.engine.loop import LoopStep, ServingLoop
-from flashdec.engine.runner import ModelRunner, Request, now
+from flashdec.engine.request import Request, now
+from flashdec.engine.runner import ModelRunner
 from flashdec.engine.sampling import SamplingParams, make_generator
 from flashdec.kv_pool import FP8_DTYPE, KVPoolConfig, build_kv_cache
 from flashdec.models import DecoderAdapter, resolve_model

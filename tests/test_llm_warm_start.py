@@ -9,7 +9,7 @@ import torch
 
 import flashdec
 from flashdec.engine.decode_graphs import DecodeGraphs, placeholder_requests
-from flashdec.engine.layer_ops import launch_key
+from flashdec.engine.decode_state import launch_key
 from flashdec.kernels import plan_decode
 from flashdec.models import build_random_model
 from tests.cache.snapshot import assert_same_state, snapshot

@@ -16,8 +16,8 @@ import torch
 
 from flashdec._checks import FLOAT_DTYPES, check_tensor, resolve_sm_scale
 from flashdec.cache import PagedKVCache
+from flashdec.engine.decode_state import DecodeState
 from flashdec.engine.layer_ops import (
-    DecodeState,
     Rope,
     check_step_inputs,
     extend_attention,

@@ -2,7 +2,7 @@
 
 A decode step pads its rows to a batch-size bucket and replays the graph captured for that
 bucket and its decode launches. The launches depend on the longest request only through the
-plan's split choice (:func:`~flashdec.engine.layer_ops.launch_key`), so the graphs are keyed
+plan's split choice (:func:`~flashdec.engine.decode_state.launch_key`), so the graphs are keyed
 by (bucket, launch key): lengths that cross a plan bucket with the same launches share a graph,
 and a batch whose lengths move back and forth between plan buckets finds each graph kept, never
 re-captured.
@@ -23,8 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdec.engine.decode_state import (
+    group_decode_plan,
+    launch_key,
+    max_table_tokens,
+    plan_bucket,
+)
 from flashdec.engine.engine import DecodeEngine
-from flashdec.engine.layer_ops import group_decode_plan, launch_key, max_table_tokens, plan_bucket
 from flashdec.engine.step import CapturedStep
 
 log = logging.getLogger(__name__)

@@ -1,16 +1,16 @@
 """The model runner: the serving loop's executor for a transformers model.
 
 It owns what a step of :class:`flashdec.LLM` does beyond the engine: each request's record
-(prompt, tokens, timing, sampling), the device-resident last tokens and their hand-off to the
-host one step late, the choice of the next token (argmax or a sample), and the warm start: the
-CUDA graphs of the decode forward (:class:`~flashdec.engine.decode_graphs.DecodeGraphs`) and the
-mixed step's kernels, made ready before the first request.
+(prompt, tokens, timing, sampling: :class:`~flashdec.engine.request.Request`), the
+device-resident last tokens and their hand-off to the host one step late, the choice of the
+next token (argmax or a sample), and the warm start: the CUDA graphs of the decode forward
+(:class:`~flashdec.engine.decode_graphs.DecodeGraphs`) and the mixed step's kernels, made ready
+before the first request.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 
 import torch
@@ -21,11 +21,11 @@ from flashdec.engine.decode_graphs import (
     free_rows,
     placeholder_requests,
 )
+from flashdec.engine.decode_state import max_table_tokens
 from flashdec.engine.engine import DecodeEngine
-from flashdec.engine.layer_ops import max_table_tokens
 from flashdec.engine.loop import StepExecutor
+from flashdec.engine.request import Request, now
 from flashdec.engine.sampling import (
-    GREEDY,
     SamplingParams,
     make_generator,
     probabilities,
@@ -41,55 +41,6 @@ from flashdec.speculative import (
     accept_greedy,
     accept_sampled,
 )
-
-
-class Request:
-    """One request of :class:`flashdec.LLM`: its prompt, sampling, tokens and timestamps."""
-
-    __slots__ = (
-        "error",
-        "finished_at",
-        "first_token_at",
-        "generator",
-        "ignore_eos",
-        "max_new_tokens",
-        "prompt",
-        "sampling",
-        "submitted_at",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        prompt: torch.Tensor,
-        max_new_tokens: int,
-        ignore_eos: bool,
-        now: float,
-        sampling: SamplingParams | None = None,  # None: greedy
-        generator: torch.Generator | None = None,  # None when greedy
-    ):
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.ignore_eos = ignore_eos
-        self.sampling = sampling or GREEDY
-        self.generator = generator
-        self.tokens: list[int] = []
-        self.submitted_at = now
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self.error: str | None = None  # why it never ran (the scheduler rejected it)
-
-    def reset(self) -> None:
-        """Back to before its admission (the step that admitted it was taken back)."""
-        self.tokens.clear()
-        self.first_token_at = self.finished_at = None
-
-
-def now(device: torch.device | None = None) -> float:
-    """Host time (``perf_counter``); with a CUDA device, once its queued work is done."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class ModelRunner(StepExecutor):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdec.cache import TokenTransactionView
-from flashdec.engine.layer_ops import DecodeState
+from flashdec.engine.decode_state import DecodeState
 from flashdec.kernels import ExtendWorkspace
 
 

@@ -1,0 +1,215 @@
+"""Automatic prefix caching of a :class:`~flashdec.cache.PagedKVCache` (SPEC §8.7): the hash
+chain of a request's full blocks, the longest cached run every group can serve, attaching a
+request to it, and indexing a request's own full blocks so later requests can hit them. A mixin
+of the facade, one concept: it works on the state the constructor set (``_groups``,
+``_requests``, ``_hash_root``, the hit counters) through each group's
+:class:`~flashdec.cache.block_cache.BlockCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flashdec._blocks import held_range
+from flashdec.cache.block_hash import BlockHash, hash_blocks
+from flashdec.cache.layer_group import LayerGroup
+from flashdec.cache.requests import require_active
+from flashdec.cache.reservation import request_owner
+from flashdec.cache.state import RequestId, RequestRecord
+
+
+class PrefixCaching:
+    """Automatic prefix caching (see :class:`~flashdec.cache.PagedKVCache`)."""
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    def _require_prefix_caching(self) -> None:
+        if not self._prefix_caching:
+            raise RuntimeError("automatic prefix caching is off (enable_prefix_caching=False)")
+
+    def block_hashes(
+        self, token_ids: Any, *, start_block: int = 0, parent: BlockHash | None = None
+    ) -> list[BlockHash]:
+        """The chained hashes of the full blocks of ``token_ids`` (from ``start_block`` on,
+        after ``parent``, the hash of the block before; the chain's root for block 0)."""
+        self._require_prefix_caching()
+        if parent is None and start_block:
+            raise ValueError("start_block > 0 needs the parent block's hash")
+        bs = self._groups[0].block_size
+        root = self._hash_root if parent is None else parent
+        return hash_blocks(token_ids, bs, root, start_block)
+
+    def _hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """Blocks of the longest cached run matching ``hashes`` from the start that every
+        group can serve, leaving at least one of ``num_tokens`` to compute: a full-attention
+        group needs all of them, a window group only those its window keeps at the end."""
+        bs = self._groups[0].block_size
+        h = min(len(hashes), (num_tokens - 1) // bs)
+        windows = []
+        for group in self._groups:
+            if group.window is None:
+                h = min(h, group.block_cache.leading(hashes[:h]))
+            else:
+                windows.append(group)
+        while h > 0:
+            if all(
+                all(g.block_cache.has(x) for x in hashes[held_range(h * bs, bs, g.window)[0] : h])
+                for g in windows
+            ):
+                break
+            h -= 1
+        return h
+
+    def _check_hashes(self, hashes: object, num_tokens: object) -> list[BlockHash]:
+        if not isinstance(hashes, (list, tuple)) or not all(isinstance(x, bytes) for x in hashes):
+            raise TypeError("hashes must be a list of bytes (PagedKVCache.block_hashes)")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if num_tokens < 1 or len(hashes) > num_tokens // self._groups[0].block_size:
+            raise ValueError(
+                f"num_tokens={num_tokens} must be >= 1 and cover every hashed block ({len(hashes)})"
+            )
+        return list(hashes)
+
+    def cached_prefix_tokens(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """Tokens a request of ``num_tokens`` whose full blocks hash to ``hashes`` would find
+        cached now (whole blocks, at most ``num_tokens - 1``). Reads only."""
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        return self._hit_blocks(hashes, num_tokens) * self._groups[0].block_size
+
+    def held_hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
+        """Per group: of the blocks ``attach_cached_prefix`` would attach now, those an active
+        request already holds (a new request shares them: they take nothing from the pool).
+        Reads only; all zeros while no cached block is held."""
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        if not self.shared_cached_blocks_held():
+            return (0,) * len(self._groups)
+        h = self._hit_blocks(hashes, num_tokens)
+        bs = self._groups[0].block_size
+        return tuple(
+            sum(
+                1
+                for x in hashes[held_range(h * bs, bs, g.window)[0] : h]
+                if g.block_cache.is_held(x)
+            )
+            for g in self._groups
+        )
+
+    def attach_cached_prefix(
+        self, request_id: RequestId, hashes: Sequence[BlockHash], num_tokens: int
+    ) -> int:
+        """Start an empty active request of ``num_tokens`` prompt tokens whose full blocks hash
+        to ``hashes`` with the longest cached run matching them (shared, reference-counted,
+        immutable); returns the hit's tokens (possibly 0). The request keeps the hashes: its
+        own full blocks join the cache (``cache_request_blocks``, and when it finishes)."""
+        record = self._requests.record(request_id)
+        self._require_prefix_caching()
+        hashes = self._check_hashes(hashes, num_tokens)
+        self._tx.ensure_none_open("attach a cached prefix")
+        require_active(record, "attach a cached prefix to")
+        if record.seq_len or record.num_blocks or record.prefix_id is not None:
+            raise RuntimeError(
+                f"attach_cached_prefix needs an empty request; {record.request_id!r} already "
+                f"holds {record.seq_len} tokens"
+            )
+        if record.block_hashes is not None:
+            raise RuntimeError(f"request {record.request_id!r} already has its block hashes")
+        h = self._hit_blocks(hashes, num_tokens)
+        bs = self._groups[0].block_size
+        for group in self._groups:
+            first = held_range(h * bs, bs, group.window)[0]
+            block_ids = [group.block_cache.block(x) for x in hashes[first:h]]
+            group.block_cache.acquire(block_ids)
+            run = record.run(group.index)
+            run.table[first:h] = block_ids
+            group.pending_updates += [(record.row, first + i, b) for i, b in enumerate(block_ids)]
+            run.first_block, run.num_blocks, run.num_prefix_blocks = first, h, h
+        record.block_hashes = hashes
+        record.seq_len = h * bs
+        self._queried_tokens += num_tokens
+        self._hit_tokens += h * bs
+        self._lookups[record.request_id] = (num_tokens, h * bs)  # until it ends (discard: undo)
+        self._version += 1
+        return h * bs
+
+    def _adopt(self, group: LayerGroup, record: RequestRecord, held: bool) -> list[int]:
+        """Index ``record``'s committed full private blocks in ``group`` whose hashes it knows
+        (``held``: they join its shared run, stopping at the first hash cached elsewhere;
+        otherwise evictable, duplicates skipped). Returns the private blocks left."""
+        run = record.run(group.index)
+        hashes = record.block_hashes
+        owner = request_owner(record.request_id)
+        start = max(run.num_prefix_blocks, run.first_block)
+        end = min(record.seq_len // group.block_size, len(hashes), run.num_blocks)
+        left = []
+        for i in range(start, end):
+            block_id = int(run.table[i])
+            if group.block_cache.adopt(block_id, hashes[i], owner, held):
+                if held:
+                    run.num_prefix_blocks = i + 1
+            elif held:
+                break
+            else:
+                left.append(block_id)
+        if not held:
+            left += run.table[max(start, end) : run.num_blocks].tolist()
+        return left
+
+    def cache_request_blocks(
+        self, request_id: RequestId, hashes: Sequence[BlockHash] | None = None
+    ) -> int:
+        """Index the active request's committed full blocks (their hashes: those it was
+        attached with, or ``hashes``, the chain of its whole content so far, extending them):
+        they become shared, immutable blocks other requests can hit. Returns its shared
+        blocks in group 0."""
+        record = self._requests.record(request_id)
+        self._require_prefix_caching()
+        self._tx.ensure_none_open("cache a request's blocks")
+        require_active(record, "cache the blocks of")
+        known = record.block_hashes
+        if known is None:
+            raise RuntimeError(
+                f"request {record.request_id!r} has no block hashes (attach_cached_prefix)"
+            )
+        if hashes is not None:
+            hashes = self._check_hashes(hashes, max(1, len(hashes) * self._groups[0].block_size))
+            if hashes[: len(known)] != known[: len(hashes)]:
+                raise ValueError("hashes must extend the request's known block hashes")
+            if len(hashes) > len(known):
+                record.block_hashes = hashes
+        for group in self._groups:
+            self._adopt(group, record, held=True)
+        self._version += 1
+        return record.num_prefix_blocks
+
+    def shared_cached_block_refs(self, group: int = 0) -> int:
+        """References to automatically cached blocks beyond the first: how many more blocks
+        the active requests' block counts add up to than the pool holds for them (the
+        scheduler's snapshot counts each request's blocks as its own)."""
+        return self._check_group(group).block_cache.num_extra_refs
+
+    def shared_cached_blocks_held(self) -> bool:
+        """Whether an active request holds any automatically cached block (any group)."""
+        return any(g.block_cache.num_referenced for g in self._groups)
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """Automatic prefix caching's counters: ``queried_tokens`` (prompt tokens looked up),
+        ``hit_tokens``, ``hit_rate``, ``cached_blocks`` (indexed now, every group),
+        ``evictable_blocks`` (cached, no request holds them: counted as free),
+        ``evicted_blocks`` (reclaimed by allocations so far)."""
+        caches = [g.block_cache for g in self._groups]
+        queried = self._queried_tokens
+        return {
+            "enabled": self._prefix_caching,
+            "queried_tokens": queried,
+            "hit_tokens": self._hit_tokens,
+            "hit_rate": self._hit_tokens / queried if queried else 0.0,
+            "cached_blocks": sum(len(c) for c in caches),
+            "evictable_blocks": sum(g.allocator.num_evictable for g in self._groups),
+            "evicted_blocks": sum(c.num_evicted for c in caches),
+        }
