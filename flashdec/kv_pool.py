@@ -185,3 +185,10 @@ def _default_num_blocks(spec, config: KVPoolConfig, blocks_per_seq: int) -> int:
             "weights; pass num_blocks= or a larger gpu_memory_fraction"
         )
     return min(affordable, wanted)
+
+
+def token_blocks(cache: PagedKVCache) -> int:
+    """The blocks that hold as many tokens as ``cache`` can: its full-attention pool (window
+    groups hold only their windows), or its largest pool when every group has a window."""
+    full = [g.num_blocks for g in cache.kv_groups if g.window is None]
+    return max(full or [g.num_blocks for g in cache.kv_groups])

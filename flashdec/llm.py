@@ -32,11 +32,11 @@ from flashdec.engine import DecodeEngine
 from flashdec.engine.decode_graphs import WarmStart
 from flashdec.engine.draft_model import DraftModelDrafter
 from flashdec.engine.loop import LoopStep, ServingLoop
-from flashdec.engine.request import Request, now
+from flashdec.engine.request import Request, RequestTiming, now
 from flashdec.engine.runner import ModelRunner
 from flashdec.engine.sampling import SamplingParams, make_generator
-from flashdec.kv_pool import FP8_DTYPE, KVPoolConfig, build_kv_cache
-from flashdec.models import DecoderAdapter, resolve_model
+from flashdec.kv_pool import FP8_DTYPE, KVPoolConfig, build_kv_cache, token_blocks
+from flashdec.models import DecoderAdapter, load_draft_model, resolve_model
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 from flashdec.speculative import SpeculativeConfig
 
@@ -71,16 +71,6 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         """Accepted drafts / drafts (0.0 when nothing was drafted)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Host timestamps (``time.perf_counter``) of one request added with ``add_request``."""
-
-    submitted_at: float
-    first_token_at: float | None  # None until its prompt is prefilled
-    finished_at: float | None  # None while it runs
-    num_tokens: int
 
 
 class LLM:
@@ -222,7 +212,7 @@ class LLM:
         # a draft model is loaded first: its weights count as used when the pools are sized
         draft = None
         if speculative is not None and speculative.method == "draft":
-            draft = _draft_adapter(speculative.draft_model, spec, self.max_model_len)
+            draft = load_draft_model(speculative.draft_model, spec, self.max_model_len)
         pool = KVPoolConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
@@ -268,7 +258,7 @@ class LLM:
                     draft.spec,
                     replace(
                         pool,
-                        num_blocks=_token_blocks(cache),
+                        num_blocks=token_blocks(cache),
                         kv_cache_dtype=draft.spec.dtype,
                         kv_scale=1.0,
                         enable_prefix_caching=False,
@@ -470,7 +460,7 @@ class LLM:
 
     def request_timing(self, request_id) -> RequestTiming:
         req = self._request(request_id)
-        return RequestTiming(req.submitted_at, req.first_token_at, req.finished_at, len(req.tokens))
+        return req.timing()
 
     def release(self, request_id) -> list[int]:
         """Forget a finished (or rejected) request's record; returns its tokens, all of them
@@ -575,7 +565,7 @@ class LLM:
             generated_tokens=sum(len(r.tokens) for r in requests),
             elapsed_s=elapsed,
             ttft_s=tuple(r.first_token_at - r.submitted_at for r in requests),
-            tpot_s=tuple(_tpot(r) for r in requests),
+            tpot_s=tuple(r.time_per_output_token() for r in requests),
             decode_steps=steps,
             graph_replays=runner.graph_replays - replays_before,
             draft_tokens=counts["draft_tokens"],
@@ -593,12 +583,6 @@ class LLM:
             on_tokens([list(r.tokens) for r in requests])
 
 
-def _tpot(request: Request) -> float:
-    if len(request.tokens) < 2 or request.first_token_at is None:
-        return 0.0
-    return (request.finished_at - request.first_token_at) / (len(request.tokens) - 1)
-
-
 def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:
     """Whether the KV cache is FP8; TypeError/ValueError for a bad option or scale."""
     fp8 = (
@@ -612,35 +596,3 @@ def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:
     if kv_scale != 1.0 and not fp8:
         raise ValueError("kv_scale applies only with kv_cache_dtype='fp8'")
     return fp8
-
-
-def _draft_adapter(draft_model, target, max_model_len: int) -> DecoderAdapter:
-    """The draft model of ``SpeculativeConfig(method="draft")`` on the target's device and in
-    its dtype (a module is moved in place, as ``LLM``'s own model is), checked against the
-    target (``target``: its ModelSpec): its token ids must be the target's, and it must reach
-    ``max_model_len``."""
-    to = {"dtype": target.dtype, "device": target.device}
-    if isinstance(draft_model, torch.nn.Module):
-        draft_model.to(**to)
-    else:
-        draft_model = resolve_model(draft_model, **to).model
-    draft = DecoderAdapter(draft_model)
-    spec = draft.spec
-    if spec.vocab_size > target.vocab_size:
-        raise ValueError(
-            f"the draft model's vocabulary ({spec.vocab_size}) is larger than the target's "
-            f"({target.vocab_size}): a draft model must share the target's tokenizer"
-        )
-    if spec.max_position_embeddings < max_model_len:
-        raise ValueError(
-            f"the draft model's max_position_embeddings ({spec.max_position_embeddings}) is "
-            f"below max_model_len ({max_model_len}); pass a smaller max_model_len"
-        )
-    return draft
-
-
-def _token_blocks(cache) -> int:
-    """The blocks that hold as many tokens as ``cache`` can: its full-attention pool (window
-    groups hold only their windows), or its largest pool when every group has a window."""
-    full = [g.num_blocks for g in cache.kv_groups if g.window is None]
-    return max(full or [g.num_blocks for g in cache.kv_groups])

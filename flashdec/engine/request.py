@@ -1,11 +1,12 @@
 """One request of :class:`flashdec.LLM` as the model runner keeps it: its prompt, sampling,
-generated tokens and timestamps (:class:`Request`), and the clock those timestamps read
-(:func:`now`).
+generated tokens and timestamps (:class:`Request`), the clock those timestamps read (:func:`now`)
+and the timestamps as a user sees them (:class:`RequestTiming`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -53,9 +54,30 @@ class Request:
         self.tokens.clear()
         self.first_token_at = self.finished_at = None
 
+    def time_per_output_token(self) -> float:
+        """Mean seconds per token after the first (0.0 with fewer than two tokens)."""
+        if len(self.tokens) < 2 or self.first_token_at is None or self.finished_at is None:
+            return 0.0
+        return (self.finished_at - self.first_token_at) / (len(self.tokens) - 1)
+
+    def timing(self) -> RequestTiming:
+        return RequestTiming(
+            self.submitted_at, self.first_token_at, self.finished_at, len(self.tokens)
+        )
+
 
 def now(device: torch.device | None = None) -> float:
     """Host time (``perf_counter``); with a CUDA device, once its queued work is done."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Host timestamps (``time.perf_counter``) of one request added with ``add_request``."""
+
+    submitted_at: float
+    first_token_at: float | None  # None until its prompt is prefilled
+    finished_at: float | None  # None while it runs
+    num_tokens: int

@@ -8,7 +8,7 @@ without a GPU, call :func:`flashdec.runtime.prepare_triton` first.
 
 from flashdec.models.chat import chat_prompt
 from flashdec.models.decoder import DecoderAdapter
-from flashdec.models.loading import LoadedModel, load_model, resolve_model
+from flashdec.models.loading import LoadedModel, load_draft_model, load_model, resolve_model
 from flashdec.models.real import REAL_MODELS, RealModel, real_model_problem
 from flashdec.models.shapes import (
     BUILTIN_SHAPES,
@@ -43,6 +43,7 @@ __all__ = [
     "check_supported",
     "config_problems",
     "layer_windows",
+    "load_draft_model",
     "load_model",
     "model_spec",
     "module_problems",

@@ -29,6 +29,7 @@ from transformers.utils import (
 )
 
 from flashdec._checks import FLOAT_DTYPES
+from flashdec.models.decoder import DecoderAdapter
 from flashdec.models.real import (
     _LOCAL_ONLY,
     REAL_MODELS,
@@ -38,7 +39,7 @@ from flashdec.models.real import (
     real_model_file,
 )
 from flashdec.models.shapes import BUILTIN_SHAPES, build_random_model, default_device
-from flashdec.models.spec import FAMILIES, check_supported, config_problems
+from flashdec.models.spec import FAMILIES, ModelSpec, check_supported, config_problems
 
 log = logging.getLogger("flashdec")
 
@@ -217,3 +218,28 @@ def resolve_model(
         f"model {name!r} is neither a local model directory nor a built-in shape "
         f"({', '.join(BUILTIN_SHAPES)}) or real model ({', '.join(REAL_MODELS)})"
     )
+
+
+def load_draft_model(draft_model, target: ModelSpec, max_model_len: int) -> DecoderAdapter:
+    """The draft model of ``SpeculativeConfig(method="draft")`` on the target's device and in
+    its dtype (a module is moved in place, as ``LLM``'s own model is), checked against the
+    target (``target``: its ModelSpec): its token ids must be the target's, and it must reach
+    ``max_model_len``."""
+    to = {"dtype": target.dtype, "device": target.device}
+    if isinstance(draft_model, torch.nn.Module):
+        draft_model.to(**to)
+    else:
+        draft_model = resolve_model(draft_model, **to).model
+    draft = DecoderAdapter(draft_model)
+    spec = draft.spec
+    if spec.vocab_size > target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({spec.vocab_size}) is larger than the target's "
+            f"({target.vocab_size}): a draft model must share the target's tokenizer"
+        )
+    if spec.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model's max_position_embeddings ({spec.max_position_embeddings}) is "
+            f"below max_model_len ({max_model_len}); pass a smaller max_model_len"
+        )
+    return draft
