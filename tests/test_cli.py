@@ -163,7 +163,9 @@ BAD_COMMANDS = [
     (["bench-serve", "--min-prompt-len", "50", "--max-prompt-len", "9"], "must not exceed"),
     (["bench-serve", "--request-rate", "0"], "request_rate must be >= 0.001"),
     (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
-    (["generate", "--speculative", "draft"], "argument --speculative: invalid choice: 'draft'"),
+    (["generate", "--speculative", "draft"], "--speculative draft needs --draft-model"),
+    (["generate", "--draft-model", "tiny"], "--draft-model needs --speculative draft"),
+    (["generate", "--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
     (["generate", "--num-speculative-tokens", "8"], "needs --speculative ngram"),
     (["bench-serve", "--ngram-max", "2"], "--ngram-max needs --speculative ngram"),
     (

@@ -578,9 +578,14 @@ class ModelRunConfig:
     )
     speculative: str = _knob(
         "off",
-        "speculative decoding (ngram: prompt lookup drafts, verified in one step; greedy "
-        "output is unchanged)",
+        "speculative decoding (ngram: prompt lookup drafts; draft: a smaller model's "
+        "drafts, --draft-model; verified in one step, greedy output is unchanged)",
         choices=SPECULATIVE_CHOICES,
+    )
+    draft_model: str = _knob(
+        "",
+        "with --speculative draft: the draft model, a built-in name or a local model "
+        "directory of the target's tokenizer",
     )
     num_speculative_tokens: int = _knob(
         4,
@@ -623,6 +628,10 @@ class ModelRunConfig:
     _SPECULATIVE_KNOBS = ("num_speculative_tokens", "ngram_min", "ngram_max")
 
     def _check_speculative(self) -> None:
+        if self.draft_model and self.speculative != "draft":
+            raise ValueError("--draft-model needs --speculative draft")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model (a smaller model)")
         if self.speculative == "off":
             defaults = {f.name: f.default for f in fields(ModelRunConfig)}
             given = [n for n in self._SPECULATIVE_KNOBS if getattr(self, n) != defaults[n]]
@@ -642,6 +651,7 @@ class ModelRunConfig:
             num_tokens=self.num_speculative_tokens,
             min_ngram=self.ngram_min,
             max_ngram=self.ngram_max,
+            draft_model=self.draft_model or None,
         )
 
     @property
