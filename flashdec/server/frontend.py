@@ -46,8 +46,11 @@ def main() -> None:
     """The front-end process's entry (``python -c``; see :class:`~flashdec.server.run.Frontend`):
     its arguments are the inherited descriptors of the listening socket, the command pipe's
     write end, the update pipe's read end and the control pipe; serves until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to decide
-    signal.signal(signal.SIGTERM, _exit_now)
+    # the parent's to decide, SIGTERM too: a service manager or pkill that signals every
+    # process of the server must drain it, not drop its connections; this process ends when
+    # the parent tells it to, or goes away (EOF on the control pipe)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock_fd, commands_fd, updates_fd, control_fd = map(int, sys.argv[1:5])
     control = Connection(control_fd)
     try:
@@ -72,10 +75,6 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # served and shut down: the interpreter's teardown of its modules can go
-
-
-def _exit_now(signum, frame) -> None:
-    os._exit(0)
 
 
 def _build(settings: FrontendSettings, commands: Connection, updates: Connection):

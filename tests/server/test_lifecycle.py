@@ -5,11 +5,13 @@ SIGTERM end ``flashdec serve`` with exit status 0 after the requests in flight f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -159,12 +161,18 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(server_for):
     assert client is not None and server.engine.alive
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_drains_and_exits_zero(sig, capsys):
+@pytest.mark.parametrize(
+    ("sig", "everyone"), [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)]
+)
+def test_signal_drains_and_exits_zero(sig, everyone, capsys):
     """``flashdec serve`` (the CLI's ``main``, on this process's main thread, where signals are
-    delivered): a signal during a streamed request lets it finish, then ``main`` returns 0."""
+    delivered): a signal during a streamed request lets it finish, then ``main`` returns 0 —
+    also when the front-end process gets the SIGTERM too (``everyone``: a service manager
+    stopping every process of the service, or pkill)."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach only the main thread")
+    if everyone and not Path("/proc/self/task").is_dir():
+        pytest.skip("finding the front-end process needs Linux's /proc")
     from flashdec import cli
 
     with socket.socket() as probe:  # a free port (the server binds it again at once)
@@ -183,6 +191,8 @@ def test_signal_drains_and_exits_zero(sig, capsys):
             ):
                 events = _events(response)
                 first = next(events)
+                for pid in _frontend_pids() if everyone else ():
+                    os.kill(pid, sig)
                 os.kill(os.getpid(), sig)  # the server's handler is installed: it is serving
                 result["events"] = [first, *events]
         except BaseException as exc:
@@ -199,6 +209,21 @@ def test_signal_drains_and_exits_zero(sig, capsys):
     tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
     assert len(tokens) == 30 and events[-1] == "[DONE]"  # drained: it finished
     assert status == 0 and "serve: stopped" in capsys.readouterr().out
+
+
+def _frontend_pids() -> list[int]:
+    """This process's front-end children (Linux: /proc's children lists)."""
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += map(int, (task / "children").read_text().split())
+    frontends = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if b"flashdec.server.frontend" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                frontends.append(pid)
+    assert frontends, "no front-end process found"
+    return frontends
 
 
 def _accepts(port: int) -> bool:
