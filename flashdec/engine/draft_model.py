@@ -88,15 +88,21 @@ class DraftModelDrafter:
             self._step(long, commit=True)
             for rid, chunk in long:
                 pending[rid] = pending[rid][chunk.shape[0] :]
-        firsts = self._step(list(pending.items()), commit=True)
-        drafts = {rid: [token] for rid, token in zip(pending, firsts, strict=True)}
-        for j in range(1, max(w.num_tokens for w in wanted.values())):
-            batch = [rid for rid, w in wanted.items() if w.num_tokens > j]
-            device = self.adapter.spec.device
-            nexts = self._step([(rid, upload(drafts[rid], device)) for rid in batch], commit=False)
-            for rid, token in zip(batch, nexts, strict=True):
-                drafts[rid].append(token)
-        return drafts
+        # rows by descending budget: each further step's requests are the first rows; the
+        # drafts stay on the device until the round ends (one read, no wait between steps)
+        order = sorted(pending, key=lambda rid: -wanted[rid].num_tokens)
+        most = wanted[order[0]].num_tokens
+        drafts = torch.empty(len(order), most, dtype=torch.long, device=self.adapter.spec.device)
+        drafts[:, 0] = self._step([(rid, pending[rid]) for rid in order], commit=True)
+        for j in range(1, most):
+            rows = sum(1 for rid in order if wanted[rid].num_tokens > j)
+            ids = drafts[:rows, :j]  # each request brings its drafts so far
+            batch = [(rid, ids[i]) for i, rid in enumerate(order[:rows])]
+            drafts[:rows, j] = self._step(batch, commit=False)
+        return {
+            rid: row[: wanted[rid].num_tokens]
+            for rid, row in zip(order, drafts.tolist(), strict=True)
+        }
 
     def _unseen(self, held: int, want: DraftRequest) -> torch.Tensor:
         """The request's context from position ``held`` on, as device ids."""
@@ -107,9 +113,10 @@ class DraftModelDrafter:
             return upload(generated[held - prompt_len :], device)
         return torch.cat([want.prompt[held:], upload(generated, device)])
 
-    def _step(self, batch: list[tuple[object, torch.Tensor]], *, commit: bool) -> list[int]:
+    def _step(self, batch: list[tuple[object, torch.Tensor]], *, commit: bool) -> torch.Tensor:
         """One draft-model step over each request's ``ids``; the argmax of each request's last
-        row. ``commit``: the tokens stay in the draft cache, else the step is aborted."""
+        row, on the device. ``commit``: the tokens stay in the draft cache, else the step is
+        aborted."""
         engine = self.engine
         rids = [rid for rid, _ in batch]
         counts = [ids.shape[0] for _, ids in batch]
@@ -121,7 +128,7 @@ class DraftModelDrafter:
                 lambda layer, q, k, v: engine.step_layer(tx, layer, q, k, v),
                 logits_rows=upload(last_rows, self.adapter.spec.device),
             )
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1)
             if commit:
                 engine.commit_step(tx)
         finally:
