@@ -463,3 +463,33 @@ def test_a_draft_model_shares_the_kv_budget_and_gets_as_many_tokens(monkeypatch,
         assert full_paired == [n // 2 for n in full_alone]
     assert _pool_bytes(paired) + _pool_bytes(draft) <= budget
     assert {g.num_blocks for g in draft} == set(full_paired)
+
+
+def test_a_failure_anywhere_in_a_draft_model_round_changes_no_later_token(monkeypatch):
+    """An exception at any point of a speculative step with a draft model — the draft's catch-up
+    and draft steps (each layer, each commit), the target's verification — leaves every
+    request as the step found it (the draft cache may keep verified tokens, never a draft),
+    and stepping on gives exactly the tokens of an uninterrupted run without speculation."""
+    from tests.test_llm_failures import _model as tiny
+
+    spec = flashdec.SpeculativeConfig(
+        method="draft",
+        draft_model=build_random_model("tiny", dtype=torch.float32, device="cpu", seed=3),
+        num_tokens=3,
+    )
+    llm = _llm(speculative=spec)
+    assert llm.model is tiny()
+    injector, hooks = _instrument(llm, monkeypatch)
+    drafter = llm._runner.drafter
+    injector.wrap(drafter.engine, "step_layer", monkeypatch)
+    injector.wrap(drafter.engine, "commit_step", monkeypatch)
+    try:
+        outputs, failures = _run(llm, injector)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == _uninterrupted()
+    assert failures > 0 and llm.speculative_counters()["draft_tokens"] > 0
+    cache = drafter.engine.cache
+    cache.validate_invariants()
+    assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks
