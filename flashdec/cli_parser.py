@@ -49,7 +49,7 @@ def _add_config_arguments(
                 # (``--prompt-len 32`` parses to the cached int 32): None stands for the default
                 default=None if target is group else default,
                 choices=field.metadata.get("choices"),
-                help=f"{help_text} (default: {default})",
+                help=f"{help_text} (default: {default if default != '' else 'none'})",
             )
 
 
