@@ -48,21 +48,14 @@ from flashdec._checks import (
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
 from flashdec.kernels._scales import scale_tensor
+from flashdec.kernels.attention_tiles import FP8_ON, LOG2E, _load_kv_tile, _page_ids, _query_tile
 from flashdec.kernels.extend_plan import (
     ExtendPlan,
     ExtendWorkspace,
     allocate_partials,
     plan_extend,
 )
-from flashdec.kernels.paged_decode import (
-    FP8_ON,
-    LOG2E,
-    _bucket,
-    _check_plan_matches,
-    _load_kv_tile,
-    _page_ids,
-    _query_tile,
-)
+from flashdec.kernels.paged_decode import _bucket, _check_plan_matches
 from flashdec.kernels.validation import extend_metadata_stats, lookup, metadata_key, remember
 
 
