@@ -51,7 +51,7 @@ from benchmarks._common import (
 )
 from flashdec import LLM
 from flashdec.models import build_random_model
-from flashdec.workloads.config import ServeConfig
+from flashdec.workloads.model_config import ServeConfig
 from flashdec.workloads.serving import run_serve_benchmark
 
 

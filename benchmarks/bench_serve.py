@@ -72,7 +72,7 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
     """Every (rate, pass) of FlashDec; the LLM's construction: seconds, and its warm start."""
     import flashdec
     from flashdec.models import build_random_model
-    from flashdec.workloads.config import ServeConfig
+    from flashdec.workloads.model_config import ServeConfig
     from flashdec.workloads.serving import run_serve_benchmark
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -255,8 +255,8 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace, console
 
     from flashdec.models import real_model_problem
     from flashdec.workloads import IntegratedWorkloadConfig
-    from flashdec.workloads.config import GenerateConfig
     from flashdec.workloads.generation import ChatDemo
+    from flashdec.workloads.model_config import GenerateConfig
 
     on_gpu = torch.cuda.is_available()
     missing = real_model_problem("smollm2")
@@ -370,7 +370,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         _print_spec(console, groups)
         return 0
     if args.command in ("generate", "bench-serve"):
-        from flashdec.workloads.config import GenerateConfig, ServeConfig
+        from flashdec.workloads.model_config import GenerateConfig, ServeConfig
 
         config_cls = GenerateConfig if args.command == "generate" else ServeConfig
         values = _config_values(args, config_cls)

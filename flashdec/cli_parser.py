@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from flashdec.workloads.config import GenerateConfig, ServeConfig
+    from flashdec.workloads.model_config import GenerateConfig, ServeConfig
 
     generate = sub.add_parser(
         "generate",

@@ -29,8 +29,8 @@ from flashdec import cli, runtime
 from flashdec.cli import build_parser, main
 from flashdec.models import build_random_model, real_model_problem
 from flashdec.workloads import generation, report, run_synthetic_workload
-from flashdec.workloads.config import GenerateConfig
 from flashdec.workloads.generation import load_llm, run_generate
+from flashdec.workloads.model_config import GenerateConfig
 from flashdec.workloads.report import ProgressLines, engine_result_tables
 from tests.models.test_loading import write_remote_code_model
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashdec.workloads.config import ModelRunConfig, _knob
+from flashdec.workloads.knobs import knob
+from flashdec.workloads.model_config import ModelRunConfig
 
 PORT_MAX = 65535
 
@@ -13,21 +14,21 @@ PORT_MAX = 65535
 class ServerConfig(ModelRunConfig):
     """Knobs of ``flashdec serve`` (an OpenAI-compatible HTTP server)."""
 
-    host: str = _knob(
+    host: str = knob(
         "127.0.0.1", "address to listen on (0.0.0.0: every interface; the default: this machine)"
     )
-    port: int = _knob(8000, "TCP port to listen on (0: any free port)", minimum=0, maximum=PORT_MAX)
-    served_model_name: str = _knob(
+    port: int = knob(8000, "TCP port to listen on (0: any free port)", minimum=0, maximum=PORT_MAX)
+    served_model_name: str = knob(
         "", "the model name clients send and /v1/models lists (empty: the --model value)"
     )
-    default_max_tokens: int = _knob(
+    default_max_tokens: int = knob(
         256,
         "tokens a chat completion may generate when the client sends no max_tokens (completions "
         "default to 16, as OpenAI's do); capped by what the context has left",
         minimum=1,
         maximum=131072,
     )
-    drain_timeout: float = _knob(
+    drain_timeout: float = knob(
         30.0,
         "seconds the first Ctrl-C / SIGTERM waits for in-flight requests to finish before it "
         "cancels them (a second Ctrl-C cancels at once)",

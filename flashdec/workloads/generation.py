@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdec.workloads.config import GenerateConfig, ModelRunConfig
+from flashdec.workloads.model_config import GenerateConfig, ModelRunConfig
 from flashdec.workloads.stats import LatencyStats, SpeculationStats
 
 # `flashdec demo`'s chat turns: short answers, a list, a poem (tests keep their own)

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from flashdec.runtime import KernelBuilds, triton_mode
-from flashdec.workloads.config import ServeConfig
 from flashdec.workloads.generation import transformers_greedy
+from flashdec.workloads.model_config import ServeConfig
 from flashdec.workloads.stats import LatencyStats, SpeculationStats
 
 

@@ -32,8 +32,8 @@ from flashdec.models import (
     resolve_model,
 )
 from flashdec.models.real import cache_root, converted_dir, real_model_file
-from flashdec.workloads.config import GenerateConfig
 from flashdec.workloads.generation import load_llm, run_generate
+from flashdec.workloads.model_config import GenerateConfig
 from tests.models.greedy import hf_greedy
 
 MISSING = real_model_problem("smollm2")

@@ -12,12 +12,8 @@ from flashdec.workloads import (
     SchedulerWorkloadConfig,
     SyntheticWorkloadConfig,
 )
-from flashdec.workloads.config import (
-    HOST_BYTES_PER_REQUEST,
-    HOST_BYTES_PER_STEP,
-    GenerateConfig,
-    ServeConfig,
-)
+from flashdec.workloads.knobs import HOST_BYTES_PER_REQUEST, HOST_BYTES_PER_STEP
+from flashdec.workloads.model_config import GenerateConfig, ServeConfig
 
 HAS_CUDA = torch.cuda.is_available()
 

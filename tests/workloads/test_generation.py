@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from flashdec.workloads.config import GenerateConfig
 from flashdec.workloads.generation import TextStream, _first_difference, run_generate
+from flashdec.workloads.model_config import GenerateConfig
 
 
 def test_first_difference():

@@ -50,8 +50,8 @@ def test_the_trace_is_serve_traces():
 
 
 def test_the_model_knobs_reach_the_llm():
-    from flashdec.workloads.config import ServeConfig
     from flashdec.workloads.generation import load_llm
+    from flashdec.workloads.model_config import ServeConfig
 
     config = ServeConfig(device="cpu", max_num_batched_tokens=16, prefix_caching=False)
     llm = load_llm(config)
