@@ -754,7 +754,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     p.add_argument("--warmup", type=float, default=5)
     p.add_argument("--rep", type=float, default=20)
-    p.add_argument("--copy-tbs", type=float, default=4.27, help="copy ceiling for '% copy'")
+    p.add_argument("--copy-tbs", type=float, default=4.27, help="copy ceiling for '%% copy'")
     p.add_argument("--budget-s", type=float, default=200, help="stop timing after this")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--fp8", action="store_true", help="FP8 e4m3 KV on its own shapes")
