@@ -493,3 +493,23 @@ def test_a_failure_anywhere_in_a_draft_model_round_changes_no_later_token(monkey
     cache = drafter.engine.cache
     cache.validate_invariants()
     assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks
+
+
+def test_a_finished_request_leaves_the_draft_cache_before_it_is_released():
+    """Requests driven by add_request / step and never released: each one's draft-cache
+    blocks return as it finishes, so a long-running server's draft pool cannot fill up."""
+    model = _model("tiny-llama")
+    llm = _draft_llm(model, _model("tiny-llama"))
+    prompts = _prompts(model.config.vocab_size)
+    rids = [
+        llm.add_request(p, n, ignore_eos=True) for p, n in zip(prompts, (3, 9, 14), strict=True)
+    ]
+    cache = _draft_cache(llm)
+    while llm.has_unfinished():
+        llm.step()
+        live = {rid for rid in rids if llm.loop.is_live(rid)}
+        assert set(cache.request_ids()) <= live
+    assert [llm.output(rid) for rid in rids] == [
+        e[:n] for e, n in zip(_expected("tiny-llama"), (3, 9, 14), strict=True)
+    ]
+    assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks

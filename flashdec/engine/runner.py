@@ -287,7 +287,15 @@ class ModelRunner(StepExecutor):
         """One loop step: a verification step when speculation is on and some request of
         ``batch`` has drafts (:meth:`_run_verify`), else :meth:`_run_plain`."""
         self._served, self._accepted = {}, {}
-        if self.speculative is None or not batch:
+        if self.speculative is None:
+            return self._plain(batch, chunks)
+        done = self._speculate(batch, chunks)
+        for rid in done[1]:  # ended: the drafter lets them go now (a draft model's blocks too)
+            self.drafter.forget(rid)
+        return done
+
+    def _speculate(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        if not batch:
             return self._plain(batch, chunks)
         ctl = self.controller
         batch = list(batch)
