@@ -513,3 +513,16 @@ def test_a_finished_request_leaves_the_draft_cache_before_it_is_released():
         e[:n] for e, n in zip(_expected("tiny-llama"), (3, 9, 14), strict=True)
     ]
     assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks
+
+
+def test_the_config_repr_names_a_draft_model_without_printing_it():
+    module = _model("tiny-llama")
+    config = flashdec.SpeculativeConfig(method="draft", draft_model=module, num_tokens=2)
+    assert repr(config) == (
+        "SpeculativeConfig(method='draft', num_tokens=2, min_ngram=1, max_ngram=4, "
+        "draft_model=<LlamaForCausalLM>)"
+    )
+    assert repr(flashdec.SpeculativeConfig()).endswith("max_ngram=4)")
+    assert "draft_model='smollm2'" in repr(
+        flashdec.SpeculativeConfig(method="draft", draft_model="smollm2")
+    )

@@ -33,6 +33,18 @@ class SpeculativeConfig:
     max_ngram: int = 4
     draft_model: torch.nn.Module | str | os.PathLike | None = None
 
+    def __repr__(self) -> str:  # a module's own repr would print its whole architecture
+        draft = self.draft_model
+        if isinstance(draft, torch.nn.Module):
+            draft = f"<{type(draft).__name__}>"
+        elif draft is not None:
+            draft = repr(draft)
+        shown = "" if draft is None else f", draft_model={draft}"
+        return (
+            f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, "
+            f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}{shown})"
+        )
+
     def __post_init__(self) -> None:
         check_choice("method", self.method, SPECULATIVE_METHODS)
         check_positive_int("num_tokens", self.num_tokens)
