@@ -112,6 +112,7 @@ class ModelRunConfig:
                 f"kv_cache_dtype fp8 needs a float16 or bfloat16 model; this one would run in "
                 f"{str(dtype).removeprefix('torch.')} ({where}): add --dtype bfloat16"
             )
+        self.draft_config()  # an unknown draft model fails here, before anything loads
 
     _SPECULATIVE_KNOBS = ("num_speculative_tokens", "ngram_min", "ngram_max")
 
@@ -156,32 +157,12 @@ class ModelRunConfig:
         return {"auto": None, "on": True, "off": False}[self.cuda_graphs]
 
     def model_config(self):
-        """The model's transformers config, read alone (no weights, none of a directory's
-        code): a built-in shape's, a built-in real model's (from its registry entry, once its
-        packages are found) or a directory's that ``check_model_dir`` accepts."""
-        from pathlib import Path
+        """The model's transformers config, read alone (see :func:`read_model_config`)."""
+        return read_model_config(self.model, "model")
 
-        from flashdec.models import BUILTIN_SHAPES, REAL_MODELS
-        from flashdec.models.loading import check_model_dir
-        from flashdec.models.real import real_model_problem
-
-        if self.model in REAL_MODELS:
-            problem = real_model_problem(self.model)
-            if problem is not None:
-                raise ValueError(problem)
-            return REAL_MODELS[self.model].config()
-        if self.model in BUILTIN_SHAPES:
-            return BUILTIN_SHAPES[self.model].make_config()
-        try:
-            is_dir = bool(self.model) and Path(self.model).is_dir()  # Path("") is "."
-        except OSError:  # e.g. a name too long for a path
-            is_dir = False
-        if is_dir:
-            return check_model_dir(self.model)
-        raise ValueError(
-            f"model {self.model!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}), "
-            f"a built-in real model ({', '.join(REAL_MODELS)}) nor a local model directory"
-        )
+    def draft_config(self):
+        """The draft model's config (with ``--speculative draft``), else None."""
+        return read_model_config(self.draft_model, "draft_model") if self.draft_model else None
 
     def check_model(self) -> int:
         """The model's max positions, from its config alone (see ``model_config``)."""
@@ -210,8 +191,6 @@ class ModelRunConfig:
         pool to what is free: more requests run at once when memory allows) and the LLM's
         activation reserve. A directory's or a real model's weights load on the host first; a
         built-in shape's are made in place."""
-        from transformers import AutoModelForCausalLM
-
         from flashdec.kv_pool import ACTIVATION_RESERVE  # what LLM reserves, one definition
         from flashdec.llm import LLM
         from flashdec.models import BUILTIN_SHAPES
@@ -220,13 +199,14 @@ class ModelRunConfig:
 
         config = self.model_config()
         dtype = self.model_dtype(config)
-        with torch.device("meta"):  # shapes only: nothing is allocated
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-        weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        head_dim = model.model.layers[0].self_attn.head_dim
-        kv_itemsize = 1 if self.kv_cache_dtype == "fp8" else dtype.itemsize
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-        kv_cache = -(-self.longest_request() // block_size) * block_size * per_token * kv_itemsize
+        weights, per_token = _weights_and_kv_per_token(config, dtype)
+        per_token *= 1 if self.kv_cache_dtype == "fp8" else dtype.itemsize
+        draft = self.draft_config()
+        if draft is not None:  # the draft's weights and its pool of as many tokens, in dtype
+            draft_weights, draft_per_token = _weights_and_kv_per_token(draft, dtype)
+            weights += draft_weights
+            per_token += draft_per_token * dtype.itemsize
+        kv_cache = -(-self.longest_request() // block_size) * block_size * per_token
         device_bytes = weights + kv_cache + ACTIVATION_RESERVE
         device = self.torch_device()
         if device.type == "cpu":
@@ -350,3 +330,44 @@ class ServeConfig(ModelRunConfig):
     def longest_request(self) -> int:
         """Tokens the longest request holds: prompt and output."""
         return self.max_prompt_len + self.max_new_tokens
+
+
+def read_model_config(name: str, label: str):
+    """The transformers config of model ``name`` (``label``: the option, for messages), read
+    alone (no weights, none of a directory's code): a built-in shape's, a built-in real
+    model's (from its registry entry, once its packages are found) or a directory's that
+    ``check_model_dir`` accepts."""
+    from pathlib import Path
+
+    from flashdec.models import BUILTIN_SHAPES, REAL_MODELS
+    from flashdec.models.loading import check_model_dir
+    from flashdec.models.real import real_model_problem
+
+    if name in REAL_MODELS:
+        problem = real_model_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return REAL_MODELS[name].config()
+    if name in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[name].make_config()
+    try:
+        is_dir = bool(name) and Path(name).is_dir()  # Path("") is "."
+    except OSError:  # e.g. a name too long for a path
+        is_dir = False
+    if is_dir:
+        return check_model_dir(name)
+    raise ValueError(
+        f"{label} {name!r} is neither a built-in shape ({', '.join(BUILTIN_SHAPES)}), "
+        f"a built-in real model ({', '.join(REAL_MODELS)}) nor a local model directory"
+    )
+
+
+def _weights_and_kv_per_token(config, dtype: torch.dtype) -> tuple[int, int]:
+    """A model's weight bytes in ``dtype`` and its K/V elements per token, from its config."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    head_dim = model.model.layers[0].self_attn.head_dim
+    return weights, 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim

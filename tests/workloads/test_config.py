@@ -262,6 +262,10 @@ def test_fp8_kv_cache_reads_a_directory_checkpoint_dtype(tmp_path):
         ({"speculative": "eagle"}, "speculative must be one of 'off', 'ngram', 'draft'"),
         ({"speculative": "draft"}, "--speculative draft needs --draft-model"),
         ({"draft_model": "tiny"}, "--draft-model needs --speculative draft"),
+        (
+            {"speculative": "draft", "draft_model": "nowhere"},
+            "draft_model 'nowhere' is neither a built-in shape",
+        ),
         ({"num_speculative_tokens": 2}, "--num-speculative-tokens needs --speculative ngram"),
         ({"ngram_min": 2, "ngram_max": 5}, "--ngram-min, --ngram-max needs --speculative ngram"),
         ({"speculative": "ngram", "num_speculative_tokens": 0}, "must be >= 1, got 0"),
@@ -309,3 +313,13 @@ def test_speculative_knobs_make_the_llm_config():
         2,
         3,
     )
+
+
+def test_a_draft_model_adds_its_weights_and_pool_to_the_memory_estimate():
+    plain = GenerateConfig(model="tiny-llama", device="cpu")
+    drafted = GenerateConfig(
+        model="tiny-llama", device="cpu", speculative="draft", draft_model="tiny-llama"
+    )
+    a, b = plain.memory_estimate(), drafted.memory_estimate()
+    assert b.weight_bytes == 2 * a.weight_bytes and b.kv_cache_bytes == 2 * a.kv_cache_bytes
+    assert b.device_bytes > a.device_bytes
