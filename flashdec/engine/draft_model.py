@@ -66,8 +66,10 @@ class DraftModelDrafter:
 
     def propose_many(self, wanted: Mapping[object, DraftRequest]) -> dict[object, list[int]]:
         """Each request's greedy drafts, all requests in the same steps. A request whose
-        context is shorter than what its draft cache holds (its tokens were taken back) starts
-        over."""
+        context is no longer than what its draft cache holds (its tokens were taken back, or a
+        failed step is being retried) starts over."""
+        if not wanted:
+            return {}
         cache = self.engine.cache
         pending = {}
         for rid, want in wanted.items():
