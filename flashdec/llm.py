@@ -229,14 +229,8 @@ class LLM:
         on_cuda = spec.device.type == "cuda"
         append_backend = append_backend or ("fused" if on_cuda else "torch")
         decode_backend = decode_backend or ("triton" if on_cuda else "torch")
-        self.engine = DecodeEngine(
-            cache,
-            append_backend=append_backend,
-            decode_backend=decode_backend,
-            rotary_dim=spec.rotary_dim,
-            sm_scale=spec.sm_scale,
-            rope_inv_freq=spec.inv_freq,
-            activation_dtype=spec.dtype,
+        self.engine = DecodeEngine.for_model(
+            cache, spec, append_backend=append_backend, decode_backend=decode_backend
         )
         self.scheduler = BlockAwareScheduler(
             SchedulerConfig(max_active_requests=max_batch_size, max_batch_size=max_batch_size)

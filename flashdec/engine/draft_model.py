@@ -13,7 +13,7 @@ request of a round shares its steps.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -34,16 +34,9 @@ class DraftModelDrafter:
     def __init__(
         self, adapter, cache: PagedKVCache, *, append_backend: str, decode_backend: str
     ) -> None:
-        spec = adapter.spec
         self.adapter = adapter
-        self.engine = DecodeEngine(
-            cache,
-            append_backend=append_backend,
-            decode_backend=decode_backend,
-            rotary_dim=spec.rotary_dim,
-            sm_scale=spec.sm_scale,
-            rope_inv_freq=spec.inv_freq,
-            activation_dtype=spec.dtype,
+        self.engine = DecodeEngine.for_model(
+            cache, adapter.spec, append_backend=append_backend, decode_backend=decode_backend
         )
         self._requests: set = set()  # request ids in the draft cache
 
@@ -52,17 +45,6 @@ class DraftModelDrafter:
         if rid in self._requests:
             self._requests.discard(rid)
             self.engine.cache.discard_request(rid)
-
-    def propose(
-        self,
-        rid,
-        prompt: torch.Tensor,
-        tokens: Sequence[int],
-        num_tokens: int,
-        tail: Sequence[int] = (),
-    ) -> list[int]:
-        """``num_tokens`` greedy drafts for one request (see :meth:`propose_many`)."""
-        return self.propose_many({rid: DraftRequest(prompt, tokens, num_tokens, tail)})[rid]
 
     def propose_many(self, wanted: Mapping[object, DraftRequest]) -> dict[object, list[int]]:
         """Each request's greedy drafts, all requests in the same steps. A request whose

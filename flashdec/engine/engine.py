@@ -138,6 +138,22 @@ class DecodeEngine(RequestLifecycle):
         # serving loop drives them); the SPEC's submit/snapshot/apply delegate to it
         self.submissions = SubmissionQueue(self)
 
+    @classmethod
+    def for_model(
+        cls, cache: PagedKVCache, spec, *, append_backend: str, decode_backend: str
+    ) -> DecodeEngine:
+        """An engine over ``cache`` for a model of ``spec`` (a ``flashdec.models.ModelSpec``:
+        models sit above the engine, not imported), with its RoPE, softmax scale and dtype."""
+        return cls(
+            cache,
+            append_backend=append_backend,
+            decode_backend=decode_backend,
+            rotary_dim=spec.rotary_dim,
+            sm_scale=spec.sm_scale,
+            rope_inv_freq=spec.inv_freq,
+            activation_dtype=spec.dtype,
+        )
+
     @property
     def group_shapes(self) -> tuple[tuple[int, int | None], ...]:
         """Each KV layer group's ``(block_size, window)`` as the scheduler counts blocks; empty

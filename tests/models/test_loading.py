@@ -70,16 +70,7 @@ class TestBuiltinShapes:
         config = model.config
         assert {p.device.type for p in model.parameters()} == {"meta"}
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        geometry = (
-            config.hidden_size,
-            config.num_hidden_layers,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.intermediate_size,
-            config.vocab_size,
-        )
-        assert geometry == (4096, 32, 32, 8, 128, 14336, 128256)
+        assert _geometry(config) == (4096, 32, 32, 8, 128, 14336, 128256)
         assert config.rope_parameters["rope_type"] == "llama3"
         assert config.rope_parameters["factor"] == 8.0
         assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
@@ -91,17 +82,16 @@ class TestBuiltinShapes:
         config = model.config
         assert type(model).__name__ == "MistralForCausalLM"
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        geometry = (
-            config.hidden_size,
-            config.num_hidden_layers,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            config.intermediate_size,
-            config.vocab_size,
-            config.sliding_window,
+        assert (*_geometry(config), config.sliding_window) == (
+            4096,
+            32,
+            32,
+            8,
+            128,
+            14336,
+            32000,
+            4096,
         )
-        assert geometry == (4096, 32, 32, 8, 128, 14336, 32000, 4096)
         assert sum(p.numel() for p in model.parameters()) == 7_241_732_096
 
     def test_every_builtin_shape_is_supported(self):
@@ -313,3 +303,16 @@ class TestBrokenDirectories:
         build_random_model("tiny-llama", device="cpu").config.save_pretrained(tmp_path)
         with pytest.raises(ValueError, match=r"holds no weights: none of model\.safetensors"):
             check_model_dir(tmp_path)
+
+
+def _geometry(config) -> tuple[int, ...]:
+    """Hidden size, layers, query / KV heads, head_dim, MLP width, vocabulary."""
+    return (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    )
