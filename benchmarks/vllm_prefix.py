@@ -1,11 +1,12 @@
-"""vLLM 0.24.0 with ``enable_prefix_caching=True`` on bench_prefix.py's two traces (issue 22).
+"""vLLM 0.24.0 with ``enable_prefix_caching=True`` on bench_prefix.py's traces (issue 22).
 
-The same requests as bench_prefix.py (its ``system_trace`` and ``chat_trace``, same flags and
-seed) served by vLLM's offline engine in this process through bench_prefix's own ``drive``: a
-small adapter gives ``vllm.LLM``'s ``llm_engine`` the slice of ``flashdec.LLM``'s request API
-that ``drive`` uses, so arrivals, follow-up turns, TTFT (first token on the host - arrival) and
-output tok/s are measured by the same code on both engines. The rows carry bench_prefix's keys;
-``bench_prefix.py --vllm-json`` puts them beside FlashDec's and judges issue 22's targets.
+The same requests as bench_prefix.py (its ``trace_passes``: the system-prompt, chat and plain
+traces, same flags and seed) served by vLLM's offline engine in this process through
+bench_prefix's own ``drive``: a small adapter gives ``vllm.LLM``'s ``llm_engine`` the slice of
+``flashdec.LLM``'s request API that ``drive`` uses, so arrivals, follow-up turns, TTFT (first
+token on the host - arrival) and output tok/s are measured by the same code on both engines.
+The rows carry bench_prefix's keys; ``bench_prefix.py --vllm-json`` puts them beside FlashDec's
+and judges issue 22's targets.
 
 Model: a built-in FlashDec shape (``--model``: ``llama3-8b-shape`` or ``mistral-7b-window-shape``)
 given to vLLM as a config.json in /tmp with ``load_format="dummy"`` (random weights), the way
@@ -28,7 +29,7 @@ as ``metric_queried_tokens`` / ``metric_hit_tokens``. Read from the vLLM 0.24.0 
 On the GPU machine, after vLLM's install.sh (../shared/tools/vllm/README.md), from the repo root:
   python3 benchmarks/vllm_prefix.py --rate 16 64 --json $OUT/vllm_prefix.json
   python3 benchmarks/vllm_prefix.py --model mistral-7b-window-shape --system 6144 \\
-      --json $OUT/vllm_prefix_window.json
+      --traces system --rate 16 --json $OUT/vllm_prefix_window.json
 then bench_prefix.py with the same flags and ``--vllm-json``.
 """
 
@@ -45,13 +46,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_prefix import (
+    TracePass,
     add_trace_arguments,
-    chat_trace,
     drive,
     longest_sequence,
-    shared_prefix_tokens,
+    measured_row,
     system_trace,
-    ttft_p50_by_turn,
+    trace_passes,
 )
 
 PREFIX_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
@@ -182,15 +183,15 @@ class VllmRequests:
         return totals
 
 
-def measured(requests: VllmRequests, args, vocab: int, starts, next_turn=None) -> dict:
-    """A warm-up pass on another prefix, an empty prefix cache, then ``starts`` through
-    ``drive`` with vLLM's counters read around it."""
+def measured(requests: VllmRequests, args, vocab: int, run: TracePass) -> dict:
+    """A warm-up pass on another prefix, an empty prefix cache, then ``run`` through ``drive``
+    with vLLM's counters read around it."""
     warmup = system_trace(args, vocab, args.rate[0], args.seed + 1000)[: args.warmup]
     drive(requests, warmup, args.new)
     if not requests.llm.reset_prefix_cache():
         raise RuntimeError("vLLM did not reset its prefix cache (blocks still held)")
     before = requests.metric_counters()
-    result = drive(requests, starts, args.new, next_turn)
+    result = drive(requests, run.starts, run.new, run.next_turn)
     after = requests.metric_counters()
     result["metric_queried_tokens"] = after[PREFIX_METRICS[0]] - before[PREFIX_METRICS[0]]
     result["metric_hit_tokens"] = after[PREFIX_METRICS[1]] - before[PREFIX_METRICS[1]]
@@ -220,18 +221,10 @@ def run(args) -> dict:
     requests = VllmRequests(llm)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     vocab = config["vocab_size"]
-    prefix = shared_prefix_tokens(args, block_size)
-    rows = []
-    for rate in args.rate:
-        result = measured(requests, args, vocab, system_trace(args, vocab, rate, args.seed))
-        result["prefix_hit_share"] = result["hit_tokens"] / prefix if prefix else None
-        rows.append({"trace": "system", "rate": rate, "caching": True, **result})
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "records"}), flush=True)
-    starts, follow = chat_trace(args, vocab, args.seed)
-    result = measured(requests, args, vocab, starts, follow)
-    result["ttft_p50_by_turn_ms"] = ttft_p50_by_turn(result["records"])
-    rows.append({"trace": "chat", "rate": args.chat_rate, "caching": True, **result})
-    print(json.dumps({k: v for k, v in rows[-1].items() if k != "records"}), flush=True)
+    rows = [
+        measured_row(args, run_, True, measured(requests, args, vocab, run_), block_size)
+        for run_ in trace_passes(args, vocab)
+    ]
     return {
         "engine": "vllm",
         "version": vllm.__version__,

@@ -1,4 +1,4 @@
-"""benchmarks/bench_prefix.py's smoke run: both traces, caching on and off, on the CPU."""
+"""benchmarks/bench_prefix.py's smoke run: every trace, caching on and off, on the CPU."""
 
 from __future__ import annotations
 
@@ -19,16 +19,20 @@ def test_smoke_run_writes_the_report(tmp_path):
     assert [(r["trace"], r["caching"]) for r in rows] == [
         ("system", True),
         ("chat", True),
+        ("plain", True),
         ("system", False),
         ("chat", False),
+        ("plain", False),
     ]
     args = bench_prefix.parse_args(["--smoke"])
     for r in rows:  # every request ran to its last token
-        assert r["output_tokens"] == r["requests"] * args.new
-        assert all(rec["tokens"] == args.new for rec in r["records"])
+        new = args.plain_new if r["trace"] == "plain" else args.new
+        assert r["output_tokens"] == r["requests"] * new
+        assert all(rec["tokens"] == new for rec in r["records"])
     assert rows[0]["requests"] == args.requests
     assert rows[1]["requests"] == args.conversations * args.turns
-    on_system, on_chat, off_system, off_chat = rows
+    assert rows[2]["requests"] == args.plain_requests
+    on_system, on_chat, on_plain, off_system, off_chat, off_plain = rows
     # the 40-token system prompt's two full blocks are there to hit (how many requests do
     # depends on the arrivals' wall clock: all of them, where a batch computes them at once)
     assert on_system["hit_tokens"] > 0 and 0 < on_system["prefix_hit_share"] <= 1.0
@@ -38,9 +42,46 @@ def test_smoke_run_writes_the_report(tmp_path):
         1,
         1,
     ]
-    assert off_system["hit_tokens"] == off_chat["hit_tokens"] == 0
+    assert off_system["hit_tokens"] == off_chat["hit_tokens"] == off_plain["hit_tokens"] == 0
+    # the plain trace's prompts are all looked up (caching on), and nothing of them hits
+    vocab = BUILTIN_SHAPES["tiny"].config["vocab_size"]
+    plain = bench_prefix.plain_trace(args, vocab, 200.0, args.seed)
+    assert on_plain["queried_tokens"] == sum(len(p) for _, _, p in plain)
+    assert on_plain["hit_tokens"] == off_plain["queried_tokens"] == 0
     markdown = (tmp_path / "prefix_cache.md").read_text()
     assert "| system | 200.0 | on |" in markdown and "TTFT p50 (ms) per chat turn" in markdown
+    assert "zero hits: output tok/s >= 98% of caching off" in markdown
+
+
+def test_plain_trace_is_serve_trace_and_passes_differ_per_rate():
+    """The plain trace is serve_trace.py's (flashdec.workloads' copy of it); the system prompt
+    differs per rate, so an engine reused across passes holds none of a pass's own prefix."""
+    from flashdec.workloads.serving import poisson_trace
+
+    args = bench_prefix.parse_args([*ARGV, "--plain-requests", "6"])
+    plain = bench_prefix.plain_trace(args, 512, 16.0, 7)
+    expected = poisson_trace(
+        seed=7,
+        num_requests=6,
+        request_rate=16.0,
+        min_prompt_len=256,
+        max_prompt_len=1024,
+        vocab_size=512,
+    )
+    assert [(t, p) for t, _, p in plain] == expected
+    passes = list(bench_prefix.trace_passes(args, 512))
+    assert [(p.trace, p.rate, p.new) for p in passes] == [
+        ("system", 500.0, 3),
+        ("system", 900.0, 3),
+        ("chat", 500.0, 3),
+        ("plain", 500.0, 128),
+        ("plain", 900.0, 128),
+    ]
+    first, second = passes[0].starts, passes[1].starts
+    assert first[0][2][:40] != second[0][2][:40]  # another system prompt at the second rate
+    only = bench_prefix.parse_args([*ARGV, "--traces", "system", "--rate", "16"])
+    assert [p.trace for p in bench_prefix.trace_passes(only, 512)] == ["system"]
+    assert bench_prefix.longest_sequence(args) == 1024 + 128  # the plain trace's longest
 
 
 # --- vLLM beside FlashDec (issue 22): vllm_prefix.py and bench_prefix.py --vllm-json ---
@@ -59,19 +100,22 @@ def test_vllm_prefix_serves_bench_prefix_traces():
         k: vars(theirs)[k] for k in bench_prefix.TRACE_ARGS
     }
     assert theirs.rate == ours.rate == [500.0, 900.0]
-    for rate in ours.rate:
-        trace = bench_prefix.system_trace(ours, 512, rate, ours.seed)
-        assert vllm_prefix.system_trace(theirs, 512, rate, theirs.seed) == trace
+    passes = list(bench_prefix.trace_passes(ours, 512))
+    passes_v = list(bench_prefix.trace_passes(theirs, 512))
+    assert [(p.trace, p.rate, p.starts, p.new) for p in passes_v] == [
+        (p.trace, p.rate, p.starts, p.new) for p in passes
+    ]
+    for run in passes[:2]:
+        trace = run.starts
         assert len(trace) == 5 and all(p[:40] == trace[0][2][:40] for _, _, p in trace)
-    starts, follow = bench_prefix.chat_trace(ours, 512, ours.seed)
-    starts_v, follow_v = vllm_prefix.chat_trace(theirs, 512, theirs.seed)
-    assert starts_v == starts
+    starts, follow, follow_v = passes[2].starts, passes[2].next_turn, passes_v[2].next_turn
     for _, key, prompt in starts:  # the follow-up turns, answer by answer
         for turn in range(1, 3):
             answer = [turn] * 3
             prompt, prompt_v = follow(key, prompt, answer), follow_v(key, prompt, answer)
             assert prompt_v == prompt and len(prompt) == 20 * (turn + 1) + 3 * turn
         assert follow(key, prompt, [0] * 3) is None and follow_v(key, prompt, [0] * 3) is None
+    theirs.plain_prompt, theirs.plain_new = [8, 24], 3
     assert bench_prefix.longest_sequence(theirs) == 3 * (20 + 3)  # the chat's last turn
 
 
@@ -162,8 +206,9 @@ def test_vllm_requests_drive_both_traces():
     args = vllm_prefix.parse_args(ARGV)
     fake = FakeVllm()
     requests = vllm_prefix.VllmRequests(fake, sampling_params=SimpleNamespace)
-    trace = vllm_prefix.system_trace(args, 512, 500.0, args.seed)
-    result = vllm_prefix.measured(requests, args, 512, trace)
+    trace = bench_prefix.system_trace(args, 512, 500.0, args.seed)
+    run = bench_prefix.TracePass("system", 500.0, trace, args.new)
+    result = vllm_prefix.measured(requests, args, 512, run)
     assert result["requests"] == 5 and result["output_tokens"] == 15
     assert all(r["tokens"] == 3 and r["ttft_ms"] >= 0 for r in result["records"])
     assert result["queried_tokens"] == sum(len(p) for _, _, p in trace)
@@ -173,8 +218,9 @@ def test_vllm_requests_drive_both_traces():
     assert result["evicted_blocks"] is None
     assert not requests._timing and not requests._answers  # everything released
 
-    starts, follow = vllm_prefix.chat_trace(args, 512, args.seed)
-    chat = vllm_prefix.measured(requests, args, 512, starts, follow)
+    starts, follow = bench_prefix.chat_trace(args, 512, args.seed)
+    run = bench_prefix.TracePass("chat", 4.0, starts, args.new, follow)
+    chat = vllm_prefix.measured(requests, args, 512, run)
     assert sorted(r["turn"] for r in chat["records"]) == [0, 0, 1, 1, 2, 2]
     lengths = sorted({r["prompt_tokens"] for r in chat["records"]})
     assert lengths == [20, 43, 66]  # history + answer (3) + a new 20-token question
@@ -182,7 +228,7 @@ def test_vllm_requests_drive_both_traces():
     assert chat["hit_tokens"] == 2 * (20 + 40) and chat["hit_rate"] == chat["hit_tokens"] / (
         2 * (20 + 43 + 66)
     )
-    assert vllm_prefix.ttft_p50_by_turn(chat["records"])[0] >= 0
+    assert bench_prefix.ttft_p50_by_turn(chat["records"])[0] >= 0
 
 
 def _row(trace, rate, caching, ttft, tok_s, share=None):
@@ -264,3 +310,44 @@ def test_vllm_json_of_other_traces_is_refused_before_running(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match=r"not vllm_prefix\.py's --json output"):
         bench_prefix.load_vllm(str(tmp_path / "x.json"), args)
+
+
+def test_zero_hit_targets_and_the_window_section(tmp_path):
+    """The plain trace judges caching on against off at the same rate (<= 2% tok/s, <= 1 ms
+    TTFT p50); a window model's run, given as --window-json, becomes a section of the report."""
+    args = bench_prefix.parse_args(["--rate", "16", "64", "--turns", "2"])
+    rows = [
+        _row("plain", 16.0, True, 30.5, 990.0),  # -1.0% and +0.5 ms: both met
+        _row("plain", 64.0, True, 42.0, 900.0),  # -10% and +2 ms: both missed
+        _row("plain", 16.0, False, 30.0, 1000.0),
+        _row("plain", 64.0, False, 40.0, 1000.0),
+    ]
+    goals = bench_prefix.targets(args, rows, None)
+    assert [(g["kind"], g["rate"], g["met"], g["margin"]) for g in goals] == [
+        ("tok/s", 16.0, True, "-1.0% vs caching off"),
+        ("ttft", 16.0, True, "+0.50 ms vs caching off"),
+        ("tok/s", 64.0, False, "-10.0% vs caching off"),
+        ("ttft", 64.0, False, "+2.00 ms vs caching off"),
+    ]
+    lone = bench_prefix.targets(args, rows[:1], None)  # caching on only: nothing to judge by
+    assert [g["met"] for g in lone] == [None, None]
+
+    window_args = bench_prefix.parse_args(
+        ["--model", "mistral-7b-window-shape", "--system", "6144", "--traces", "system"]
+    )
+    window_rows = [_row("system", 16.0, True, 60.0, 700.0, share=0.97)]
+    window = {
+        "args": vars(window_args),
+        "rows": window_rows,
+        "vllm": None,
+        "targets": bench_prefix.targets(window_args, window_rows, None),
+    }
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(window))
+    loaded = bench_prefix.load_window(str(path))
+    markdown = bench_prefix.report(args, environment(), rows, None, loaded)
+    assert "## Window model: mistral-7b-window-shape (4096-token sliding window)" in markdown
+    assert "| window model: prefix hit share >= 0.90 | system | 16.0 | 0.970 |" in markdown
+    (tmp_path / "full.json").write_text(json.dumps({**window, "args": vars(args)}))
+    with pytest.raises(ValueError, match="not a run of a sliding-window model"):
+        bench_prefix.load_window(str(tmp_path / "full.json"))
