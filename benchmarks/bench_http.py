@@ -15,10 +15,17 @@ kernels and captured CUDA graphs), and the second pass each way is reported:
   ``"stream": true`` (greedy, EOS ignored, token ids); TTFT = first streamed chunk - arrival,
   TPOT = (last chunk - first) / (n - 1).
 
+The client is aiohttp (one ``ClientSession``, no connection cap), as vLLM's serving benchmark
+uses: what the client itself spends per request is charged to the server here, so it must be
+small. httpx's AsyncClient, this script's first client, measured 2-3.5 ms more per request than
+aiohttp or a raw socket (CPU, tiny model, one request at a time), more than the whole server
+side (client send to engine: about 1.5 ms, about 1 ms of it before the handler starts).
+
 The issue's bar: the HTTP layer adds <= 2 ms to TTFT p50 and <= 3 % to output tok/s.
 
-On the GPU machine (FastAPI, uvicorn and httpx must be importable there: ``pip download`` their
-wheels with -c constraints.txt here, carry them, ``pip install --no-index --find-links``):
+On the GPU machine (FastAPI, uvicorn, uvloop, httptools and aiohttp must be importable there:
+``pip download`` their cp312 wheels with -c constraints.txt here into .whl, which
+scripts/gpu_check.sh installs):
   PYTHONPATH=. python3 benchmarks/bench_http.py --rate 4 16 64 --json $OUT/bench_http.json
 Locally, a smoke run of the script itself:
   PYTHONPATH=. python3 benchmarks/bench_http.py --model tiny --device cpu --requests 8 \
@@ -130,10 +137,11 @@ def run_in_process(llm, trace: list, new: int) -> dict:
 
 
 async def _replay(url: str, trace: list, new: int) -> dict:
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on open connections: one per request
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)  # vLLM's benchmark's
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
 
         async def one(at: float, prompt: list[int]):
@@ -148,12 +156,12 @@ async def _replay(url: str, trace: list, new: int) -> dict:
             }
             first = last = None
             n = 0
-            async with client.stream("POST", "/v1/completions", json=body) as response:
+            async with session.post(url + "/v1/completions", json=body) as response:
                 response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
+                async for raw in response.content:  # one server-sent-events line at a time
+                    if not raw.startswith(b"data: {"):
                         continue
-                    got = len(json.loads(line[6:])["choices"][0].get("token_ids", ()))
+                    got = len(json.loads(raw[6:])["choices"][0].get("token_ids", ()))
                     if got:
                         now = time.perf_counter()
                         first = first or now
@@ -166,6 +174,20 @@ async def _replay(url: str, trace: list, new: int) -> dict:
     tpot = [(last - first) / (n - 1) for _, first, last, n in results if n > 1]
     tokens = sum(n for *_, n in results)
     return summarize(ttft, tpot, tokens, elapsed, sum(n == new for *_, n in results))
+
+
+def installed(*names: str) -> dict:
+    """Each package's version, None when it is not installed (the server falls back without
+    uvloop or httptools)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _client(url: str, trace: list, new: int, out) -> None:
@@ -261,6 +283,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
         "torch": torch.__version__,
         "flashdec": flashdec.__version__,
+        "http": installed("fastapi", "uvicorn", "uvloop", "httptools", "aiohttp"),
         "requests": args.requests,
         "prompts": [args.min_prompt, args.max_prompt],
         "new": new,

@@ -126,7 +126,7 @@ for phase in $PHASES; do
     e2e)
       python3 benchmarks/bench_e2e.py --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
-    http)  # needs the server wheels in .whl (fastapi, uvicorn, httpx and their deps)
+    http)  # needs the server wheels in .whl (fastapi, uvicorn, uvloop, httptools, aiohttp, deps)
       python3 benchmarks/bench_http.py --rate 4 16 64 --json "$OUT/bench_http.json" \
         ${HTTP_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
 from benchmarks import bench_http as bh
 

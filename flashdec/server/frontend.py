@@ -64,7 +64,8 @@ def main() -> None:
     try:
         sock = socket.socket(fileno=sock_fd)
         server, client = _build(settings, Connection(commands_fd), Connection(updates_fd))
-        asyncio.run(_serve(server, client, sock, control))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(server, client, sock, control))
     except BaseException as exc:  # before it served: one line to the parent, whatever it was
         if server is not None and server.started:
             raise
@@ -75,6 +76,17 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # served and shut down: the interpreter's teardown of its modules can go
+
+
+def _loop_factory():
+    """uvloop's event loop when it is installed, else asyncio's: uvicorn's loop="auto" choice,
+    which it makes only in ``uvicorn.run``/``Server.run``, not for ``Server.serve`` on a loop of
+    ours. (http="auto", httptools' parser when installed, applies in ``serve`` itself.)"""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _build(settings: FrontendSettings, commands: Connection, updates: Connection):
@@ -133,5 +145,11 @@ async def _serve(server, client, sock: socket.socket, control: Connection) -> No
     while not server.started and not serving.done():
         await asyncio.sleep(0.005)
     if server.started:
+        parser = server.config.http_protocol_class.__module__.rsplit(".", 1)[-1]
+        log.info(
+            "HTTP front end: event loop %s, HTTP parser %s",
+            type(loop).__module__.split(".")[0],
+            parser.removesuffix("_impl"),
+        )
         control.send(("ready",))
     await serving

@@ -47,6 +47,17 @@ def test_the_front_end_is_another_process_without_torch(server_for):
         assert "libtorch" not in maps.read_text()
 
 
+def test_the_front_end_runs_on_uvloop_and_httptools(server_for, capfd):
+    # uvicorn picks them (loop="auto", http="auto") only when installed, and its loop choice only
+    # in Server.run: the front end, which runs Server.serve on a loop of its own, must pick it
+    pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
+    server = server_for(make_llm(tokenizer=False), log_level="info")
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    err = capfd.readouterr().err  # the front end's log, on the stderr it inherited
+    assert "HTTP front end: event loop uvloop, HTTP parser httptools" in err
+
+
 def test_health_is_503_once_the_engine_thread_stopped(server_for):
     server = server_for(make_llm(tokenizer=False))
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
