@@ -276,9 +276,10 @@ class TracePass:
 
 
 def trace_passes(args, vocab: int) -> Iterator[TracePass]:
-    """The passes of ``args.traces``, the same on both engines. The system prompt differs per
-    rate (seed + the rate's index): an engine reused across passes holds none of a pass's own
-    prefix when it starts."""
+    """The passes of ``args.traces``, the same on both engines. The system and plain traces'
+    prompts differ per rate (seed + the rate's index; the Poisson draws are rate-independent, so
+    one seed would repeat the prompts): an engine reused across passes holds none of a pass's own
+    prompts when it starts."""
     if "system" in args.traces:
         for i, rate in enumerate(args.rate):
             starts = system_trace(args, vocab, rate, args.seed + i)
@@ -286,9 +287,9 @@ def trace_passes(args, vocab: int) -> Iterator[TracePass]:
     if "chat" in args.traces:
         starts, follow = chat_trace(args, vocab, args.seed)
         yield TracePass("chat", args.chat_rate, starts, args.new, follow)
-    if "plain" in args.traces:
-        for rate in args.rate:
-            starts = plain_trace(args, vocab, rate, args.seed)
+    if "plain" in args.traces:  # another seed per rate too: nothing of an earlier pass to hit
+        for i, rate in enumerate(args.rate):
+            starts = plain_trace(args, vocab, rate, args.seed + i)
             yield TracePass("plain", rate, starts, args.plain_new)
 
 

@@ -79,6 +79,8 @@ def test_plain_trace_is_serve_trace_and_passes_differ_per_rate():
     ]
     first, second = passes[0].starts, passes[1].starts
     assert first[0][2][:40] != second[0][2][:40]  # another system prompt at the second rate
+    plain_prompts = [{tuple(p) for _, _, p in run.starts} for run in passes[3:]]
+    assert not plain_prompts[0] & plain_prompts[1]  # nothing of the first plain pass to hit
     only = bench_prefix.parse_args([*ARGV, "--traces", "system", "--rate", "16"])
     assert [p.trace for p in bench_prefix.trace_passes(only, 512)] == ["system"]
     assert bench_prefix.longest_sequence(args) == 1024 + 128  # the plain trace's longest
