@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="FlashDec's prefix cache (default off, as serve_trace.py runs vLLM: pass 2 of a "
         "trace would otherwise hit pass 1's prompts)",
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one step brings at most (default: flashdec.LLM's)",
+    )
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="serve")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small trace")
@@ -78,15 +84,19 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_random_model(args.model, device=device, seed=0)
     longest = args.max_prompt + args.new
+    budget = {}
+    if args.max_num_batched_tokens is not None:
+        budget["max_num_batched_tokens"] = args.max_num_batched_tokens
     start = time.perf_counter()
     llm = flashdec.LLM(
         model,
+        **budget,
         max_batch_size=args.max_batch,
         num_blocks=args.max_batch * (longest // 16 + 2) + 64,  # serve_trace.py's pool
         max_model_len=longest + 64,
         enable_prefix_caching=args.prefix_caching,
     )
-    built = {"seconds": time.perf_counter() - start}
+    built = {"seconds": time.perf_counter() - start, "budget": llm.max_num_batched_tokens}
     if llm.warm_start is not None:
         built["warm_start"] = dataclasses.asdict(llm.warm_start)
     rows = []
@@ -156,7 +166,8 @@ def report(args, env: dict, rows: list[dict], built: dict, vllm: dict | None) ->
         f"- trace: {args.requests} requests per rate, prompts {args.min_prompt}-{args.max_prompt} "
         f"random tokens, {args.new} new tokens, greedy, EOS ignored, max batch {args.max_batch}, "
         f"seed {args.seed} (serve_trace.py's arrivals), prefix caching "
-        f"{'on' if args.prefix_caching else 'off'} (vLLM: off)",
+        f"{'on' if args.prefix_caching else 'off'} (vLLM: off), step token budget "
+        f"(`max_num_batched_tokens`) {built.get('budget', 'default')}",
         f"- `flashdec.LLM(...)` construction: {built['seconds']:.1f} s{_warm(built)}",
         f"- vLLM: {vllm.get('version') if vllm else 'not given (--vllm-json)'}",
         "",

@@ -36,3 +36,13 @@ def test_smoke_run_writes_the_report_with_a_peer(tmp_path):
     markdown = (tmp_path / "serve.md").read_text()
     assert "| 50.0 | 2 | vLLM |" in markdown and "FlashDec / vLLM, warm pass" in markdown
     assert "Incomplete runs: none." in markdown
+
+
+def test_the_step_token_budget_is_passed_and_reported(tmp_path):
+    """--max-num-batched-tokens reaches flashdec.LLM (the budget a sweep compares) and the report
+    names it; without it the LLM's default is reported."""
+    bench_serve.main(["--smoke", "--out-dir", str(tmp_path), "--max-num-batched-tokens", "40"])
+    payload = json.loads((tmp_path / "serve.json").read_text())
+    assert payload["construction"]["budget"] == 40
+    assert all(r["all_done"] for r in payload["rows"])
+    assert "step token budget (`max_num_batched_tokens`) 40" in (tmp_path / "serve.md").read_text()
