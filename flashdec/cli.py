@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from flashdec.cli_parser import _config_values, _one_line, _workloads, build_parser
+from flashdec.cli_parser import build_parser, config_values, one_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -324,7 +324,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace, console: C
     from flashdec.server.run import bind_socket, require_http_stack, serve
     from flashdec.workloads.generation import load_llm
 
-    values = _config_values(args, ServerConfig)
+    values = config_values(args, ServerConfig)
     config = _checked_config(parser, lambda: ServerConfig(**values))
     try:
         require_http_stack()
@@ -373,7 +373,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
         from flashdec.workloads.model_config import GenerateConfig, ServeConfig
 
         config_cls = GenerateConfig if args.command == "generate" else ServeConfig
-        values = _config_values(args, config_cls)
+        values = config_values(args, config_cls)
         config = _checked_config(parser, lambda: config_cls(**values))
         _check_json_path(parser, args.json)
         _check_memory(parser, config)
@@ -383,14 +383,16 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, console
     if args.command == "demo":
         return _run_demo(parser, args, console)
     if args.command == "workload":
-        workloads = _workloads()
+        from flashdec.workloads import registry
+
+        workloads = registry()
         if not args.workload:
             parser.error(
                 f"workload needs a NAME, one of {', '.join(workloads)} "
                 "(flashdec workload NAME --help lists its knobs)"
             )
         config_cls = workloads[args.workload].config_cls
-        values = _config_values(args, config_cls)
+        values = config_values(args, config_cls)
         config = _checked_config(parser, lambda: config_cls(**values))
         _check_json_path(parser, args.json)
         _check_memory(parser, config)
@@ -472,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 traceback.print_exc()
             hint = "" if args.verbose else " (-v shows the traceback)"
             print(
-                f"flashdec: error: the run failed: {type(exc).__name__}: {_one_line(exc)}{hint}",
+                f"flashdec: error: the run failed: {type(exc).__name__}: {one_line(exc)}{hint}",
                 file=sys.stderr,
             )
             return 1

@@ -15,7 +15,8 @@ from typing import NoReturn
 from flashdec import __version__
 
 
-def _one_line(message: object) -> str:
+def one_line(message: object) -> str:
+    """``message`` with its whitespace runs folded: the CLI's errors are one line each."""
     return " ".join(str(message).split())
 
 
@@ -23,7 +24,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but every usage error is the one line ``flashdec: error: ...`` (exit 2)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"flashdec: error: {_one_line(message)}\n")
+        self.exit(2, f"flashdec: error: {one_line(message)}\n")
 
 
 def _add_config_arguments(
@@ -53,7 +54,7 @@ def _add_config_arguments(
             )
 
 
-def _config_values(args: argparse.Namespace, config_cls) -> dict:
+def config_values(args: argparse.Namespace, config_cls) -> dict:
     """The config's fields as parsed; an option left out (None) takes the field's default."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
     return {name: value for name, value in values.items() if value is not None}
