@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashdec
+from tests.cache.helpers import cached_prefix_tokens
 from tests.models.greedy import hf_greedy
 from tests.test_llm import FAMILIES, _model
 from tests.test_llm_failures import InjectedError, _bookkeeping, _instrument
@@ -53,7 +54,7 @@ def test_shared_system_prompt_hits_and_equals_transformers(name):
     assert stats["cached_blocks"] > 0 and stats["evicted_blocks"] == 0
     cache = llm.engine.cache
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks  # cached blocks count as free
+    assert cache.num_free_blocks == cache.max_blocks  # cached blocks count as free
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -106,7 +107,7 @@ def test_a_finished_answer_is_cached_for_the_next_turn(name):
     assert out == hf_greedy(model, [second], NEW, ignore_eos=True)[0]
     cache = llm.engine.cache
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_free_blocks == cache.max_blocks
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa"])
@@ -127,7 +128,7 @@ def test_eviction_under_a_small_pool_then_a_hit_again(name):
     assert llm.prefix_cache_stats()["hit_tokens"] == 32
     assert llm.generate([a], NEW) == expected[:1]  # recomputed, same tokens
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_free_blocks == cache.max_blocks
 
 
 def test_rejected_calls_change_nothing():
@@ -149,7 +150,7 @@ def test_rejected_calls_change_nothing():
     with pytest.raises(RuntimeError, match="no block hashes"):
         cache.cache_request_blocks("x")
     assert (cache.metrics(), cache.prefix_cache_stats(), cache.seq_len("x")) == before
-    assert cache.cached_prefix_tokens(hashes, 40) == 32  # reads only
+    assert cached_prefix_tokens(cache, hashes, 40) == 32  # reads only
     assert cache.attach_cached_prefix("x", hashes, 40) == 32
     with pytest.raises(RuntimeError, match="already"):
         cache.attach_cached_prefix("x", hashes, 40)

@@ -74,13 +74,6 @@ class PrefixCaching:
             )
         return list(hashes)
 
-    def cached_prefix_tokens(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
-        """Tokens a request of ``num_tokens`` whose full blocks hash to ``hashes`` would find
-        cached now (whole blocks, at most ``num_tokens - 1``). Reads only."""
-        self._require_prefix_caching()
-        hashes = self._check_hashes(hashes, num_tokens)
-        return self._hit_blocks(hashes, num_tokens) * self._groups[0].block_size
-
     def held_hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         """Per group: of the blocks ``attach_cached_prefix`` would attach now, those an active
         request already holds (a new request shares them: they take nothing from the pool).

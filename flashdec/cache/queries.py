@@ -51,11 +51,6 @@ class LayoutQueries:
         """The global layer ids of ``group``, ascending."""
         return self._check_group(group).layers
 
-    def group_kv(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V storage of ``group``: ``[layers_in_group, num_blocks, Hkv, bs, D]`` each."""
-        g = self._check_group(group)
-        return g.k, g.v
-
     def group_free_blocks(self, group: int) -> int:
         return self._check_group(group).allocator.num_free
 
@@ -81,7 +76,7 @@ class LayoutQueries:
         if not self._single:
             raise RuntimeError(
                 f"{name} exists only for a single-group cache; this one has "
-                f"{len(self._groups)} KV groups: use group_kv(g) or layer_kv(layer)"
+                f"{len(self._groups)} KV groups: use layer_kv(layer)"
             )
         return self._groups[0]
 
@@ -107,10 +102,6 @@ class LayoutQueries:
         return sum(g.spec.num_blocks for g in self._groups)
 
     @property
-    def num_blocks(self) -> int:
-        return self.max_blocks
-
-    @property
     def max_blocks_per_seq(self) -> int:
         return self._uniform("width")
 
@@ -125,12 +116,6 @@ class LayoutQueries:
     @property
     def device(self) -> torch.device:
         return self._device
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (single-group caches; see
-        ``KVGroupSpec.block_bytes`` per group)."""
-        return self._single_storage("bytes_per_block").spec.block_bytes
 
     @property
     def num_request_slots(self) -> int:

@@ -22,3 +22,18 @@ def request_first_block(cache: PagedKVCache, request_id: object, *, group: int =
     window group's earlier table entries are released and never read)."""
     record = cache._requests.record(request_id)
     return record.run(cache._check_group(group).index).first_block
+
+
+def group_kv(cache: PagedKVCache, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V storage of ``group``: ``[layers_in_group, num_blocks, Hkv, bs, D]`` each (the
+    cache's own tensors)."""
+    g = cache._check_group(group)
+    return g.k, g.v
+
+
+def cached_prefix_tokens(cache: PagedKVCache, hashes: list[bytes], num_tokens: int) -> int:
+    """Tokens a request of ``num_tokens`` whose full blocks hash to ``hashes`` would find cached
+    now (whole blocks, at most ``num_tokens - 1``). Reads only."""
+    cache._require_prefix_caching()
+    hashes = cache._check_hashes(hashes, num_tokens)
+    return cache._hit_blocks(hashes, num_tokens) * cache.block_size

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
-from tests.cache.helpers import request_first_block
+from tests.cache.helpers import group_kv, request_first_block
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         "tx": tx,
         "history": list(cache._tx.history),
     }
-    storage = [_bits(t).clone() for g in groups for t in cache.group_kv(g)]
+    storage = [_bits(t).clone() for g in groups for t in group_kv(cache, g)]
     if len(groups) == 1:  # the SPEC names of a single-group cache's storage
         state["k"], state["v"] = storage
     else:

@@ -9,7 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, lifetime_blocks, window_block_bound
 from flashdec.cache import KVGroupSpec, PagedKVCache, parse_kv_spec
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
-from tests.cache.helpers import decode_inputs, request_first_block
+from tests.cache.helpers import decode_inputs, group_kv, request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 
 # a full group (2 layers, 2 KV heads, D 8, blocks of 4) and a window group (1 layer, 1 KV head,
@@ -81,8 +81,8 @@ def test_construction_and_read_api():
     assert cache.kv_groups == groups and cache.num_groups == 2 and cache.num_layers == 3
     assert [cache.layer_group(i) for i in range(3)] == LAYER_GROUPS
     assert cache.group_layers(0) == (0, 2) and cache.group_layers(1) == (1,)
-    k0, v0 = cache.group_kv(0)
-    k1, v1 = cache.group_kv(1)
+    k0, v0 = group_kv(cache, 0)
+    k1, v1 = group_kv(cache, 1)
     assert k0.shape == v0.shape == (2, 32, 2, 4, 8) and k1.shape == (1, 12, 1, 2, 4)
     assert cache.layer_kv(2)[0].data_ptr() == k0[1].data_ptr()
     assert cache.layer_kv(1)[1].data_ptr() == v1[0].data_ptr()
@@ -90,7 +90,7 @@ def test_construction_and_read_api():
     assert cache.max_blocks == cache.num_free_blocks == 44
     # one token limit: the full pool's 32 * 4 tokens, in each group's blocks
     assert cache.group_max_blocks_per_seq(0) == 32 and cache.group_max_blocks_per_seq(1) == 64
-    for name in ("k_cache", "v_cache", "bytes_per_block"):
+    for name in ("k_cache", "v_cache"):
         with pytest.raises(RuntimeError, match="group"):
             getattr(cache, name)
     assert cache.dtype == torch.float32  # the groups agree on it
@@ -392,7 +392,7 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
     cache.write_token_layer(tx, 1, k, k)
     cache.commit_token(tx)
     block = cache.request_block_ids("a")[0]
-    k_fp8, v_fp8 = cache.group_kv(0)
+    k_fp8, v_fp8 = group_kv(cache, 0)
     stored_k = k_fp8[0, block, :, 0].float()
     expected = (k / k_scale.view(1, -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(stored_k, expected[0])

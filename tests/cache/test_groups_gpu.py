@@ -9,7 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, window_block_bound
 from flashdec.cache import PagedKVCache
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
-from tests.cache.helpers import decode_inputs
+from tests.cache.helpers import decode_inputs, group_kv
 from tests.cache.snapshot import snapshot
 from tests.cache.test_groups import History
 
@@ -86,7 +86,7 @@ def test_fp8_group_on_gpu_quantizes_with_its_scales():
     history = History(cache, seed=3)
     cache.add_request("a")
     history.prefill(["a"], [40])
-    k_fp8, _ = cache.group_kv(0)
+    k_fp8, _ = group_kv(cache, 0)
     block = cache.request_block_ids("a")[0]
     want = (history.k[("a", 0)][3].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(k_fp8[0, block, :, 3].view(torch.uint8), want.view(torch.uint8))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
-from tests.cache.helpers import request_first_block
+from tests.cache.helpers import group_kv, request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 from tests.cache.util import make_cache, tokens
 
@@ -53,7 +53,7 @@ def test_partial_commit_equals_committing_only_the_kept_tokens(kv_spec, accept):
         return cache
 
     partial, whole = build(), build()
-    storage_before = [t.clone() for g in range(partial.num_groups) for t in partial.group_kv(g)]
+    storage_before = [t.clone() for g in range(partial.num_groups) for t in group_kv(partial, g)]
     tx = partial.begin_tokens(["a", "b"], [4, 5])
     _write_all(partial, tx, 9, seed=2)
     view = partial.commit_token(tx, accept)
@@ -78,7 +78,9 @@ def test_partial_commit_equals_committing_only_the_kept_tokens(kv_spec, accept):
         assert _readable(whole, rid) == _readable(partial, rid)
     for g in range(partial.num_groups):
         owned = {slot for rid in ("a", "b") for slot in _slots(partial, rid, g)}
-        for now, before in zip(partial.group_kv(g), storage_before[2 * g : 2 * g + 2], strict=True):
+        for now, before in zip(
+            group_kv(partial, g), storage_before[2 * g : 2 * g + 2], strict=True
+        ):
             changed = (now != before).any(-1).any(2).any(0)  # [L, NB, H, bs, D] -> [NB, bs]
             assert {tuple(x) for x in changed.nonzero().tolist()} <= owned
 
@@ -94,7 +96,7 @@ def _slots(cache, rid, g) -> list[tuple[int, int]]:
 def _readable(cache, rid) -> list[list[float]]:
     out = []
     for g in range(cache.num_groups):
-        k, v = cache.group_kv(g)
+        k, v = group_kv(cache, g)
         for block, offset in _slots(cache, rid, g):
             out.append(torch.cat([k[:, block, :, offset], v[:, block, :, offset]]).tolist())
     return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
+from tests.cache.helpers import cached_prefix_tokens
 
 BS, LAYERS = 2, 2
 
@@ -56,13 +57,13 @@ def test_an_aborted_step_gives_its_evicted_block_back():
     cache.add_request("b")
     tx = cache.begin_tokens(["b"], [4])  # 2 blocks: 1 truly free, 1 evicted (a's first)
     assert cache.prefix_cache_stats()["evicted_blocks"] == 1
-    assert cache.cached_prefix_tokens(hashes, 7) == 0
+    assert cached_prefix_tokens(cache, hashes, 7) == 0
     _write(cache, tx, 4, 9.0)
     cache.abort_token(tx)
     cache.validate_invariants()
     assert cache.prefix_cache_stats() == stats
     assert all(torch.equal(x, y) for x, y in zip(before, _blocks(cache), strict=True))
-    assert cache.cached_prefix_tokens(hashes, 7) == 6  # a hit again, whole
+    assert cached_prefix_tokens(cache, hashes, 7) == 6  # a hit again, whole
     cache.add_request("c")
     assert cache.attach_cached_prefix("c", hashes, 7) == 6
     cache.validate_invariants()
@@ -82,7 +83,7 @@ def test_a_partial_commit_gives_back_the_evicted_block_it_does_not_keep():
     # the free list is a stack: b took a's second block first, so it gave back a's first,
     # which is cached again (bytes put back): the chain hits through it, then stops
     assert cache.request_block_ids("b") == [1]
-    assert cache.cached_prefix_tokens(hashes, 8) == BS
+    assert cached_prefix_tokens(cache, hashes, 8) == BS
 
 
 def test_without_restore_on_abort_the_evicted_block_stays_gone():
@@ -96,7 +97,7 @@ def test_without_restore_on_abort_the_evicted_block_stays_gone():
     cache.validate_invariants()
     stats = cache.prefix_cache_stats()
     assert stats["evicted_blocks"] == 1 and stats["cached_blocks"] == 2
-    assert cache.cached_prefix_tokens(hashes, 7) == 0  # the chain's first block is gone
+    assert cached_prefix_tokens(cache, hashes, 7) == 0  # the chain's first block is gone
 
 
 def test_a_begin_that_fails_evicts_nothing():

@@ -12,6 +12,7 @@ import torch
 from flashdec import PagedKVCache, apply_rope, paged_decode_attention_ref
 from flashdec.engine import DecodeEngine, rope_paged_kv_append
 from flashdec.reference import dequantize_fp8
+from tests.cache.helpers import group_kv
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -154,7 +155,7 @@ def _state(cache):
     lens = {rid: cache.seq_len(rid) for rid in cache.request_ids()}
     free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
     storage = [
-        torch.cat([t.flatten() for t in cache.group_kv(g)]).view(torch.uint8).clone()
+        torch.cat([t.flatten() for t in group_kv(cache, g)]).view(torch.uint8).clone()
         for g in range(cache.num_groups)
     ]
     return lens, free, storage

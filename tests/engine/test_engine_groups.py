@@ -13,6 +13,7 @@ from flashdec.engine import DecodeEngine
 from flashdec.engine.loop import StepExecutor
 from flashdec.engine.snapshot import snapshot_from_cache
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
+from tests.cache.helpers import group_kv
 
 # group 0: full attention, 2 KV heads of 16; group 1: a 6-token window, 1 KV head of 8
 SPEC = "(2,40,4,2,16):float32:2;(2,12,4,1,8):float32:1:window=6"
@@ -149,7 +150,8 @@ def _state(cache: PagedKVCache):
     }
     free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
     storage = [
-        torch.cat([t.flatten() for t in cache.group_kv(g)]).clone() for g in range(cache.num_groups)
+        torch.cat([t.flatten() for t in group_kv(cache, g)]).clone()
+        for g in range(cache.num_groups)
     ]
     return requests, free, storage
 
