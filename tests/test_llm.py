@@ -344,9 +344,9 @@ def test_fp8_kv_pool_counts_one_byte_per_element(monkeypatch):
         assert group_kv(cache, 0)[0].element_size() == (1 if kv == "fp8" else 2)
         blocks[kv] = cache.kv_groups[0].num_blocks
     assert blocks["fp8"] == 2 * blocks["auto"]
-    scales = flashdec.LLM(model, kv_cache_dtype="fp8", kv_scale=0.25).engine.cache.group_kv_scales(
-        0
-    )
+    scales = flashdec.LLM(
+        model, kv_cache_dtype="fp8", kv_scale=0.25
+    ).engine.cache.layout.group_kv_scales(0)
     assert all(torch.equal(s, torch.full_like(s, 0.25)) for s in scales)
 
 

@@ -139,27 +139,27 @@ def test_rejected_calls_change_nothing():
     llm.generate([prompt], NEW)
     cache = llm.engine.cache
     cache.add_request("x")
-    before = (cache.metrics(), cache.prefix_cache_stats(), cache.seq_len("x"))
-    hashes = cache.block_hashes(prompt)
+    before = (cache.metrics(), cache.prefix_cache.stats(), cache.seq_len("x"))
+    hashes = cache.prefix_cache.block_hashes(prompt)
     with pytest.raises(TypeError, match="list of bytes"):
-        cache.attach_cached_prefix("x", [1, 2], 40)
+        cache.prefix_cache.attach_cached_prefix("x", [1, 2], 40)
     with pytest.raises(ValueError, match="cover every hashed block"):
-        cache.attach_cached_prefix("x", hashes, 16)
+        cache.prefix_cache.attach_cached_prefix("x", hashes, 16)
     with pytest.raises(ValueError, match="unknown"):
-        cache.attach_cached_prefix("nope", hashes, 40)
+        cache.prefix_cache.attach_cached_prefix("nope", hashes, 40)
     with pytest.raises(RuntimeError, match="no block hashes"):
-        cache.cache_request_blocks("x")
-    assert (cache.metrics(), cache.prefix_cache_stats(), cache.seq_len("x")) == before
+        cache.prefix_cache.cache_request_blocks("x")
+    assert (cache.metrics(), cache.prefix_cache.stats(), cache.seq_len("x")) == before
     assert cached_prefix_tokens(cache, hashes, 40) == 32  # reads only
-    assert cache.attach_cached_prefix("x", hashes, 40) == 32
+    assert cache.prefix_cache.attach_cached_prefix("x", hashes, 40) == 32
     with pytest.raises(RuntimeError, match="already"):
-        cache.attach_cached_prefix("x", hashes, 40)
+        cache.prefix_cache.attach_cached_prefix("x", hashes, 40)
     cache.validate_invariants()
     cache.cancel_request("x")
     cache.validate_invariants()
     off = flashdec.PagedKVCache(1, 1, 4, 4, 4, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="prefix caching is off"):
-        off.block_hashes([1, 2, 3, 4])
+        off.prefix_cache.block_hashes([1, 2, 3, 4])
 
 
 def test_a_failure_in_a_step_sharing_cached_blocks_changes_nothing(monkeypatch):
@@ -177,7 +177,7 @@ def test_a_failure_in_a_step_sharing_cached_blocks_changes_nothing(monkeypatch):
     cache = llm.engine.cache
 
     def state():
-        stats = cache.prefix_cache_stats()
+        stats = cache.prefix_cache.stats()
         return _bookkeeping(llm), stats["cached_blocks"], stats["evictable_blocks"]
 
     try:

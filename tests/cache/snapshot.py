@@ -32,17 +32,17 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         for rid in cache.request_ids()
     }
     prefixes = {pid: cache.prefix_state(pid) for pid in cache.prefix_ids()}
-    tx_id = cache.open_transaction_id
+    tx_id = cache.steps.open_transaction_id
     tx = None
     if tx_id is not None:
         view = cache.transaction_view(tx_id)
         metadata = [view.block_tables.flatten()]
         for g in groups:
-            slots = cache.transaction_slots(tx_id, group=g)
+            slots = cache.steps.transaction_slots(tx_id, group=g)
             metadata += [slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after]
         tx = (
             tx_id,
-            cache.layers_written(tx_id),
+            cache.steps.layers_written(tx_id),
             cache.metrics()["num_reserved_blocks"],
             torch.cat(metadata).clone(),
         )
@@ -52,7 +52,7 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         "num_free_blocks": cache.num_free_blocks,
         "requests": requests,
         "prefixes": prefixes,
-        "open_transaction_id": cache.open_transaction_id,
+        "open_transaction_id": cache.steps.open_transaction_id,
         "tx": tx,
         "history": list(cache._tx.history),
     }

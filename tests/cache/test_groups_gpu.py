@@ -32,12 +32,12 @@ def test_long_generation_keeps_window_blocks_bounded_and_decodes_like_dense():
         history.write(tx, rids, [1] * len(rids))
         if step % 40 == 39:  # decode every layer against the dense reference
             for layer in range(cache.num_layers):
-                g = cache.layer_group(layer)
+                g = cache.layout.layer_group(layer)
                 spec = cache.kv_groups[g]
                 tables, lens = decode_inputs(cache, tx, group=g)
                 q = torch.randn(4, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
                 q = q.to(device="cuda", dtype=spec.dtype)
-                k_layer, v_layer = cache.layer_kv(layer)
+                k_layer, v_layer = cache.layout.layer_kv(layer)
                 tables, lens = tables.to(torch.int32), lens.to(torch.int32)
                 out = paged_decode_attention_ref(
                     q, k_layer, v_layer, tables, lens, window=spec.window

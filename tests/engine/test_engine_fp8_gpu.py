@@ -66,9 +66,9 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in LAYERS]
         for i, g in enumerate(LAYER_GROUPS):
-            slots = cache.transaction_slots(tx, group=g)
-            k_scale, v_scale = cache.group_kv_scales(g)
-            k_layer, v_layer = cache.layer_kv(i)
+            slots = cache.steps.transaction_slots(tx, group=g)
+            k_scale, v_scale = cache.layout.group_kv_scales(g)
+            k_layer, v_layer = cache.layout.layer_kv(i)
             ref = paged_decode_attention_ref(
                 apply_rope(inputs[i][0], positions),
                 k_layer,

@@ -33,7 +33,7 @@ def make_engine(append_backend="torch", decode_backend="torch", spec=SPEC, layer
 
 
 def geometry(engine, layer):
-    return GEOMETRY[engine.cache.layer_group(layer)]
+    return GEOMETRY[engine.cache.layout.layer_group(layer)]
 
 
 class Shadow:
@@ -47,7 +47,7 @@ class Shadow:
         self.v = {(layer, rid): [] for layer in layers for rid in rids}
 
     def reference(self, layer, rids, q_rot):
-        hkv, d, window = self.geometry[self.engine.cache.layer_group(layer)]
+        hkv, d, window = self.geometry[self.engine.cache.layout.layer_group(layer)]
         lens = [len(self.k[layer, rid]) for rid in rids]
         length = max(lens)
         k = torch.zeros(len(rids), length, hkv, d)
@@ -144,14 +144,14 @@ def _state(cache: PagedKVCache):
         rid: (
             cache.request_state(rid),
             cache.seq_len(rid),
-            [cache.request_block_ids(rid, group=g) for g in range(cache.num_groups)],
+            [cache.request_block_ids(rid, group=g) for g in range(cache.layout.num_groups)],
         )
         for rid in cache.request_ids()
     }
-    free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
+    free = [cache.layout.group_free_blocks(g) for g in range(cache.layout.num_groups)]
     storage = [
         torch.cat([t.flatten() for t in group_kv(cache, g)]).clone()
-        for g in range(cache.num_groups)
+        for g in range(cache.layout.num_groups)
     ]
     return requests, free, storage
 
