@@ -13,7 +13,9 @@
 #           bash scripts/carry_parts.sh join DIR/cN [DEST] (the last call: prints the file's path)
 #             parts wait in /tmp/carry/<basename of DIR>/; the file is joined there (or at DEST),
 #             once per machine: a later join finds it whole and checks it again.
+#   CARRY_STORE replaces /tmp/carry (the tests use it).
 set -euo pipefail
+STORE_ROOT=${CARRY_STORE:-/tmp/carry}
 
 die() { echo "carry_parts.sh: $*" >&2; exit 2; }
 
@@ -41,7 +43,7 @@ receive() {
   local part=$1
   [ -d "$part" ] || die "no folder $part (was it carried?)"
   local store
-  store=/tmp/carry/$(basename "$(dirname "$(realpath "$part")")")
+  store=$STORE_ROOT/$(basename "$(dirname "$(realpath "$part")")")
   mkdir -p "$store" && cp "$part"/* "$store"/
   echo "$store: $(ls "$store" | tr '\n' ' ')"
 }
@@ -50,7 +52,7 @@ join_parts() {
   local part=$1 dest=${2:-}
   receive "$part" >&2
   local store sums name
-  store=/tmp/carry/$(basename "$(dirname "$(realpath "$part")")")
+  store=$STORE_ROOT/$(basename "$(dirname "$(realpath "$part")")")
   sums=$(ls "$store"/*.sha256 2>/dev/null | head -1)
   [ -n "$sums" ] || die "no checksum in $store: join with the last part's folder"
   name=$(basename "$sums" .sha256)
