@@ -83,7 +83,13 @@ GROUNDED_PROMPTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument(
+        "--sections",
+        nargs="*",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="what to measure now (none: only merge --reuse-json and --vllm-json)",
+    )
     p.add_argument(
         "--real-model",
         default="smollm2",
@@ -102,7 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mechanism-context", type=int, default=512, help="context tokens")
     p.add_argument("--mechanism-reps", type=int, default=20, help="timed steps (median)")
     p.add_argument("--mechanism-warmup", type=int, default=3)
-    p.add_argument("--mechanism-json", help="this script's JSON whose mechanism rows to reuse")
+    p.add_argument(
+        "--reuse-json",
+        nargs="+",
+        help="earlier runs' JSON (other sections, other device calls): their rows join these",
+    )
     p.add_argument("--vllm-json", nargs="+", help="vllm_speculative.py's --json output(s)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="speculative")
@@ -265,12 +275,31 @@ def run_mechanism(args) -> list[dict]:
     return rows
 
 
-def load_mechanism(path: str) -> list[dict]:
-    """The mechanism rows of an earlier run of this script (``--sections mechanism``)."""
-    rows = json.loads(Path(path).read_text()).get("mechanism")
-    if not isinstance(rows, list) or not rows:
-        raise ValueError(f"{path} holds no mechanism rows (bench_speculative.py's JSON)")
-    return rows
+SECTION_OF_KIND = {"grounded chat": "real", "random weights": "random"}
+
+
+def load_reused(paths: list[str], sections: list[str]) -> tuple[list, list, dict]:
+    """Mechanism rows, end-to-end rows and the environment of earlier runs of this script, for
+    sections not measured now (ValueError for another file, or a section measured twice)."""
+    mechanism, rows, env = [], [], None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not all(isinstance(data.get(k), list) for k in ("mechanism", "rows")):
+            raise ValueError(f"{path} is not bench_speculative.py's JSON (no mechanism/rows)")
+        found = _sections_of(data["mechanism"], data["rows"])
+        twice = sorted(found & (set(sections) | _sections_of(mechanism, rows)))
+        if twice:
+            raise ValueError(f"{path}: section(s) {', '.join(twice)} measured twice")
+        mechanism += data["mechanism"]
+        rows += data["rows"]
+        env = env or data.get("environment")
+    return mechanism, rows, env
+
+
+def _sections_of(mechanism: list, rows: list) -> set:
+    return {SECTION_OF_KIND.get(r.get("kind")) for r in rows} | (
+        {"mechanism"} if mechanism else set()
+    )
 
 
 def load_vllm(paths: list[str], args) -> dict:
@@ -492,12 +521,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     vllm = load_vllm(args.vllm_json, args) if args.vllm_json else None  # before the runs
     env = environment()
-    mechanism = []
-    if args.mechanism_json:
-        mechanism = load_mechanism(args.mechanism_json)
-    elif "mechanism" in args.sections:
+    mechanism, rows = [], []
+    if args.reuse_json:
+        mechanism, rows, first = load_reused(args.reuse_json, args.sections)
+        if not args.sections and first:  # a merge: the measurements' machine, not this one
+            env = {**first, "merged_by": env["command"]}
+    if "mechanism" in args.sections:
         mechanism = run_mechanism(args)
-    rows = []
     if "real" in args.sections:
         rows += run_model(args.real_model, "grounded chat", args)
     if "random" in args.sections:

@@ -59,7 +59,8 @@ def test_smoke_on_smollm2_grounded_prompts_accepts_drafts(tmp_path):
 
 def test_smoke_measures_the_mechanism_and_reuses_it(tmp_path):
     """The tiny shape's mechanism rows (graphs off on a CPU) and the targets reach the JSON; a
-    later run takes them from --mechanism-json instead of measuring again."""
+    later run (another device call) measures other sections and takes these rows from
+    --reuse-json; a section measured twice is refused."""
     bench_speculative.main(["--smoke", "--real-model", "tiny", "--out-dir", str(tmp_path)])
     payload = json.loads((tmp_path / "speculative.json").read_text())
     mechanism = payload["mechanism"]
@@ -75,12 +76,25 @@ def test_smoke_measures_the_mechanism_and_reuses_it(tmp_path):
         "B = 1: ngram tok/s >= vLLM's ngram tok/s",
     ]
     assert goals[0]["value"] == mechanism[1]["ratio"] and goals[2]["met"] is None
-    again = tmp_path / "again"
-    argv = ["--smoke", "--sections", "random", "--out-dir", str(again)]
-    bench_speculative.main([*argv, "--mechanism-json", str(tmp_path / "speculative.json")])
-    reused = json.loads((again / "speculative.json").read_text())
-    assert reused["mechanism"] == mechanism
+    part = tmp_path / "part"
+    argv = ["--smoke", "--real-model", "tiny", "--out-dir", str(part), "--name", "part"]
+    bench_speculative.main([*argv, "--sections", "mechanism"])
+    merged = tmp_path / "merged"
+    argv = ["--smoke", "--real-model", "tiny", "--out-dir", str(merged)]
+    bench_speculative.main([*argv, "--sections", "random", "--reuse-json", str(part / "part.json")])
+    reused = json.loads((merged / "speculative.json").read_text())
+    assert [(r["batch"], r["n"]) for r in reused["mechanism"]] == [(1, 2), (1, 4), (2, 2), (2, 4)]
     assert {r["kind"] for r in reused["rows"]} == {"random weights"}
+    assert "## Mechanism cost (tiny, random weights)" in (merged / "speculative.md").read_text()
+    # nothing measured now: a merge keeps the measurements' environment
+    argv = ["--smoke", "--out-dir", str(tmp_path / "only"), "--reuse-json", str(part / "part.json")]
+    bench_speculative.main([*argv, "--sections"])
+    only = json.loads((tmp_path / "only" / "speculative.json").read_text())
+    first = json.loads((part / "part.json").read_text())["environment"]
+    assert only["environment"]["date_utc"] == first["date_utc"] and only["rows"] == []
+    assert "merged_by" in only["environment"]
+    with pytest.raises(ValueError, match="mechanism measured twice"):
+        bench_speculative.main([*argv, "--sections", "mechanism", "random"])
 
 
 def test_mechanism_steps_commit_nothing():
