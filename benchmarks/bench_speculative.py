@@ -483,6 +483,7 @@ def report(
         "# Speculative decoding (ngram prompt lookup) vs plain decoding",
         "",
         environment_markdown(env),
+        *([f"- merged by: `{env['merged_by']}`"] if env.get("merged_by") else []),
         "",
         "## Targets (issue 23)",
         "",
@@ -532,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += run_model(args.real_model, "grounded chat", args)
     if "random" in args.sections:
         rows += run_model(args.random_model, "random weights", args)
+    rows.sort(key=lambda r: list(SECTION_OF_KIND).index(r["kind"]))  # real, then random
     markdown = report(args, env, rows, mechanism, vllm)
     payload = {
         "environment": env,
