@@ -410,15 +410,10 @@ class DecodeEngine(RequestLifecycle):
         is really written. Kernels must be warm (run one eager step of the same shapes first).
         """
         step = self._require_open_step(tx, "decode")
-        if self.decode_backend != "triton":
-            raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
-        if self.append_backend == "torch":  # it writes the capture's live rows on every replay
-            raise RuntimeError(
-                "capture_step needs append_backend 'fused' or 'triton' (the torch append would "
-                "replay the capture's row count, writing padding rows into the pool)"
-            )
         if not step.slots.positions.is_cuda:
             raise RuntimeError("capture_step needs a CUDA cache")
+        if self.decode_backend != "triton":
+            raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
         if self.cache.steps.layers_written(step.transaction_id):
             raise RuntimeError("capture_step needs a step with no layer written yet")
         # the captured kernels do not run until the replay: an abort before it must not
