@@ -421,7 +421,7 @@ class LLM:
             cache = self.engine.cache
             for rid in record.prefilled:
                 if rid not in record.finished:
-                    cache.prefix_cache.cache_request_blocks(rid)
+                    cache.cache_request_blocks(rid)
         for rid, reason in zip(record.rejected, record.rejection_reasons, strict=True):
             self._runner.requests[rid].error = f"the scheduler rejected it: {reason}"
         return record
@@ -431,7 +431,7 @@ class LLM:
         looked up at admission), ``hit_tokens`` (found cached), ``hit_rate``,
         ``cached_blocks`` (indexed now), ``evictable_blocks`` (cached, held by no request:
         counted as free), ``evicted_blocks`` (reclaimed by allocations so far), ``enabled``."""
-        return self.engine.cache.prefix_cache.stats()
+        return self.engine.cache.prefix_cache_stats()
 
     def speculative_counters(self) -> dict[str, int]:
         """Running totals since the LLM was made (SPEC §8.8): ``draft_tokens`` (drafts

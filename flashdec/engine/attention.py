@@ -51,9 +51,7 @@ class StepAttention:
         self.decode_backend = decode_backend
         self.dtype = dtype
         # per group: the FP8 scales (cache-owned device tensors: fixed addresses) or None
-        self.scales = tuple(
-            cache.layout.group_kv_scales(g) or (None, None) for g in range(len(specs))
-        )
+        self.scales = tuple(cache.group_kv_scales(g) or (None, None) for g in range(len(specs)))
         # per group: RoPE and the softmax scale follow the group's head_dim
         self.ropes = tuple(
             Rope.build(spec.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
@@ -62,15 +60,15 @@ class StepAttention:
         self.sm_scales = tuple(resolve_sm_scale(sm_scale, spec.head_dim) for spec in specs)
         self.windows = tuple(spec.window for spec in specs)
         self.fused_triton = (append_backend, decode_backend) == ("fused", "triton")
-        self._layer_views = [cache.layout.layer_kv(i) for i in range(cache.num_layers)]
+        self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
         self._num_groups = len(specs)
-        layer_groups = [cache.layout.layer_group(i) for i in range(cache.num_layers)]
+        layer_groups = [cache.layer_group(i) for i in range(cache.num_layers)]
         # each layer's index inside its group (its row of the group's per-step outputs)
         self._layer_local = tuple(
-            cache.layout.group_layers(g).index(i) for i, g in enumerate(layer_groups)
+            cache.group_layers(g).index(i) for i, g in enumerate(layer_groups)
         )
         self._group_views = tuple(
-            [self._layer_views[i] for i in cache.layout.group_layers(g)] for g in range(len(specs))
+            [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
         )
         # per group: the decode plan reused while the layout holds
         self.decode_states: list[DecodeState | None] = [None] * len(specs)
@@ -240,7 +238,7 @@ class StepAttention:
         cache, device, launches = self.cache, self.cache.device, 0
         for g, spec in enumerate(cache.kv_groups):
             k_layer, v_layer = self._group_views[g][0]
-            width = cache.layout.group_max_blocks_per_seq(g)
+            width = cache.group_max_blocks_per_seq(g)
             plans = extend_plan_variants(
                 max_batch,
                 num_q_heads,

@@ -169,7 +169,7 @@ class DecodeGraphs:
         engine = self.engine
         tx = engine.begin_step(rids, plan_len=plan_len)
         try:
-            slots = engine.cache.steps.transaction_slots(tx)
+            slots = engine.cache.transaction_slots(tx)
             if not capture:
                 self.forward(tx, slots)
                 return None
@@ -182,7 +182,7 @@ class DecodeGraphs:
 def free_rows(engine: DecodeEngine) -> int:
     """How many one-block placeholder requests the cache can hold (one block in every group)."""
     cache = engine.cache
-    return min(cache.layout.group_free_blocks(g) for g in range(len(cache.kv_groups)))
+    return min(cache.group_free_blocks(g) for g in range(len(cache.kv_groups)))
 
 
 @contextmanager

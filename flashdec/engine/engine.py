@@ -73,7 +73,7 @@ class DecodeEngine(RequestLifecycle):
             cache's dtype (float caches); required — float16 or bfloat16 — when a KV group
             stores float8_e4m3fn. A float group's storage dtype must equal it. FP8 groups
             quantize on append and dequantize in decode with the cache's fixed per-head scales
-            (``cache.layout.group_kv_scales``; fixed, not calibrated).
+            (``PagedKVCache.group_kv_scales``; fixed, not calibrated).
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class DecodeEngine(RequestLifecycle):
         self._windows = self.attention.windows
         self._num_groups = len(specs)
         self._num_layers = cache.num_layers
-        self._layer_groups = tuple(cache.layout.layer_group(i) for i in range(cache.num_layers))
+        self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
@@ -295,7 +295,7 @@ class DecodeEngine(RequestLifecycle):
             step.plan_len = max(step.plan_len, plan_len)
         if by_writer:
             step.backups = tuple(
-                cache.steps.transaction_backup(view, group=g) for g in range(self._num_groups)
+                cache.transaction_backup(view, group=g) for g in range(self._num_groups)
             )
         self._open = step
         return view
@@ -339,8 +339,8 @@ class DecodeEngine(RequestLifecycle):
         """Every group's slots of a transaction."""
         cache = self.cache
         if self._num_groups == 1:  # begin_step's cost: no generator for the common case
-            return (cache.steps.transaction_slots(view),)
-        return tuple(cache.steps.transaction_slots(view, group=g) for g in range(self._num_groups))
+            return (cache.transaction_slots(view),)
+        return tuple(cache.transaction_slots(view, group=g) for g in range(self._num_groups))
 
     def step_layer(
         self, tx, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -357,7 +357,7 @@ class DecodeEngine(RequestLifecycle):
             if type(layer_idx) is int and 0 <= layer_idx < self._num_layers:
                 g = groups[layer_idx]
             else:
-                g = self.cache.layout.layer_group(layer_idx)  # TypeError / ValueError
+                g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
             if step.kind != "decode":
                 if step.kind != "extend":
                     raise RuntimeError(
@@ -414,17 +414,17 @@ class DecodeEngine(RequestLifecycle):
             raise RuntimeError("capture_step needs a CUDA cache")
         if self.decode_backend != "triton":
             raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
-        if self.cache.steps.layers_written(step.transaction_id):
+        if self.cache.layers_written(step.transaction_id):
             raise RuntimeError("capture_step needs a step with no layer written yet")
         # the captured kernels do not run until the replay: an abort before it must not
         # restore from backup rows they never wrote
-        self.cache.steps.complete_backup(step.transaction_id)
+        self.cache.complete_backup(step.transaction_id)
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
             with own_blas_workspace(), torch.cuda.graph(graph, pool=pool):
                 output = body()
-            written = self.cache.steps.layers_written(step.transaction_id)
+            written = self.cache.layers_written(step.transaction_id)
             if written != self.cache.num_layers:
                 raise RuntimeError(
                     f"the captured body wrote {written} of "
@@ -452,7 +452,7 @@ class DecodeEngine(RequestLifecycle):
                 f"{captured.generation}); this step has {step.num_rows} (generation "
                 f"{step.slots.generation}): capture again"
             )
-        self.cache.steps.write_all_layers_with(step.transaction_id, captured.graph.replay)
+        self.cache.write_all_layers_with(step.transaction_id, captured.graph.replay)
         return captured.output
 
     # ------------------------------------------------------------------ prompt import
@@ -473,9 +473,7 @@ class DecodeEngine(RequestLifecycle):
         keeps only the rows its window needs; any failure aborts the whole import."""
         step = self._require_open_step(tx, "prefill")
         try:
-            self.attention.import_layer(
-                step, layer_idx, self.cache.layout.layer_group(layer_idx), k, v
-            )
+            self.attention.import_layer(step, layer_idx, self.cache.layer_group(layer_idx), k, v)
         except BaseException:
             self._abort_open_step()
             raise

@@ -115,7 +115,7 @@ class ModelRunner(StepExecutor):
     def _ensure_slots(self) -> None:
         """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
         read the old tensor are dropped)."""
-        needed = self.engine.cache.layout.num_request_slots
+        needed = self.engine.cache.num_request_slots
         if self.last_tokens.shape[0] < needed:
             grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
             grown[: self.last_tokens.shape[0]] = self.last_tokens
@@ -396,7 +396,7 @@ class ModelRunner(StepExecutor):
         device = self.spec.device
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
-            slots = cache.steps.transaction_slots(tx).request_slots
+            slots = cache.transaction_slots(tx).request_slots
             ids = upload(flat, device)
             ids.index_copy_(
                 0,
@@ -508,7 +508,7 @@ class ModelRunner(StepExecutor):
         last_rows = (upload(counts, device).cumsum(0) - 1).index_select(0, index)
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
-            slots = cache.steps.transaction_slots(tx).request_slots
+            slots = cache.transaction_slots(tx).request_slots
             pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
             pieces += [
                 self.requests[rid].prompt[start : start + n]
@@ -540,7 +540,7 @@ class ModelRunner(StepExecutor):
         bucket = rows if self.graphs is None else self.graphs.bucket(rows)
         tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
         try:
-            slots = engine.cache.steps.transaction_slots(tx)
+            slots = engine.cache.transaction_slots(tx)
             if self.graphs is not None:
                 max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
                 logits, greedy_ids = self.graphs.run(tx, slots, bucket, max_len)

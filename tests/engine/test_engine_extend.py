@@ -76,7 +76,7 @@ def test_an_n_token_step_equals_its_tokens_one_by_one(append_backend, decode_bac
         for rid in ("a", "b", "c"):
             tables = [c.block_tables([rid])[0] for c in (mixed.cache, serial.cache)]
             for kv_mixed, kv_serial in zip(
-                mixed.cache.layout.layer_kv(layer), serial.cache.layout.layer_kv(layer), strict=True
+                mixed.cache.layer_kv(layer), serial.cache.layer_kv(layer), strict=True
             ):
                 n = mixed.cache.seq_len(rid)
                 blocks = -(-n // mixed.cache.block_size)

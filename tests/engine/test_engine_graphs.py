@@ -68,7 +68,7 @@ def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
         tables, lens = decode_inputs(eager.cache, tx)
         refs = [
             paged_decode_attention_ref(
-                apply_rope(inputs[i][0], positions), *eager.cache.layout.layer_kv(i), tables, lens
+                apply_rope(inputs[i][0], positions), *eager.cache.layer_kv(i), tables, lens
             )
             for i in range(LAYERS)
         ]
