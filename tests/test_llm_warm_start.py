@@ -87,15 +87,20 @@ def test_begin_step_rejects_a_bad_plan_len_and_changes_nothing(bad):
     assert not engine.has_open_step
 
 
-def test_plan_len_is_for_decode_steps_only():
+def test_plan_len_is_for_steps_whose_rows_bring_equal_tokens_only():
     engine = make_engine()
-    engine.add_request("a")
-    engine.admit("a")
+    for rid in ("a", "b"):
+        engine.add_request(rid)
+        engine.admit(rid)
     before = snapshot(engine.cache)
-    with pytest.raises(ValueError, match="plan_len are for one-token"):
-        engine.begin_step(["a"], num_tokens=[3], plan_len=64)
+    with pytest.raises(ValueError, match="rows all bring the same number of tokens"):
+        engine.begin_step(["a", "b"], num_tokens=[3, 2], plan_len=64)
     assert_same_state(engine.cache, before)
     assert not engine.has_open_step
+    tx = engine.begin_step(["a", "b"], num_tokens=[3, 3], plan_len=64)  # a verification step
+    assert engine._open.plan_len == 64 and engine._open.tokens_per_row == 3
+    engine.abort_step(tx)
+    assert [engine.cache.seq_len(r) for r in ("a", "b")] == [0, 0]
 
 
 def _prompts(vocab: int, lens, seed: int = 2) -> list[list[int]]:
