@@ -1,17 +1,28 @@
-"""Speculative decoding (ngram prompt lookup) against plain decoding, end to end through
-``flashdec.LLM.generate``.
+"""Speculative decoding (ngram prompt lookup) against plain decoding (issue 23): the
+mechanism's cost, then end to end through ``flashdec.LLM.generate``, with vLLM beside it.
 
-Two workloads, each at batch 1 and 16, speculation off vs ``--speculative ngram``:
-- the real model ``smollm2`` (SmolLM2-135M-Instruct) on input-grounded chat prompts (rewrite,
-  fix typos, continue a list, edit code): the answer copies its input, so prompt lookup hits;
-- the Llama-3-8B random shape on random prompts, EOS ignored: drafts almost never match, so
-  this row is the cost of speculation when it does not pay (the adaptivity check).
-Per row: generated tokens per second (median of ``--reps`` timed runs after one untimed warm-up,
-CUDA-synchronised), drafts, acceptance rate, tokens per request step, whether the output equals
-plain greedy token for token, and ngram / off.
+Sections (``--sections``, all by default):
+- ``mechanism``: on the Llama-3-8B shape (random weights), a verification step of n = 2, 4, 8
+  tokens per request at B = 1, 8, 64 against the one-token step of the same batch, each as
+  ``flashdec.LLM`` runs it (benchmarks/spec_mechanism.py: the one-token step replays its CUDA
+  graph, the verification step runs eagerly; both aborted, contexts of ``--mechanism-context``
+  tokens); medians of CUDA-event timings. ``--mechanism-json F`` takes these rows from an
+  earlier run of this script instead (a device call of its own).
+- ``real``: ``--real-model`` (SmolLM2-135M-Instruct, bf16 on a GPU) on input-grounded chat
+  prompts (rewrite, fix typos, continue a list, edit code): the answer copies its input, so
+  prompt lookup hits;
+- ``random``: the Llama-3-8B random shape on random prompts, EOS ignored: drafts almost never
+  match, so this row is the cost of speculation when it does not pay (the adaptivity check).
+Per end-to-end row: generated tokens per second (median of ``--reps`` timed runs after one
+untimed warm-up, CUDA-synchronised), drafts, acceptance rate, tokens per request step, whether
+the output equals plain greedy token for token, and ngram / off. With ``--vllm-json`` (files
+from vllm_speculative.py: vLLM 0.24.0 off and ``ngram`` on the same prompts and weights) vLLM's
+rows stand beside the real model's, and issue 23's targets are judged: the mechanism's at
+B = 1, n = 4, and at B = 1 ngram >= 1.8x FlashDec's own plain tok/s and >= vLLM's ngram tok/s.
 
-On the GPU machine:
-  PYTHONPATH=. python3 benchmarks/bench_speculative.py --out-dir $OUT
+On the GPU machine (scripts/gpu_spec_lease.sh runs the whole lease):
+  PYTHONPATH=. python3 benchmarks/bench_speculative.py --real-model /tmp/smollm2-bf16 \\
+      --vllm-json $OUT/vllm_spec.json --out-dir $OUT
 Locally, a check of the script itself (seconds): python3 benchmarks/bench_speculative.py --smoke
 Writes speculative.md and speculative.json.
 """
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -37,6 +49,12 @@ from benchmarks._common import (
     sync,
     write_results,
 )
+from benchmarks.spec_mechanism import measure_mechanism, mechanism_target
+
+SECTIONS = ("mechanism", "real", "random")
+# issue 23, at B = 1: ngram tok/s >= 1.8x FlashDec's plain tok/s, and >= vLLM's ngram tok/s
+SPEEDUP_TARGET = 1.8
+TARGET_BATCH = 1
 
 # Chat turns whose answers restate their input (what prompt lookup is for).
 GROUNDED_PROMPTS = (
@@ -65,7 +83,18 @@ GROUNDED_PROMPTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--real-model", default="smollm2", help="a built-in real model (chat)")
+    p.add_argument(
+        "--sections",
+        nargs="*",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="what to measure now (none: only merge --reuse-json and --vllm-json)",
+    )
+    p.add_argument(
+        "--real-model",
+        default="smollm2",
+        help="a built-in real model (chat) or a model directory (export_real_model.py's)",
+    )
     p.add_argument("--random-model", default="llama3-8b-shape", help="a built-in shape")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--new", type=int, default=256, help="tokens per request at most")
@@ -73,13 +102,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-tokens", type=int, default=4, help="drafts per request per step")
     p.add_argument("--reps", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mechanism-model", default="llama3-8b-shape", help="a built-in shape")
+    p.add_argument("--mechanism-batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--mechanism-n", type=int, nargs="+", default=[2, 4, 8], help="tokens/request")
+    p.add_argument("--mechanism-context", type=int, default=512, help="context tokens")
+    p.add_argument("--mechanism-reps", type=int, default=20, help="timed steps (median)")
+    p.add_argument("--mechanism-warmup", type=int, default=3)
+    p.add_argument(
+        "--reuse-json",
+        nargs="+",
+        help="earlier runs' JSON (other sections, other device calls): their rows join these",
+    )
+    p.add_argument("--vllm-json", nargs="+", help="vllm_speculative.py's --json output(s)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="speculative")
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="seconds on the CPU: smollm2 at batch 1 when it loads here (else the tiny shape) "
-        "and the tiny shape at batch 1 and 2, few tokens, one rep",
+        help="seconds on the CPU: smollm2 at batch 1 when it loads here (else the tiny shape), "
+        "the tiny shape at batch 1 and 2, few tokens, one rep; the mechanism on the tiny shape",
     )
     args = p.parse_args(argv)
     if args.smoke:
@@ -89,17 +130,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.real_model = "tiny"  # no tokenizer: random prompts stand in
         args.random_model, args.batch, args.new, args.random_prompt = "tiny", [1, 2], 8, 24
         args.reps = 1
+        args.mechanism_model, args.mechanism_batch, args.mechanism_n = "tiny", [1, 2], [2, 4]
+        args.mechanism_context, args.mechanism_reps, args.mechanism_warmup = 24, 2, 1
     return args
+
+
+def _device_dtype() -> tuple[str, torch.dtype]:
+    """bf16 on a GPU (issue 23's setting, real models included: they load as float32 by
+    default); float32 on a CPU, where bf16 matmuls crawl."""
+    if torch.cuda.is_available():
+        return "cuda", torch.bfloat16
+    return "cpu", torch.float32
+
+
+def grounded_prompts(tokenizer, batch: int) -> list[list[int]]:
+    """The grounded chat turns, cycled to ``batch``, in the tokenizer's chat template (the
+    prompts vllm_speculative.py gives vLLM too)."""
+    from flashdec.models import chat_prompt
+
+    turns = [GROUNDED_PROMPTS[i % len(GROUNDED_PROMPTS)] for i in range(batch)]
+    return [chat_prompt(tokenizer, t) for t in turns]
 
 
 def _prompts(loaded, batch: int, args) -> tuple[list[list[int]], bool]:
     """``batch`` prompts (the grounded chat turns, cycled, or seeded random ids) and whether
-    EOS ends a request (real chat: yes; random weights: no, every request runs ``--new``)."""
-    from flashdec.models import chat_prompt
-
+    EOS is ignored (real chat: no; random weights: yes, every request runs ``--new``)."""
     if loaded.tokenizer is not None:
-        turns = [GROUNDED_PROMPTS[i % len(GROUNDED_PROMPTS)] for i in range(batch)]
-        return [chat_prompt(loaded.tokenizer, t) for t in turns], False
+        return grounded_prompts(loaded.tokenizer, batch), False
     gen = torch.Generator().manual_seed(args.seed)
     vocab = loaded.model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, args.random_prompt), generator=gen)
@@ -138,8 +195,7 @@ def run_model(name: str, kind: str, args) -> list[dict]:
     import flashdec
     from flashdec.models import resolve_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = None if device == "cuda" else torch.float32  # bf16 matmuls crawl on a CPU
+    device, dtype = _device_dtype()
     loaded = resolve_model(name, dtype=dtype, device=device, seed=args.seed)
     rows = []
     batches = args.batch if loaded.tokenizer is None or not args.smoke else args.batch[:1]
@@ -160,7 +216,7 @@ def run_model(name: str, kind: str, args) -> list[dict]:
                 speculative=speculative,
             )
             result = _measure(llm, prompts, args, ignore_eos)
-            outputs = result.pop("outputs")
+            outputs = result["outputs"]
             if plain is None:
                 plain = outputs
             rows.append(
@@ -170,11 +226,12 @@ def run_model(name: str, kind: str, args) -> list[dict]:
                     "batch": batch,
                     "mode": mode,
                     "cuda_graphs": llm.cuda_graphs,
+                    "dtype": str(loaded.model.dtype).removeprefix("torch."),
                     "identical_to_off": outputs == plain,
                     **result,
                 }
             )
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "outputs"}, flush=True)
             del llm
             gc.collect()
             if torch.cuda.is_available():
@@ -184,7 +241,223 @@ def run_model(name: str, kind: str, args) -> list[dict]:
     return rows
 
 
-def report(args, env: dict, rows: list[dict]) -> str:
+def run_mechanism(args) -> list[dict]:
+    """The mechanism rows (spec_mechanism.py) on ``--mechanism-model``: one LLM sized for the
+    largest batch, graphs as ``flashdec.LLM`` decides (on a GPU: captured)."""
+    import flashdec
+    from flashdec.models import resolve_model
+
+    device, dtype = _device_dtype()
+    loaded = resolve_model(args.mechanism_model, dtype=dtype, device=device, seed=args.seed)
+    batch = max(args.mechanism_batch)
+    longest = args.mechanism_context + 160  # the prefill's decodes and the widest step fit
+    llm = flashdec.LLM(
+        loaded.model,
+        max_batch_size=batch,
+        max_model_len=longest,
+        num_blocks=batch * (longest // 16 + 2) + 16,
+    )
+    rows = measure_mechanism(
+        llm,
+        args.mechanism_batch,
+        args.mechanism_n,
+        context=args.mechanism_context,
+        reps=args.mechanism_reps,
+        warmup=args.mechanism_warmup,
+        seed=args.seed,
+    )
+    for r in rows:
+        r["model"] = args.mechanism_model
+    del llm, loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTION_OF_KIND = {"grounded chat": "real", "random weights": "random"}
+
+
+def load_reused(paths: list[str], sections: list[str]) -> tuple[list, list, dict]:
+    """Mechanism rows, end-to-end rows and the environment of earlier runs of this script, for
+    sections not measured now (ValueError for another file, or a section measured twice)."""
+    mechanism, rows, env = [], [], None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not all(isinstance(data.get(k), list) for k in ("mechanism", "rows")):
+            raise ValueError(f"{path} is not bench_speculative.py's JSON (no mechanism/rows)")
+        found = _sections_of(data["mechanism"], data["rows"])
+        twice = sorted(found & (set(sections) | _sections_of(mechanism, rows)))
+        if twice:
+            raise ValueError(f"{path}: section(s) {', '.join(twice)} measured twice")
+        mechanism += data["mechanism"]
+        rows += data["rows"]
+        env = env or data.get("environment")
+    return mechanism, rows, env
+
+
+def _sections_of(mechanism: list, rows: list) -> set:
+    return {SECTION_OF_KIND.get(r.get("kind")) for r in rows} | (
+        {"mechanism"} if mechanism else set()
+    )
+
+
+def load_vllm(paths: list[str], args) -> dict:
+    """vllm_speculative.py's JSON files (one per mode when they ran apart), checked to have
+    served what this run serves: the same settings and, for a model directory, the same one."""
+    from benchmarks.vllm_speculative import COMPARED_ARGS
+
+    merged = None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data.get("rows"), list) or not isinstance(data.get("args"), dict):
+            raise ValueError(f"{path} is not vllm_speculative.py's --json output (no rows/args)")
+        theirs = data["args"]
+        ours = {**vars(args), **_speculative_defaults(args)}
+        differ = [
+            f"{k}: ours {ours[k]!r}, vLLM's {theirs.get(k)!r}"
+            for k in COMPARED_ARGS
+            if theirs.get(k) != ours[k]
+        ]
+        if Path(args.real_model).is_dir() and theirs.get("model_dir") != args.real_model:
+            differ.append(f"model: ours {args.real_model}, vLLM's {theirs.get('model_dir')}")
+        if differ:
+            raise ValueError(f"{path} served other requests than this run: " + "; ".join(differ))
+        if merged is None:
+            merged = {**data, "rows": list(data["rows"]), "engine_args": dict(data["engine_args"])}
+        else:
+            merged["rows"] += data["rows"]
+            merged["engine_args"].update(data["engine_args"])
+    return merged
+
+
+def _speculative_defaults(args) -> dict:
+    """The ngram lengths FlashDec's rows run with (SpeculativeConfig's defaults)."""
+    from flashdec.speculative import SpeculativeConfig
+
+    config = SpeculativeConfig(num_tokens=args.num_tokens)
+    return {"min_ngram": config.min_ngram, "max_ngram": config.max_ngram}
+
+
+def _goal(target: str, value, bar, met, margin: str) -> dict:
+    return {"target": target, "value": value, "bar": bar, "met": met, "margin": margin}
+
+
+def targets(rows: list[dict], mechanism: list[dict], vllm: dict | None) -> list[dict]:
+    """Issue 23's targets, each met (True), missed (False) or not measured (None), with the
+    margin: the mechanism's, then the real model's at B = 1 against FlashDec's plain decoding
+    and vLLM's ngram."""
+    goals = [mechanism_target(mechanism)] if mechanism else []
+    real = {(r["batch"], r["mode"]): r for r in rows if r["kind"] == "grounded chat"}
+    off, ngram = real.get((TARGET_BATCH, "off")), real.get((TARGET_BATCH, "ngram"))
+    name = f"B = {TARGET_BATCH}: ngram tok/s >= {SPEEDUP_TARGET}x FlashDec without speculation"
+    if off is None or ngram is None:
+        goals.append(_goal(name, None, SPEEDUP_TARGET, None, "no real-model rows"))
+    else:
+        speedup = ngram["tok_s"] / off["tok_s"]
+        margin = f"{speedup:.2f}x ({speedup - SPEEDUP_TARGET:+.2f}x)"
+        goals.append(_goal(name, speedup, SPEEDUP_TARGET, speedup >= SPEEDUP_TARGET, margin))
+    name = f"B = {TARGET_BATCH}: ngram tok/s >= vLLM's ngram tok/s"
+    peer = {(r["batch"], r["mode"]): r for r in (vllm or {}).get("rows", [])}
+    theirs = peer.get((TARGET_BATCH, "ngram"))
+    if ngram is None or theirs is None:
+        missing = "no real-model rows" if ngram is None else "no vLLM ngram row at B = 1"
+        missing = missing if vllm or ngram is None else "no --vllm-json"
+        goals.append(_goal(name, None if ngram is None else ngram["tok_s"], None, None, missing))
+    else:
+        diff = ngram["tok_s"] - theirs["tok_s"]
+        margin = f"{diff:+.0f} tok/s ({diff / theirs['tok_s']:+.1%}) vs vLLM"
+        met = ngram["tok_s"] >= theirs["tok_s"]
+        goals.append(_goal(name, ngram["tok_s"], theirs["tok_s"], met, margin))
+    return goals
+
+
+def _verdict(met) -> str:
+    return {True: "met", False: "MISSED", None: "not measured"}[met]
+
+
+def _mechanism_lines(mechanism: list[dict]) -> list[str]:
+    if not mechanism:
+        return []
+    table = [
+        [
+            r["batch"],
+            r["n"],
+            f"{r['context_min']}..{r['context_max']}",
+            f"{r['one_token_ms']:.3f}",
+            f"{r['verify_ms']:.3f}",
+            f"{r['ratio']:.2f}x",
+            "graph" if r["one_token_graph"] else "eager",
+        ]
+        for r in mechanism
+    ]
+    columns = ["B", "n", "context", "one-token step (ms)", "verify step (ms)", "ratio"]
+    columns.append("one-token step ran")
+    reps = len(mechanism[0]["verify_ms_reps"])
+    return [
+        f"## Mechanism cost ({mechanism[0].get('model', '?')}, random weights)",
+        "",
+        f"A verification step of n tokens per request against the one-token step of the same "
+        f"batch, as flashdec.LLM runs each (the verification step eagerly, with logits for "
+        f"all B x n rows and their argmax read back); both aborted, nothing committed. "
+        f"Medians of {reps} timings per step (CUDA events on a GPU), interleaved.",
+        "",
+        markdown_table(columns, table),
+        "",
+    ]
+
+
+def _vllm_lines(rows: list[dict], vllm: dict | None) -> list[str]:
+    if not vllm:
+        return []
+    base = {r["batch"]: r for r in rows if r["kind"] == "grounded chat" and r["mode"] == "off"}
+    table = []
+    for r in vllm["rows"]:
+        spec = r["mode"] != "off"
+        mine = base.get(r["batch"])
+        same = "—"
+        if mine is not None:
+            pairs = zip(mine["outputs"], r["outputs"], strict=True)
+            same = f"{sum(a == b for a, b in pairs)}/{len(r['outputs'])}"
+        table.append(
+            [
+                r["batch"],
+                r["mode"],
+                r["tok_s"],
+                f"{r['draft_tokens']:,}" if spec else "—",
+                f"{100 * r['acceptance_rate']:.1f}%" if spec else "—",
+                f"{r['tokens_per_step']:.2f}",
+                f"{r['generated_tokens']:,}",
+                "—" if mine is None else f"{r['tok_s'] / mine['tok_s']:.2f}",
+                same,
+            ]
+        )
+    columns = ["batch", "speculation", "tok/s (median)", "drafts", "accepted", "tokens/step"]
+    columns += ["tokens", "vs FlashDec off", "requests = FlashDec off"]
+    settings = vllm.get("engine_args", {}).get("ngram", {}).get("speculative_config")
+    return [
+        f"## vLLM {vllm.get('version', '?')} on the same prompts and weights",
+        "",
+        f"- {vllm.get('gpu')}; `vllm.LLM.generate` in one process, greedy, the same chat "
+        f"prompts and max tokens; speculation: `{settings}`",
+        "- acceptance from `vllm:spec_decode_num_draft_tokens` / `..._num_accepted_tokens` "
+        "(the last timed call); tokens/step = decode tokens / (decode tokens - accepted)",
+        "- `requests = FlashDec off`: answers identical token for token to FlashDec's plain "
+        "greedy ones (bf16 kernels differ: a near tie can flip a token)",
+        "",
+        markdown_table(columns, table),
+        "",
+    ]
+
+
+def report(
+    args,
+    env: dict,
+    rows: list[dict],
+    mechanism: list[dict] | None = None,
+    vllm: dict | None = None,
+) -> str:
+    mechanism = mechanism or []
     off = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "off"}
     table = []
     for r in rows:
@@ -205,34 +478,71 @@ def report(args, env: dict, rows: list[dict]) -> str:
         )
     columns = ["model", "batch", "speculation", "tok/s (median)", "drafts", "accepted"]
     columns += ["tokens/step", "vs off", "output = off"]
+    goals = targets(rows, mechanism, vllm)
     lines = [
         "# Speculative decoding (ngram prompt lookup) vs plain decoding",
         "",
         environment_markdown(env),
-        f"- {args.num_tokens} drafts per request per step at most; greedy; one untimed warm-up, "
-        f"then the median of {args.reps} timed `LLM.generate` calls (CUDA-synchronised)",
-        f"- {args.real_model}: the built-in grounded chat prompts (cycled to the batch), up to "
-        f"{args.new} new tokens, EOS ends a request; {args.random_model}: random prompts of "
-        f"{args.random_prompt} tokens, {args.new} new tokens, EOS ignored",
-        "- verification steps run eagerly (no CUDA graph); plain steps replay graphs on a GPU",
+        *([f"- merged by: `{env['merged_by']}`"] if env.get("merged_by") else []),
         "",
-        markdown_table(columns, table),
+        "## Targets (issue 23)",
         "",
-        "`vs off`: tok/s with speculation / without (above 1: speculation pays). On random "
-        "weights drafts rarely match: that row is the cost of trying.",
+        markdown_table(
+            ["target", "verdict", "margin"],
+            [[g["target"], _verdict(g["met"]), g["margin"]] for g in goals],
+        ),
+        "",
+        *_mechanism_lines(mechanism),
     ]
-    wrong = [f"{r['model']} batch {r['batch']}" for r in rows if not r["identical_to_off"]]
-    lines += ["", f"Outputs that differ from plain greedy: {', '.join(wrong) or 'none'}."]
-    return "\n".join(lines)
+    if rows:
+        dtypes = ", ".join(sorted({f"{r['model']}: {r['dtype']}" for r in rows}))
+        lines += [
+            "## End to end (flashdec.LLM.generate)",
+            "",
+            f"- {args.num_tokens} drafts per request per step at most; greedy; one untimed "
+            f"warm-up, then the median of {args.reps} timed `LLM.generate` calls "
+            f"(CUDA-synchronised); {dtypes}",
+            f"- {args.real_model}: the built-in grounded chat prompts (cycled to the batch), up "
+            f"to {args.new} new tokens, EOS ends a request; {args.random_model}: random prompts "
+            f"of {args.random_prompt} tokens, {args.new} new tokens, EOS ignored",
+            "- verification steps run eagerly (no CUDA graph); plain steps replay graphs on a GPU",
+            "",
+            markdown_table(columns, table),
+            "",
+            "`vs off`: tok/s with speculation / without (above 1: speculation pays). On random "
+            "weights drafts rarely match: that row is the cost of trying.",
+        ]
+        wrong = [f"{r['model']} batch {r['batch']}" for r in rows if not r["identical_to_off"]]
+        lines += ["", f"Outputs that differ from plain greedy: {', '.join(wrong) or 'none'}.", ""]
+    lines += _vllm_lines(rows, vllm)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    vllm = load_vllm(args.vllm_json, args) if args.vllm_json else None  # before the runs
     env = environment()
-    rows = run_model(args.real_model, "grounded chat", args)
-    rows += run_model(args.random_model, "random weights", args)
-    markdown = report(args, env, rows)
-    payload = {"environment": env, "args": vars(args), "rows": rows}
+    mechanism, rows = [], []
+    if args.reuse_json:
+        mechanism, rows, first = load_reused(args.reuse_json, args.sections)
+        if not args.sections and first:  # a merge: the measurements' machine, not this one
+            env = {**first, "merged_by": env["command"]}
+    if "mechanism" in args.sections:
+        mechanism = run_mechanism(args)
+    if "real" in args.sections:
+        rows += run_model(args.real_model, "grounded chat", args)
+    if "random" in args.sections:
+        rows += run_model(args.random_model, "random weights", args)
+    rows.sort(key=lambda r: list(SECTION_OF_KIND).index(r["kind"]))  # real, then random
+    markdown = report(args, env, rows, mechanism, vllm)
+    payload = {
+        "environment": env,
+        "args": vars(args),
+        "targets": targets(rows, mechanism, vllm),
+        "mechanism": mechanism,
+        "rows": rows,
+        "vllm": vllm,
+    }
     md_path, _ = write_results(args.name, markdown, payload, Path(args.out_dir))
     print(markdown)
     print(f"wrote {md_path}")

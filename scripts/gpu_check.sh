@@ -22,7 +22,10 @@
 #     prefix: caching on vs off (prefix_cache.md; PREFIX_ARGS="--vllm-json F" adds vLLM's rows
 #     and the issue-22 verdicts: F from `python3 benchmarks/vllm_prefix.py --json F` after vLLM's
 #     install.sh, same trace flags; the window model: --model mistral-7b-window-shape --system 6144);
-#     spec: speculation off vs ngram (speculative.md)
+#     spec: issue 23: the verification step's cost, then speculation off vs ngram
+#     (speculative.md; SPEC_ARGS="--real-model DIR --vllm-json F..." puts vLLM's ngram beside it:
+#     DIR from benchmarks/export_real_model.py, F from benchmarks/vllm_speculative.py after vLLM's
+#     install.sh; scripts/gpu_spec_lease.sh runs the whole lease in six device calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_gpu}
@@ -164,4 +167,6 @@ done
 [ -f "$OUT/multi_layer_engine.md" ] && grep "^| \|target" "$OUT/multi_layer_engine.md"
 [ -f "$OUT/window_groups.md" ] && grep "^- W=" "$OUT/window_groups.md"
 [ -f "$OUT/e2e.md" ] && grep "^| \|target\|agreement\|Memory" "$OUT/e2e.md"
+[ -f "$OUT/speculative.md" ] && { echo "--- speculative.md"; \
+  sed -n '/^## Targets/,/^## Mechanism cost/p' "$OUT/speculative.md"; }
 exit $status

@@ -222,6 +222,28 @@ def test_kernel_builds_counts_through_tritons_hook_and_restores_it():
         runtime.jit_post_compile_hook = before
 
 
+def test_the_torch_append_turns_graphs_off_and_refuses_them():
+    """A graph of the torch append would replay the capture's row count, writing a later step's
+    padding rows into the pool: by default the LLM runs without graphs (on CUDA; the CPU has
+    none anyway), and asking for them is refused before anything is built."""
+    model = _tiny()
+    for backend in ("torch", None):
+        llm = flashdec.LLM(model, max_batch_size=2, max_model_len=64, append_backend=backend)
+        assert not llm.cuda_graphs and llm.warm_start is None
+    with pytest.raises(ValueError, match="needs append_backend 'fused' or 'triton'"):
+        flashdec.LLM(model, max_model_len=64, append_backend="torch", cuda_graphs=True)
+
+
+@pytest.mark.gpu
+def test_gpu_the_torch_append_runs_without_graphs():
+    model = _tiny("cuda", torch.bfloat16)
+    llm = flashdec.LLM(model, max_batch_size=4, max_model_len=64, append_backend="torch")
+    assert not llm.cuda_graphs and llm._runner.graphs is None
+    graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # two rows in a bucket of two: no padding
+    assert llm.generate(prompts, 6) == graphed.generate(prompts, 6)
+
+
 @pytest.mark.gpu
 def test_gpu_the_torch_decode_runs_without_graphs_and_refuses_them():
     model = _tiny("cuda", torch.bfloat16)

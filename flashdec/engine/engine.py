@@ -459,15 +459,15 @@ class DecodeEngine(RequestLifecycle):
         is really written. Kernels must be warm (run one eager step of the same shapes first).
         """
         step = self._require_capturable(tx)
-        if not step.slots.positions.is_cuda:
-            raise RuntimeError("capture_step needs a CUDA cache")
         if self.decode_backend != "triton":
             raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
-        if step.kind == "extend" and self.append_backend == "torch":
+        if self.append_backend == "torch":  # it writes the capture's live rows on every replay
             raise RuntimeError(
-                "capture_step of a verification step needs a Triton append backend (the torch "
-                "writer's row count is the capture's: a replay with padding would store it)"
+                "capture_step needs append_backend 'fused' or 'triton' (the torch append would "
+                "replay the capture's row count, writing padding rows into the pool)"
             )
+        if not step.slots.positions.is_cuda:
+            raise RuntimeError("capture_step needs a CUDA cache")
         if self.cache.steps.layers_written(step.transaction_id):
             raise RuntimeError("capture_step needs a step with no layer written yet")
         # the captured kernels do not run until the replay: an abort before it must not
