@@ -235,15 +235,16 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
         engine.step_layer(tx, layer, q, k, k)
     engine.commit_step(tx)
     tx = engine.begin_step(rids)
-    slots = engine.cache.transaction_slots(tx)
+    slots = engine.cache.steps.transaction_slots(tx)
     from flashdec.engine.layer_ops import write_rope_layer
 
     state = engine.attention.decode_states[0]
-    scales = engine.cache.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
+    layout = engine.cache.layout
+    scales = layout.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
 
     def attention_only():
         for layer in range(spec.num_layers):
-            k_layer, v_layer = engine.cache.layer_kv(layer)
+            k_layer, v_layer = layout.layer_kv(layer)
             q_rot = write_rope_layer(
                 "fused", engine.rope, q, k, k, k_layer, v_layer, slots, None, *scales
             )

@@ -160,7 +160,7 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
 
     # --- the same kernels with no engine: a transaction only provides the slots
     view = cache.begin_token(rids)
-    slots = cache.transaction_slots(view)
+    slots = cache.steps.transaction_slots(view)
     tables, lens = slots.block_tables[: slots.batch], slots.seq_lens_after[: slots.batch]
     max_len = cache.seq_len(rids[0]) + 1
     plan = plan_decode(
@@ -180,15 +180,17 @@ def measure_shape(engine: DecodeEngine, rids: list, args, gen) -> dict:
     out = torch.empty_like(q_rot)
     block_ids, offsets, positions = slots.block_ids, slots.offsets, slots.positions
 
+    layout = cache.layout
+
     def append_layer(layer: int) -> None:
         q, k, v = inputs[layer]
-        k_layer, v_layer = cache.layer_kv(layer)
+        k_layer, v_layer = layout.layer_kv(layer)
         launch_fused_rope_kv_append(
             q, k, v, k_layer, v_layer, block_ids, offsets, positions, None, 10000.0, q_rot
         )
 
     def decode_layer(layer: int) -> None:
-        k_layer, v_layer = cache.layer_kv(layer)
+        k_layer, v_layer = layout.layer_kv(layer)
         decode(q_rot, k_layer, v_layer, tables, lens, out=out, workspace=workspace)
 
     def all_layers() -> None:

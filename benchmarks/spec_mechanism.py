@@ -67,7 +67,7 @@ def one_token_step(runner, rids: Sequence) -> tuple[Callable, Callable]:
         return engine.begin_step(list(rids), pad_to=bucket if bucket != rows else None)
 
     def run(tx):
-        slots = engine.cache.transaction_slots(tx)
+        slots = engine.cache.steps.transaction_slots(tx)
         if graphs is not None:
             max_len = max(engine.cache.seq_len(rid) for rid in rids) + 1
             _, greedy = graphs.run(tx, slots, bucket, max_len)
@@ -95,7 +95,7 @@ def verify_step(runner, rids: Sequence, width: int) -> tuple[Callable, Callable]
         return engine.begin_step(list(rids), num_tokens=[width] * batch)
 
     def run(tx):
-        slots = engine.cache.transaction_slots(tx).request_slots
+        slots = engine.cache.steps.transaction_slots(tx).request_slots
         ids = upload(flat, device)
         last = runner.last_tokens.index_select(0, slots[:batch])
         ids.index_copy_(0, upload(firsts, device), last)

@@ -191,17 +191,24 @@ class LLM:
         if max_model_len is None:
             max_model_len = min(spec.max_position_embeddings, 32768)
         self.max_model_len = check_positive_int("max_model_len", max_model_len)
-        if cuda_graphs is None:  # a graph captures the Triton decode (torch's syncs the host)
-            cuda_graphs = spec.device.type == "cuda" and decode_backend != "torch"
+        torch_backend = "torch" in (append_backend, decode_backend)
+        if cuda_graphs is None:  # a graph captures the Triton kernels (see the checks below)
+            cuda_graphs = spec.device.type == "cuda" and not torch_backend
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None, got {cuda_graphs!r}")
-        if cuda_graphs and spec.device.type != "cuda":
-            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         if cuda_graphs and decode_backend == "torch":
             raise ValueError(
                 "cuda_graphs=True needs decode_backend='triton' (the torch decode reads lengths "
                 "back to the host, which a CUDA graph cannot capture)"
             )
+        if cuda_graphs and append_backend == "torch":
+            raise ValueError(
+                "cuda_graphs=True needs append_backend 'fused' or 'triton' (the torch append "
+                "writes as many rows as the captured step had live, so a replay with padding "
+                "rows would write them into the pool)"
+            )
+        if cuda_graphs and spec.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
         if self.max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -421,7 +428,7 @@ class LLM:
             cache = self.engine.cache
             for rid in record.prefilled:
                 if rid not in record.finished:
-                    cache.cache_request_blocks(rid)
+                    cache.prefix_cache.cache_request_blocks(rid)
         for rid, reason in zip(record.rejected, record.rejection_reasons, strict=True):
             self._runner.requests[rid].error = f"the scheduler rejected it: {reason}"
         return record
@@ -431,7 +438,7 @@ class LLM:
         looked up at admission), ``hit_tokens`` (found cached), ``hit_rate``,
         ``cached_blocks`` (indexed now), ``evictable_blocks`` (cached, held by no request:
         counted as free), ``evicted_blocks`` (reclaimed by allocations so far), ``enabled``."""
-        return self.engine.cache.prefix_cache_stats()
+        return self.engine.cache.prefix_cache.stats()
 
     def speculative_counters(self) -> dict[str, int]:
         """Running totals since the LLM was made (SPEC §8.8): ``draft_tokens`` (drafts

@@ -14,6 +14,7 @@ import torch
 import flashdec
 from flashdec.models import BUILTIN_SHAPES, build_random_model
 from flashdec.runtime import available_host_bytes
+from tests.cache.helpers import group_kv
 from tests.models.greedy import hf_greedy
 from tests.models.test_loading import _save_tokenizer
 
@@ -340,12 +341,12 @@ def test_fp8_kv_pool_counts_one_byte_per_element(monkeypatch):
     for kv in ("auto", "fp8"):
         llm = flashdec.LLM(model, kv_cache_dtype=kv, max_batch_size=4096, max_model_len=256)
         cache = llm.engine.cache
-        assert cache.group_kv(0)[0].element_size() == (1 if kv == "fp8" else 2)
+        assert group_kv(cache, 0)[0].element_size() == (1 if kv == "fp8" else 2)
         blocks[kv] = cache.kv_groups[0].num_blocks
     assert blocks["fp8"] == 2 * blocks["auto"]
-    scales = flashdec.LLM(model, kv_cache_dtype="fp8", kv_scale=0.25).engine.cache.group_kv_scales(
-        0
-    )
+    scales = flashdec.LLM(
+        model, kv_cache_dtype="fp8", kv_scale=0.25
+    ).engine.cache.layout.group_kv_scales(0)
     assert all(torch.equal(s, torch.full_like(s, 0.25)) for s in scales)
 
 

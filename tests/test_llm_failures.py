@@ -142,7 +142,7 @@ def _run(llm, injector: Injector | None = None) -> tuple[list[list[int]], int]:
             llm.step()
         step += 1
     llm.engine.cache.validate_invariants()
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.max_blocks
     return [llm.release(rid) for rid in rids], failures
 
 
@@ -312,7 +312,7 @@ def test_an_interrupted_generate_leaves_no_record(monkeypatch):
         llm.generate([[1, 2, 3], [4, 5]], 8, progress=stop_after_two_steps)
     assert list(llm._runner.requests) == [kept]
     assert llm.loop.idle and llm._runner.pending is None
-    assert llm.engine.cache.num_free_blocks == llm.engine.cache.num_blocks
+    assert llm.engine.cache.num_free_blocks == llm.engine.cache.max_blocks
     llm.engine.cache.validate_invariants()
     assert llm.generate([[1, 2, 3]], 3) == _llm().generate([[1, 2, 3]], 3)
     assert list(llm._runner.requests) == [kept] and len(llm.release(kept)) == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashdec
+from tests.cache.helpers import cached_prefix_tokens
 from tests.models.greedy import hf_greedy
 from tests.test_llm import FAMILIES, _model
 from tests.test_llm_failures import InjectedError, _bookkeeping, _instrument
@@ -53,7 +54,7 @@ def test_shared_system_prompt_hits_and_equals_transformers(name):
     assert stats["cached_blocks"] > 0 and stats["evicted_blocks"] == 0
     cache = llm.engine.cache
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks  # cached blocks count as free
+    assert cache.num_free_blocks == cache.max_blocks  # cached blocks count as free
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -106,7 +107,7 @@ def test_a_finished_answer_is_cached_for_the_next_turn(name):
     assert out == hf_greedy(model, [second], NEW, ignore_eos=True)[0]
     cache = llm.engine.cache
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_free_blocks == cache.max_blocks
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa"])
@@ -127,7 +128,7 @@ def test_eviction_under_a_small_pool_then_a_hit_again(name):
     assert llm.prefix_cache_stats()["hit_tokens"] == 32
     assert llm.generate([a], NEW) == expected[:1]  # recomputed, same tokens
     cache.validate_invariants()
-    assert cache.num_free_blocks == cache.num_blocks
+    assert cache.num_free_blocks == cache.max_blocks
 
 
 def test_rejected_calls_change_nothing():
@@ -138,27 +139,27 @@ def test_rejected_calls_change_nothing():
     llm.generate([prompt], NEW)
     cache = llm.engine.cache
     cache.add_request("x")
-    before = (cache.metrics(), cache.prefix_cache_stats(), cache.seq_len("x"))
-    hashes = cache.block_hashes(prompt)
+    before = (cache.metrics(), cache.prefix_cache.stats(), cache.seq_len("x"))
+    hashes = cache.prefix_cache.block_hashes(prompt)
     with pytest.raises(TypeError, match="list of bytes"):
-        cache.attach_cached_prefix("x", [1, 2], 40)
+        cache.prefix_cache.attach_cached_prefix("x", [1, 2], 40)
     with pytest.raises(ValueError, match="cover every hashed block"):
-        cache.attach_cached_prefix("x", hashes, 16)
+        cache.prefix_cache.attach_cached_prefix("x", hashes, 16)
     with pytest.raises(ValueError, match="unknown"):
-        cache.attach_cached_prefix("nope", hashes, 40)
+        cache.prefix_cache.attach_cached_prefix("nope", hashes, 40)
     with pytest.raises(RuntimeError, match="no block hashes"):
-        cache.cache_request_blocks("x")
-    assert (cache.metrics(), cache.prefix_cache_stats(), cache.seq_len("x")) == before
-    assert cache.cached_prefix_tokens(hashes, 40) == 32  # reads only
-    assert cache.attach_cached_prefix("x", hashes, 40) == 32
+        cache.prefix_cache.cache_request_blocks("x")
+    assert (cache.metrics(), cache.prefix_cache.stats(), cache.seq_len("x")) == before
+    assert cached_prefix_tokens(cache, hashes, 40) == 32  # reads only
+    assert cache.prefix_cache.attach_cached_prefix("x", hashes, 40) == 32
     with pytest.raises(RuntimeError, match="already"):
-        cache.attach_cached_prefix("x", hashes, 40)
+        cache.prefix_cache.attach_cached_prefix("x", hashes, 40)
     cache.validate_invariants()
     cache.cancel_request("x")
     cache.validate_invariants()
     off = flashdec.PagedKVCache(1, 1, 4, 4, 4, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="prefix caching is off"):
-        off.block_hashes([1, 2, 3, 4])
+        off.prefix_cache.block_hashes([1, 2, 3, 4])
 
 
 def test_a_failure_in_a_step_sharing_cached_blocks_changes_nothing(monkeypatch):
@@ -176,7 +177,7 @@ def test_a_failure_in_a_step_sharing_cached_blocks_changes_nothing(monkeypatch):
     cache = llm.engine.cache
 
     def state():
-        stats = cache.prefix_cache_stats()
+        stats = cache.prefix_cache.stats()
         return _bookkeeping(llm), stats["cached_blocks"], stats["evictable_blocks"]
 
     try:

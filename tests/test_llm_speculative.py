@@ -492,7 +492,7 @@ def test_a_failure_anywhere_in_a_draft_model_round_changes_no_later_token(monkey
     assert failures > 0 and llm.speculative_counters()["draft_tokens"] > 0
     cache = drafter.engine.cache
     cache.validate_invariants()
-    assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks
+    assert not cache.request_ids() and cache.num_free_blocks == cache.max_blocks
 
 
 def test_a_finished_request_leaves_the_draft_cache_before_it_is_released():
@@ -512,7 +512,7 @@ def test_a_finished_request_leaves_the_draft_cache_before_it_is_released():
     assert [llm.output(rid) for rid in rids] == [
         e[:n] for e, n in zip(_expected("tiny-llama"), (3, 9, 14), strict=True)
     ]
-    assert not cache.request_ids() and cache.num_free_blocks == cache.num_blocks
+    assert not cache.request_ids() and cache.num_free_blocks == cache.max_blocks
 
 
 def test_the_config_repr_names_a_draft_model_without_printing_it():

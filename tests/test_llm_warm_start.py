@@ -87,15 +87,20 @@ def test_begin_step_rejects_a_bad_plan_len_and_changes_nothing(bad):
     assert not engine.has_open_step
 
 
-def test_plan_len_is_for_decode_steps_only():
+def test_plan_len_is_for_steps_whose_rows_bring_equal_tokens_only():
     engine = make_engine()
-    engine.add_request("a")
-    engine.admit("a")
+    for rid in ("a", "b"):
+        engine.add_request(rid)
+        engine.admit(rid)
     before = snapshot(engine.cache)
-    with pytest.raises(ValueError, match="plan_len are for one-token"):
-        engine.begin_step(["a"], num_tokens=[3], plan_len=64)
+    with pytest.raises(ValueError, match="rows all bring the same number of tokens"):
+        engine.begin_step(["a", "b"], num_tokens=[3, 2], plan_len=64)
     assert_same_state(engine.cache, before)
     assert not engine.has_open_step
+    tx = engine.begin_step(["a", "b"], num_tokens=[3, 3], plan_len=64)  # a verification step
+    assert engine._open.plan_len == 64 and engine._open.tokens_per_row == 3
+    engine.abort_step(tx)
+    assert [engine.cache.seq_len(r) for r in ("a", "b")] == [0, 0]
 
 
 def _prompts(vocab: int, lens, seed: int = 2) -> list[list[int]]:
@@ -215,6 +220,28 @@ def test_kernel_builds_counts_through_tritons_hook_and_restores_it():
         assert runtime.jit_post_compile_hook is earlier  # restored on exit
     finally:
         runtime.jit_post_compile_hook = before
+
+
+def test_the_torch_append_turns_graphs_off_and_refuses_them():
+    """A graph of the torch append would replay the capture's row count, writing a later step's
+    padding rows into the pool: by default the LLM runs without graphs (on CUDA; the CPU has
+    none anyway), and asking for them is refused before anything is built."""
+    model = _tiny()
+    for backend in ("torch", None):
+        llm = flashdec.LLM(model, max_batch_size=2, max_model_len=64, append_backend=backend)
+        assert not llm.cuda_graphs and llm.warm_start is None
+    with pytest.raises(ValueError, match="needs append_backend 'fused' or 'triton'"):
+        flashdec.LLM(model, max_model_len=64, append_backend="torch", cuda_graphs=True)
+
+
+@pytest.mark.gpu
+def test_gpu_the_torch_append_runs_without_graphs():
+    model = _tiny("cuda", torch.bfloat16)
+    llm = flashdec.LLM(model, max_batch_size=4, max_model_len=64, append_backend="torch")
+    assert not llm.cuda_graphs and llm._runner.graphs is None
+    graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=64)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # two rows in a bucket of two: no padding
+    assert llm.generate(prompts, 6) == graphed.generate(prompts, 6)
 
 
 @pytest.mark.gpu

@@ -21,9 +21,22 @@ public name; the work is in its parts, one concept per module:
   tombstones), ``reservation`` (what a step takes), ``slots`` / ``device_tables`` /
   ``batch_memo`` (a step's device metadata and the repeated-batch plan), ``audit`` (metrics,
   invariants);
-- three mixins hold the rest of the public methods: ``queries.LayoutQueries`` (geometry and
-  per-group reads), ``token_steps.TokenSteps`` (append and the token transaction) and
-  ``prefix_caching.PrefixCaching`` (automatic prefix caching: block hashes, cached runs).
+- two mixins hold the rest of the facade's methods: ``queries.LayoutQueries`` (whole-cache
+  geometry) and ``token_steps.TokenSteps`` (append and the token transaction); three views, one
+  attribute each, hold what only the engine needs: ``layout`` (``group_layout.GroupLayout``:
+  per-group and per-layer reads), ``steps`` (``step_access.StepAccess``: a step's device
+  metadata, backups, whole-step writes) and ``prefix_cache`` (``prefix_caching.PrefixCache``:
+  SPEC §8.7's hashes, cached runs, stats).
+
+Public members beyond SPEC §4's, and why they stay here: the constructor's arguments read back
+(``num_layers``, ``num_kv_heads``, ``head_dim``, ``block_size``, ``max_blocks``, ``dtype``,
+``device``, ``prefix_cache_capacity_blocks``, ``max_blocks_per_seq``, ``kv_groups``);
+``begin_tokens`` (the n-token transaction of SPEC §8.6, beside ``begin_token``);
+``write_token_layer_with`` (the engine's per-layer write: once per layer per step, so no view in
+between); ``discard_request`` (lifecycle: an admission taken back); ``request_ids``,
+``request_prefix``, ``prefix_ids``, ``num_free_blocks``, ``version`` (what the engine's
+scheduling snapshot reads of requests, prefixes and the pool); ``layout``, ``steps``,
+``prefix_cache`` (the views).
 """
 
 from __future__ import annotations
@@ -38,22 +51,24 @@ from flashdec._checks import check_request_id, check_shape, check_tensor
 from flashdec.cache.audit import cache_metrics, check_invariants
 from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.block_hash import extra_key_hash
+from flashdec.cache.group_layout import GroupLayout
 from flashdec.cache.group_managers import make_manager
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import resolve_layout
-from flashdec.cache.prefix_caching import PrefixCaching
+from flashdec.cache.prefix_caching import PrefixCache
 from flashdec.cache.queries import LayoutQueries
 from flashdec.cache.requests import RequestTable, require_active
 from flashdec.cache.reservation import request_owner
 from flashdec.cache.state import PrefixId, PrefixState, RequestId, RequestRecord, RequestState
+from flashdec.cache.step_access import StepAccess
 from flashdec.cache.token_steps import TokenSteps, torch_scatter
 from flashdec.cache.transaction import HISTORY_LIMIT, TransactionLog
 
 __all__ = ["PagedKVCache", "torch_scatter"]  # torch_scatter: the engine's PyTorch writer
 
 
-class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
+class PagedKVCache(LayoutQueries, TokenSteps):
     """A paged K/V cache whose layers form one or more KV layer groups.
 
     Args:
@@ -159,6 +174,8 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
         self._allocator = first.allocator  # group 0's (the only one of a single-group cache)
         self._prefixes = first.prefixes
         self._tables = first.tables
+        self._layout = GroupLayout(self._groups, self._layer_group, self._layers, self._tables)
+        self._steps = StepAccess(self)
         self._tx = TransactionLog(HISTORY_LIMIT)
         # the records of the active and the newest terminal requests (flashdec.cache.requests)
         self._requests = RequestTable()
@@ -170,15 +187,12 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
             )
         if enable_prefix_caching and len({g.block_size for g in groups}) != 1:
             raise ValueError("prefix caching needs every KV group to have the same block size")
-        self._prefix_caching = enable_prefix_caching
-        self._hash_root = extra_key_hash(
+        hash_root = extra_key_hash(
             prefix_caching_key,
             format_kv_spec(groups),
             [None if p is None else (_scale_key(p[0]), _scale_key(p[1])) for p in layout.scales],
         )
-        self._queried_tokens = 0
-        self._hit_tokens = 0
-        self._lookups: dict[RequestId, tuple[int, int]] = {}
+        self._prefix_cache = PrefixCache(self, enable_prefix_caching, hash_root)
 
     def __repr__(self) -> str:
         if not self._single:
@@ -226,9 +240,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
         self._tx.ensure_none_open("discard a request")
         require_active(record, "discard")
         self._release_record(record)
-        queried, hit = self._lookups.pop(record.request_id, (0, 0))  # as if never admitted
-        self._queried_tokens -= queried
-        self._hit_tokens -= hit
+        self._prefix_cache._forget(record.request_id, undo=True)  # as if never admitted
         self._requests.forget(record)
         self._version += 1
 
@@ -238,7 +250,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
         self._tx.ensure_none_open(f"{verb} a request")
         require_active(record, verb)
         self._release_record(record, keep_cached=state is RequestState.FINISHED)
-        self._lookups.pop(record.request_id, None)
+        self._prefix_cache._forget(record.request_id, undo=False)
         self._requests.retire(record, state)
         self._version += 1
 
@@ -256,7 +268,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
                     run.table[run.first_block : run.num_prefix_blocks].tolist()
                 )
                 if keep_cached:
-                    private = self._adopt(group, record, held=False)
+                    private = self._prefix_cache._adopt(group, record, held=False)
             group.allocator.release(private, owner)
             group.tables.release(record.row)
         if record.prefix_id is not None:
@@ -284,7 +296,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
         """Physical ids the request holds in ``group``, in logical order (prefix blocks first;
         a window group's start at its first held block); empty once terminal."""
         record = self._requests.record(request_id)
-        return record.run(self._check_group(group).index).block_ids
+        return record.run(self._layout._group(group).index).block_ids
 
     # ---- metadata tensors ----------------------------------------------------------------
     def _metadata_records(self, request_ids: object) -> list[RequestRecord]:
@@ -294,7 +306,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
     def block_tables(self, request_ids: Sequence[RequestId], *, group: int = 0) -> torch.Tensor:
         """int32 ``[len(request_ids), width]`` of ``group`` on the cache's device, 0-padded
         (a window group's released entries read 0)."""
-        g = self._check_group(group)
+        g = self._layout._group(group)
         records = self._metadata_records(request_ids)
         table = np.zeros((len(records), g.width), dtype=np.int32)
         index = g.index
@@ -406,7 +418,7 @@ class PagedKVCache(LayoutQueries, TokenSteps, PrefixCaching):
 
     def prefix_state(self, prefix_id: PrefixId, *, group: int = 0) -> PrefixState:
         """The prefix as ``group`` holds it (the groups agree on all but the block ids)."""
-        g = self._check_group(group)
+        g = self._layout._group(group)
         return g.prefixes.state(check_request_id("prefix_id", prefix_id))
 
     def prefix_ids(self) -> list[PrefixId]:

@@ -1,15 +1,15 @@
 """Automatic prefix caching of a :class:`~flashdec.cache.PagedKVCache` (SPEC §8.7): the hash
 chain of a request's full blocks, the longest cached run every group can serve, attaching a
 request to it, and indexing a request's own full blocks so later requests can hit them. A mixin
-of the facade, one concept: it works on the state the constructor set (``_groups``,
-``_requests``, ``_hash_root``, the hit counters) through each group's
-:class:`~flashdec.cache.block_cache.BlockCache`.
+``PagedKVCache.prefix_cache``, one concept: it owns the hash chain's root and the hit counters
+and works on the cache's groups (each group's :class:`~flashdec.cache.block_cache.BlockCache`)
+and request table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashdec._blocks import held_range
 from flashdec.cache.block_hash import BlockHash, hash_blocks
@@ -18,16 +18,35 @@ from flashdec.cache.requests import require_active
 from flashdec.cache.reservation import request_owner
 from flashdec.cache.state import RequestId, RequestRecord
 
+if TYPE_CHECKING:
+    from flashdec.cache.paged_kv_cache import PagedKVCache
 
-class PrefixCaching:
-    """Automatic prefix caching (see :class:`~flashdec.cache.PagedKVCache`)."""
+
+class PrefixCache:
+    """Automatic prefix caching of one :class:`~flashdec.cache.PagedKVCache`."""
+
+    def __init__(self, cache: PagedKVCache, enabled: bool, hash_root: BlockHash) -> None:
+        self._cache = cache
+        self._groups = cache._groups
+        self._enabled = enabled
+        self._hash_root = hash_root
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._lookups: dict[RequestId, tuple[int, int]] = {}  # per active request: its lookup
 
     @property
-    def prefix_caching(self) -> bool:
-        return self._prefix_caching
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def _forget(self, request_id: RequestId, *, undo: bool) -> None:
+        """The request ended (``undo``: it was discarded, so its lookup never counted)."""
+        queried, hit = self._lookups.pop(request_id, (0, 0))
+        if undo:
+            self._queried_tokens -= queried
+            self._hit_tokens -= hit
 
     def _require_prefix_caching(self) -> None:
-        if not self._prefix_caching:
+        if not self._enabled:
             raise RuntimeError("automatic prefix caching is off (enable_prefix_caching=False)")
 
     def block_hashes(
@@ -65,7 +84,9 @@ class PrefixCaching:
 
     def _check_hashes(self, hashes: object, num_tokens: object) -> list[BlockHash]:
         if not isinstance(hashes, (list, tuple)) or not all(isinstance(x, bytes) for x in hashes):
-            raise TypeError("hashes must be a list of bytes (PagedKVCache.block_hashes)")
+            raise TypeError(
+                "hashes must be a list of bytes (PagedKVCache.prefix_cache.block_hashes)"
+            )
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
         if num_tokens < 1 or len(hashes) > num_tokens // self._groups[0].block_size:
@@ -73,13 +94,6 @@ class PrefixCaching:
                 f"num_tokens={num_tokens} must be >= 1 and cover every hashed block ({len(hashes)})"
             )
         return list(hashes)
-
-    def cached_prefix_tokens(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
-        """Tokens a request of ``num_tokens`` whose full blocks hash to ``hashes`` would find
-        cached now (whole blocks, at most ``num_tokens - 1``). Reads only."""
-        self._require_prefix_caching()
-        hashes = self._check_hashes(hashes, num_tokens)
-        return self._hit_blocks(hashes, num_tokens) * self._groups[0].block_size
 
     def held_hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> tuple[int, ...]:
         """Per group: of the blocks ``attach_cached_prefix`` would attach now, those an active
@@ -107,10 +121,11 @@ class PrefixCaching:
         to ``hashes`` with the longest cached run matching them (shared, reference-counted,
         immutable); returns the hit's tokens (possibly 0). The request keeps the hashes: its
         own full blocks join the cache (``cache_request_blocks``, and when it finishes)."""
-        record = self._requests.record(request_id)
+        cache = self._cache
+        record = cache._requests.record(request_id)
         self._require_prefix_caching()
         hashes = self._check_hashes(hashes, num_tokens)
-        self._tx.ensure_none_open("attach a cached prefix")
+        cache._tx.ensure_none_open("attach a cached prefix")
         require_active(record, "attach a cached prefix to")
         if record.seq_len or record.num_blocks or record.prefix_id is not None:
             raise RuntimeError(
@@ -134,7 +149,7 @@ class PrefixCaching:
         self._queried_tokens += num_tokens
         self._hit_tokens += h * bs
         self._lookups[record.request_id] = (num_tokens, h * bs)  # until it ends (discard: undo)
-        self._version += 1
+        cache._version += 1
         return h * bs
 
     def _adopt(self, group: LayerGroup, record: RequestRecord, held: bool) -> list[int]:
@@ -167,9 +182,10 @@ class PrefixCaching:
         attached with, or ``hashes``, the chain of its whole content so far, extending them):
         they become shared, immutable blocks other requests can hit. Returns its shared
         blocks in group 0."""
-        record = self._requests.record(request_id)
+        cache = self._cache
+        record = cache._requests.record(request_id)
         self._require_prefix_caching()
-        self._tx.ensure_none_open("cache a request's blocks")
+        cache._tx.ensure_none_open("cache a request's blocks")
         require_active(record, "cache the blocks of")
         known = record.block_hashes
         if known is None:
@@ -184,20 +200,20 @@ class PrefixCaching:
                 record.block_hashes = hashes
         for group in self._groups:
             self._adopt(group, record, held=True)
-        self._version += 1
+        cache._version += 1
         return record.num_prefix_blocks
 
     def shared_cached_block_refs(self, group: int = 0) -> int:
         """References to automatically cached blocks beyond the first: how many more blocks
         the active requests' block counts add up to than the pool holds for them (the
         scheduler's snapshot counts each request's blocks as its own)."""
-        return self._check_group(group).block_cache.num_extra_refs
+        return self._cache._layout._group(group).block_cache.num_extra_refs
 
     def shared_cached_blocks_held(self) -> bool:
         """Whether an active request holds any automatically cached block (any group)."""
         return any(g.block_cache.num_referenced for g in self._groups)
 
-    def prefix_cache_stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Automatic prefix caching's counters: ``queried_tokens`` (prompt tokens looked up),
         ``hit_tokens``, ``hit_rate``, ``cached_blocks`` (indexed now, every group),
         ``evictable_blocks`` (cached, no request holds them: counted as free),
@@ -205,7 +221,7 @@ class PrefixCaching:
         caches = [g.block_cache for g in self._groups]
         queried = self._queried_tokens
         return {
-            "enabled": self._prefix_caching,
+            "enabled": self._enabled,
             "queried_tokens": queried,
             "hit_tokens": self._hit_tokens,
             "hit_rate": self._hit_tokens / queried if queried else 0.0,

@@ -26,7 +26,7 @@ class TransactionSlots:
     ``num_kv_heads`` rows per token: the token's rows in a layer viewed as
     ``[blocks * Hkv * block_size, D]``) and one row per request (``seq_lens``,
     ``seq_lens_after``, ``block_tables``, ``request_slots``: a stable index per active request,
-    below :attr:`PagedKVCache.num_request_slots`, that a caller can key per-request device state
+    below ``cache.layout.num_request_slots``, that a caller can key per-request device state
     on). ``token_rows`` (None: row ``t`` is token ``t``) maps each row to the transaction's
     token it stores, when a window group stores only some tokens of a prompt import; writers
     then store ``k[token_rows]``. ``num_rows`` >= batch counts padding rows (block id

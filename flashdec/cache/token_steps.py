@@ -15,7 +15,7 @@ cache keeps the bookkeeping (layer order, the reservation) and the caller suppli
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -34,11 +34,10 @@ from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.reservation import Plan, every_token
 from flashdec.cache.slots import TransactionSlots, fixed_slots, fresh_slots
 from flashdec.cache.state import RequestId, RequestRecord
+from flashdec.cache.step_access import LayerWriter
 from flashdec.cache.transaction import OpenTransaction, TokenTransactionView, TransactionState
 
 T = TypeVar("T")
-# a writer stores one layer's K/V of a reservation: writer(k_layer, v_layer, slots)
-LayerWriter = Callable[[torch.Tensor, torch.Tensor, TransactionSlots], T]
 
 
 def torch_scatter(
@@ -132,46 +131,9 @@ class TokenSteps:
         v = self._check_token_kv("v", v, len(rids), group)
         if group.is_fp8:
             k, v = group.quantize(k, v)
-        self.append_with(
+        self._steps.append_with(
             rids, lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots)
         )
-
-    def append_with(self, request_ids: Sequence[RequestId], writer: LayerWriter[T]) -> T:
-        """The legacy single-layer append with a caller-supplied writer (one token each).
-
-        Reserves one slot per request (all or nothing), calls ``writer(k_layer, v_layer, slots)``
-        and publishes the tokens; if the writer raises, the reservation is released and nothing
-        changes. Returns what the writer returned. ``slots`` are fresh tensors (with block tables
-        covering the new tokens) that the caller may keep.
-        """
-        rids = self._requests.check_ids(request_ids, unique=True, nonempty=True)
-        if self._num_layers != 1:
-            raise RuntimeError(
-                f"append works only on a single-layer cache (num_layers={self._num_layers}); "
-                "use begin_token / write_token_layer / commit_token"
-            )
-        records = self._requests.active_records(rids, "append to")
-        self._tx.ensure_none_open("append")
-        counts = [1] * len(records)
-        plan = self._plan(records, counts)
-        self._open_journals()
-        try:
-            self._take_all(plan, one_each=True)
-        except BaseException:
-            self._close_journals()
-            raise
-        group, part = self._groups[0], plan.groups[0]
-        try:
-            slots = fresh_slots(group, plan, part)
-            result = writer(*self._layers[0], slots)
-        except BaseException:
-            self._release(plan.reserved())
-            self._close_journals(bytes_restored=False)  # the writer may have stored some
-            raise
-        self._publish(records, counts, plan.reserved(), [p.starts for p in plan.groups])
-        self._close_journals()
-        self._version += 1
-        return result
 
     # ---- multi-layer token transactions ----------------------------------------------------
     def begin_token(
@@ -190,7 +152,7 @@ class TokenSteps:
 
         ``backup_by_writer`` (with ``restore_on_abort``): instead of copying the reserved slots
         of every layer now, each layer's writer saves the old bytes of its slots into
-        :meth:`transaction_backup` before storing (the fused append kernel does, in the same
+        ``steps.transaction_backup`` before storing (the fused append kernel does, in the same
         launch). Abort then restores the layers whose writer was called.
         """
         if not isinstance(backup_by_writer, bool):
@@ -320,14 +282,14 @@ class TokenSteps:
 
     def _check_next_layer(self, tx: OpenTransaction, layer_idx: object) -> int:
         if type(layer_idx) is not int or layer_idx != tx.next_layer:
-            layer = self._check_layer_index(layer_idx)
+            layer = self._layout._layer(layer_idx)
             done = f"layers 0..{tx.next_layer - 1} are written" if tx.next_layer else "none written"
             raise RuntimeError(
                 f"token transaction {tx.transaction_id}: layer {layer} written out of order "
                 f"({done}); expected layer {tx.next_layer}"
             )
         if layer_idx >= self._num_layers:
-            self._check_layer_index(layer_idx)
+            self._layout._layer(layer_idx)
         return layer_idx
 
     def write_token_layer(
@@ -370,48 +332,13 @@ class TokenSteps:
         open_tx.next_layer = layer + 1
         return result
 
-    def write_all_layers_with(self, tx: TokenTransactionView | int, writer: Callable[[], T]) -> T:
-        """Write every layer of an open transaction with one call (a CUDA-graph replay).
-
-        Needs a transaction with no layer written yet; ``writer()`` must store every layer's
-        reserved slots (e.g. replay a graph captured over a step's layers).
-        """
-        open_tx = self._tx.resolve(tx)
-        if open_tx.next_layer != 0:
-            raise RuntimeError(
-                f"token transaction {open_tx.transaction_id} already has {open_tx.next_layer} "
-                "layer(s) written; write_all_layers_with needs a fresh transaction"
-            )
-        open_tx.attempted = self._num_layers
-        result = writer()
-        open_tx.next_layer = self._num_layers
-        return result
-
-    def transaction_backup(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> torch.Tensor | None:
-        """Where the writers of an open ``backup_by_writer`` transaction save the old bytes of
-        ``group``'s slots: ``[2 * layers_in_group, T * Hkv, D]`` in the group's dtype; layer
-        ``i`` of the group (its i-th layer) has K rows at ``[i]`` and V rows at
-        ``[layers_in_group + i]``, slot row ``t * Hkv + h`` for token ``t``, KV head ``h``.
-        Fixed addresses for a batch size (until a bigger batch replaces the slot buffers). None
-        when the transaction's backup is not the writers' (or there is none)."""
-        open_tx = self._tx.resolve(tx)
-        return open_tx.writer_backup(self._check_group(group))
-
-    def complete_backup(self, tx: TokenTransactionView | int) -> None:
-        """Copy every layer's reserved slots of an open ``backup_by_writer`` transaction into its
-        backup now: abort then restores all layers whatever the writers did (e.g. kernels
-        recorded in a CUDA graph capture that never ran). Needs no layer written yet."""
-        self._tx.resolve(tx).complete_backup(self._groups)
-
     def transaction_view(
         self, tx: TokenTransactionView | int, *, group: int = 0
     ) -> TokenTransactionView:
         """A fresh detached view of an *open* transaction, with ``group``'s blocks (block id -1
         for a token a window group does not store)."""
         open_tx = self._tx.resolve(tx)
-        g = self._check_group(group)
+        g = self._layout._group(group)
         override = None
         if g.index:
             part = open_tx.parts[g.index]
@@ -424,20 +351,6 @@ class TokenSteps:
         return open_tx.view(
             TransactionState.OPEN, open_tx.cache_version, g.width, self._device, override
         )
-
-    def layers_written(self, tx: TokenTransactionView | int) -> int:
-        """How many layers of an open transaction are written (they go in order from 0)."""
-        return self._tx.resolve(tx).next_layer
-
-    def transaction_slots(
-        self, tx: TokenTransactionView | int, *, group: int = 0
-    ) -> TransactionSlots:
-        """The open transaction's device metadata in ``group`` (the cache's own tensors: read,
-        never write)."""
-        open_tx = self._tx.resolve(tx)
-        if group == 0 and type(group) is int:
-            return open_tx.slots
-        return open_tx.group_slots[self._check_group(group).index]
 
     def commit_token(
         self, tx: TokenTransactionView | int, accept: Sequence[int] | None = None

@@ -16,7 +16,7 @@ import torch
 
 from flashdec._checks import FLOAT_DTYPES, check_tensor, resolve_sm_scale
 from flashdec.cache import PagedKVCache
-from flashdec.engine.decode_state import DecodeState
+from flashdec.engine.decode_state import DecodeState, plan_bucket
 from flashdec.engine.layer_ops import (
     Rope,
     check_step_inputs,
@@ -27,6 +27,7 @@ from flashdec.engine.layer_ops import (
     write_rope_layer,
 )
 from flashdec.engine.step import OpenStep
+from flashdec.engine.verify_state import VerifySlots, verify_plan
 from flashdec.kernels import ExtendWorkspace, extend
 from flashdec.kernels.extend_plan import extend_plan_variants
 
@@ -51,7 +52,9 @@ class StepAttention:
         self.decode_backend = decode_backend
         self.dtype = dtype
         # per group: the FP8 scales (cache-owned device tensors: fixed addresses) or None
-        self.scales = tuple(cache.group_kv_scales(g) or (None, None) for g in range(len(specs)))
+        self.scales = tuple(
+            cache.layout.group_kv_scales(g) or (None, None) for g in range(len(specs))
+        )
         # per group: RoPE and the softmax scale follow the group's head_dim
         self.ropes = tuple(
             Rope.build(spec.head_dim, rotary_dim, rope_base, rope_inv_freq, cache.device)
@@ -60,18 +63,22 @@ class StepAttention:
         self.sm_scales = tuple(resolve_sm_scale(sm_scale, spec.head_dim) for spec in specs)
         self.windows = tuple(spec.window for spec in specs)
         self.fused_triton = (append_backend, decode_backend) == ("fused", "triton")
-        self._layer_views = [cache.layer_kv(i) for i in range(cache.num_layers)]
+        self._layer_views = [cache.layout.layer_kv(i) for i in range(cache.num_layers)]
         self._num_groups = len(specs)
-        layer_groups = [cache.layer_group(i) for i in range(cache.num_layers)]
+        layer_groups = [cache.layout.layer_group(i) for i in range(cache.num_layers)]
         # each layer's index inside its group (its row of the group's per-step outputs)
         self._layer_local = tuple(
-            cache.group_layers(g).index(i) for i, g in enumerate(layer_groups)
+            cache.layout.group_layers(g).index(i) for i, g in enumerate(layer_groups)
         )
         self._group_views = tuple(
-            [self._layer_views[i] for i in cache.group_layers(g)] for g in range(len(specs))
+            [self._layer_views[i] for i in cache.layout.group_layers(g)] for g in range(len(specs))
         )
         # per group: the decode plan reused while the layout holds
         self.decode_states: list[DecodeState | None] = [None] * len(specs)
+        # fixed-shape extend steps: per (group, rows, n) their fixed metadata (never replaced:
+        # graphs read it), and per group the last plan's workspace, reused while it fits
+        self.verify_slots: dict[tuple[int, int, int], VerifySlots] = {}
+        self.verify_workspaces: list[tuple[tuple, ExtendWorkspace] | None] = [None] * len(specs)
         # Tensor.get_device() of the cache's tensors (-1 on the CPU): a cheap per-layer check
         self._device_index = cache.device.index if cache.device.type == "cuda" else -1
 
@@ -204,6 +211,8 @@ class StepAttention:
         """RoPE + append of every new token of the layer, then each new token attends to its
         request's context and the new tokens up to itself."""
         q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self.dtype)
+        if step.tokens_per_row:  # a fixed-shape step: its metadata sits in fixed buffers
+            return self._fixed_extend_layer(step, layer_idx, g, q, k, v)
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
@@ -228,6 +237,73 @@ class StepAttention:
             workspace,
         )
 
+    def fixed_slots(self, g: int, num_rows: int, n: int) -> VerifySlots:
+        """Group ``g``'s fixed metadata for steps of ``num_rows`` rows x ``n`` tokens (made once,
+        then kept: a CUDA graph captured over such a step reads it)."""
+        key = (g, num_rows, n)
+        slots = self.verify_slots.get(key)
+        if slots is None:
+            slots = self.verify_slots[key] = VerifySlots(self.cache, g, num_rows, n)
+        return slots
+
+    def _fixed_extend_layer(self, step: OpenStep, layer_idx: int, g: int, q, k, v):
+        """A fixed-shape step's layer: RoPE + append through the fixed metadata (padding rows
+        are not stored), then extend with the plan of its length bucket (Triton: the
+        capturable launch, no host read) or the torch reference over the live rows."""
+        slots = step.group_slots[g]
+        fixed = step.fixed[g]
+        backend, rope, (k_scale, v_scale) = self.append_backend, self.ropes[g], self.scales[g]
+        q_rot = self.cache.write_token_layer_with(
+            step.transaction_id,
+            layer_idx,
+            lambda k_layer, v_layer, _: write_rope_layer(
+                backend, rope, q, k, v, k_layer, v_layer, slots, None, k_scale, v_scale
+            ),
+        )
+        k_layer, v_layer = self._layer_views[layer_idx]
+        options = (self.sm_scales[g], self.windows[g], *self.scales[g])
+        if self.decode_backend != "triton":  # the reference takes no padding row
+            live, tokens = slots.batch, slots.num_tokens
+            out = extend_attention(
+                self.decode_backend,
+                q_rot[:tokens],
+                k_layer,
+                v_layer,
+                slots.block_tables[:live],
+                slots.seq_lens_after[:live],
+                fixed.query_lens[:live],
+                *options,
+            )
+            return torch.cat([out, out.new_zeros((q_rot.shape[0] - tokens, *out.shape[1:]))])
+        workspace = step.extend[g]
+        if workspace is None:
+            workspace = step.extend[g] = self._fixed_workspace(step, g, q_rot.shape[1])
+        return extend_attention(
+            "triton",
+            q_rot,
+            k_layer,
+            v_layer,
+            slots.block_tables,
+            slots.seq_lens_after,
+            fixed.query_lens,
+            *options,
+            workspace,
+        )
+
+    def _fixed_workspace(self, step: OpenStep, g: int, num_heads: int) -> ExtendWorkspace:
+        """Group ``g``'s plan and workspace for a fixed-shape step, sized for the length bucket
+        of ``step.plan_len`` (the last one while it fits: a graph's eager warm-up step and its
+        capture share it)."""
+        planned = plan_bucket(self.cache, step.plan_len)
+        key = (step.num_rows, step.tokens_per_row, num_heads, planned)
+        memo = self.verify_workspaces[g]
+        if memo is None or memo[0] != key:
+            plan = verify_plan(
+                self.cache, g, step.num_rows, step.tokens_per_row, num_heads, planned, self.dtype
+            )
+            memo = self.verify_workspaces[g] = (key, ExtendWorkspace.allocate(plan))
+        return memo[1]
+
     def build_extend_kernels(self, num_q_heads: int, max_batch: int) -> int:
         """Launch the Triton extend kernel once per variant its planner can choose for steps
         of up to ``max_batch`` requests, in every group, on a one-token problem over the
@@ -238,7 +314,7 @@ class StepAttention:
         cache, device, launches = self.cache, self.cache.device, 0
         for g, spec in enumerate(cache.kv_groups):
             k_layer, v_layer = self._group_views[g][0]
-            width = cache.group_max_blocks_per_seq(g)
+            width = cache.layout.group_max_blocks_per_seq(g)
             plans = extend_plan_variants(
                 max_batch,
                 num_q_heads,

@@ -55,6 +55,8 @@ class DecodeGraphs:
     exactly that.
     """
 
+    kind = "decode"  # the steps' kind, in log lines
+
     def __init__(
         self,
         engine: DecodeEngine,
@@ -111,8 +113,9 @@ class DecodeGraphs:
         self.eager_steps += 1
         if self.eager_steps == 1:
             log.warning(
-                "a decode step of %d rows (longest request %d tokens) has no CUDA graph: it "
+                "a %s step of %d rows (longest request %d tokens) has no CUDA graph: it "
                 "runs eagerly",
+                self.kind,
                 bucket,
                 max_len,
             )
@@ -136,17 +139,25 @@ class DecodeGraphs:
         by_key = {self.key(bucket, n): n for n in lengths}  # later (longer) lengths win
         return sorted(by_key.values())
 
-    def capture_all(self, placeholders: list) -> WarmStart:
+    def capturable_rows(self, placeholders: int) -> int:
+        """How many rows a captured step of ``placeholders`` empty requests can have."""
+        return placeholders
+
+    def capture_all(self, placeholders: list, pool=None) -> WarmStart:
         """Capture the graph of every bucket and launch key on ``placeholders`` (empty requests,
-        see :func:`placeholder_requests`; buckets above their count are left out), largest
-        bucket first so the cache's slot buffers are sized once, each shape's kernels compiled
-        by one eager step before its capture. Every step is aborted: nothing is committed."""
+        see :func:`placeholder_requests`; buckets above :meth:`capturable_rows` are left out),
+        largest bucket first so the cache's slot buffers are sized once, each shape's kernels
+        compiled by one eager step before its capture, in ``pool`` (None: a new one). Every
+        step is aborted: nothing is committed."""
         start = time.perf_counter()
         self.drop()
-        self.pool = torch.cuda.graph_pool_handle()
-        buckets = [b for b in self.buckets if b <= len(placeholders)]
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        rows = self.capturable_rows(len(placeholders))
+        buckets = [b for b in self.buckets if b <= rows]
         log.info(  # it takes seconds (tens with cold Triton compiles): say what is happening
-            "warm start: capturing the decode graphs of batch buckets %s before serving", buckets
+            "warm start: capturing the %s graphs of batch buckets %s before serving",
+            self.kind,
+            buckets,
         )
         for bucket in reversed(buckets):
             for plan_len in self.plan_lengths(bucket):
@@ -156,24 +167,33 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.warm_start = WarmStart(len(self.graphs), tuple(buckets), time.perf_counter() - start)
         log.info(
-            "warm start: %d decode graphs for batch buckets %s in %.1f s",
+            "warm start: %d %s graphs for batch buckets %s in %.1f s",
             len(self.graphs),
+            self.kind,
             buckets,
             self.warm_start.seconds,
         )
         return self.warm_start
 
+    def _begin(self, rids: list, plan_len: int):
+        """Open a step of this kind for ``rids``, planned for ``plan_len`` tokens."""
+        return self.engine.begin_step(rids, plan_len=plan_len)
+
+    def _body(self, tx, slots):
+        """What a graph captures: the forward."""
+        return self.forward(tx, slots)
+
     def _step(self, rids: list, plan_len: int, *, capture: bool) -> CapturedStep | None:
-        """One decode step of ``rids`` planned for ``plan_len`` tokens: run eagerly, or
-        captured (and replayed once); aborted either way."""
+        """One step of ``rids`` planned for ``plan_len`` tokens: run eagerly, or captured (and
+        replayed once); aborted either way."""
         engine = self.engine
-        tx = engine.begin_step(rids, plan_len=plan_len)
+        tx = self._begin(rids, plan_len)
         try:
-            slots = engine.cache.transaction_slots(tx)
+            slots = engine.step_slots(tx)
             if not capture:
-                self.forward(tx, slots)
+                self._body(tx, slots)
                 return None
-            return engine.capture_step(tx, lambda: self.forward(tx, slots), pool=self.pool)
+            return engine.capture_step(tx, lambda: self._body(tx, slots), pool=self.pool)
         finally:
             if engine.has_open_step:  # a failed layer or capture aborted it already
                 engine.abort_step(tx)
@@ -182,7 +202,7 @@ class DecodeGraphs:
 def free_rows(engine: DecodeEngine) -> int:
     """How many one-block placeholder requests the cache can hold (one block in every group)."""
     cache = engine.cache
-    return min(cache.group_free_blocks(g) for g in range(len(cache.kv_groups)))
+    return min(cache.layout.group_free_blocks(g) for g in range(len(cache.kv_groups)))
 
 
 @contextmanager

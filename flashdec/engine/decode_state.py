@@ -28,7 +28,7 @@ def max_table_tokens(cache: PagedKVCache) -> int:
     """The most tokens every group's block table can hold (all groups' tables are sized for
     the same token limit)."""
     return min(
-        cache.group_max_blocks_per_seq(g) * spec.block_size
+        cache.layout.group_max_blocks_per_seq(g) * spec.block_size
         for g, spec in enumerate(cache.kv_groups)
     )
 
@@ -62,7 +62,7 @@ def group_decode_plan(
         planned_len,
         dtype,
         cache.device,
-        max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
+        max_blocks_per_seq=cache.layout.group_max_blocks_per_seq(group),
         window=spec.window,
         kv_dtype=spec.dtype,
     )
@@ -115,7 +115,7 @@ class DecodeState:
         spec = cache.kv_groups[group]
         dtype = spec.dtype if dtype is None else dtype
         # an FP8 group's fixed scales: the cache's own device tensors, bound by address
-        self.k_scale, self.v_scale = cache.group_kv_scales(group) or (None, None)
+        self.k_scale, self.v_scale = cache.layout.group_kv_scales(group) or (None, None)
         self.limit = max_table_tokens(cache)
         planned = plan_bucket(cache, max_len, self.limit)
         self.window = spec.window

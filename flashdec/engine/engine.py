@@ -33,7 +33,7 @@ from flashdec._checks import (
     check_positive_int,
     check_token_counts,
 )
-from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView
+from flashdec.cache import PagedKVCache, RequestState, TokenTransactionView, TransactionSlots
 from flashdec.cache.history import TERMINAL_HISTORY_LIMIT, TerminalHistory
 from flashdec.engine.attention import StepAttention, activation_dtype_of
 from flashdec.engine.layer_ops import APPEND_BACKENDS, DECODE_BACKENDS, check_prompt_layers
@@ -73,7 +73,7 @@ class DecodeEngine(RequestLifecycle):
             cache's dtype (float caches); required — float16 or bfloat16 — when a KV group
             stores float8_e4m3fn. A float group's storage dtype must equal it. FP8 groups
             quantize on append and dequantize in decode with the cache's fixed per-head scales
-            (``PagedKVCache.group_kv_scales``; fixed, not calibrated).
+            (``cache.layout.group_kv_scales``; fixed, not calibrated).
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class DecodeEngine(RequestLifecycle):
         self._windows = self.attention.windows
         self._num_groups = len(specs)
         self._num_layers = cache.num_layers
-        self._layer_groups = tuple(cache.layer_group(i) for i in range(cache.num_layers))
+        self._layer_groups = tuple(cache.layout.layer_group(i) for i in range(cache.num_layers))
         # what the scheduler derives requests' needs from: empty for one full-attention group
         self._group_shapes = cache_group_shapes(cache)
         self._block_size = specs[0].block_size
@@ -256,9 +256,13 @@ class DecodeEngine(RequestLifecycle):
         least the batch's longest after the step): a CUDA graph captured before such requests
         exist. With more, every layer takes ``q, k, v`` packed
         ``[sum(num_tokens), H, D]`` in ``request_ids`` order and returns the extend attention of
-        each new token over its request's context and the new tokens before it. A scheduled
-        request's tokens come out of its lifetime commitment; a sliding-window group takes at
-        most ``window - 1`` tokens of a request per step.
+        each new token over its request's context and the new tokens before it. A step whose
+        rows all bring the same ``n >= 2`` tokens (a verification step) takes ``pad_to`` and
+        ``plan_len`` too: it is then a fixed-shape step (its metadata in fixed-address
+        buffers, ``q, k, v`` of ``pad_to * n`` rows, the padding rows last), which
+        ``capture_step`` can capture and ``replay_step`` replay. A scheduled request's tokens
+        come out of its lifetime commitment; a sliding-window group takes at most
+        ``window - 1`` tokens of a request per step.
         """
         self._require_no_open_step("begin_step")
         _check_batch_type(request_ids)
@@ -268,12 +272,23 @@ class DecodeEngine(RequestLifecycle):
             counts = check_token_counts("num_tokens", num_tokens, len(request_ids))
             self._check_token_budget(request_ids, counts)
             if any(n != 1 for n in counts):
-                if pad_to is not None or plan_len is not None:
+                fixed = pad_to is not None or plan_len is not None
+                if fixed and len(set(counts)) != 1:
                     raise ValueError(
-                        "pad_to and plan_len are for one-token (decode) steps; a step with "
-                        "num_tokens > 1 is neither padded nor planned ahead"
+                        "pad_to and plan_len are for steps whose rows all bring the same number "
+                        f"of tokens (decode, verification); got num_tokens {counts}"
                     )
-                return self._begin_extend(request_ids, counts)
+                if pad_to is not None:
+                    check_positive_int("pad_to", pad_to)
+                    if pad_to < len(counts):
+                        raise ValueError(
+                            f"pad_to ({pad_to}) must be >= the batch size ({len(counts)})"
+                        )
+                if not fixed:
+                    return self._begin_extend(request_ids, counts)
+                return self._begin_fixed_extend(
+                    request_ids, counts, pad_to or len(counts), plan_len
+                )
         cache = self.cache
         # the fused append saves the old slot bytes for abort in its own launch
         by_writer = self.attention.fused_triton
@@ -295,7 +310,7 @@ class DecodeEngine(RequestLifecycle):
             step.plan_len = max(step.plan_len, plan_len)
         if by_writer:
             step.backups = tuple(
-                cache.transaction_backup(view, group=g) for g in range(self._num_groups)
+                cache.steps.transaction_backup(view, group=g) for g in range(self._num_groups)
             )
         self._open = step
         return view
@@ -335,12 +350,46 @@ class DecodeEngine(RequestLifecycle):
         self._open = step
         return view
 
+    def _begin_fixed_extend(
+        self, request_ids: Sequence, counts: list[int], num_rows: int, plan_len: int | None
+    ):
+        """``begin_step`` for a fixed-shape step: ``counts[0]`` tokens for every request, the
+        metadata copied into the fixed buffers of ``num_rows`` rows (the rest padding)."""
+        view = self._begin_extend(request_ids, counts)
+        step = self._open
+        n = counts[0]
+        try:
+            fixed = tuple(
+                self.attention.fixed_slots(g, num_rows, n) for g in range(self._num_groups)
+            )
+            step.group_slots = tuple(
+                f.fill(slots) for f, slots in zip(fixed, step.group_slots, strict=True)
+            )
+        except BaseException:
+            self._abort_open_step()
+            raise
+        step.fixed = fixed
+        step.slots = step.group_slots[0]
+        step.num_rows = num_rows
+        step.num_tokens = num_rows * n  # every layer's input rows, padding included
+        step.tokens_per_row = n
+        step.query_lens = fixed[0].query_lens
+        if plan_len is not None:
+            step.plan_len = max(step.plan_len, plan_len)
+        return view
+
+    def step_slots(self, tx) -> TransactionSlots:
+        """The metadata the open step's layers read (group 0): the cache's slots, or a
+        fixed-shape step's fixed buffers (``pad_to`` rows; ``request_slots`` is what a CUDA
+        graph over the step gathers per-request state with)."""
+        return self._require_open_step(tx).slots
+
     def _all_group_slots(self, view: TokenTransactionView) -> tuple:
         """Every group's slots of a transaction."""
         cache = self.cache
         if self._num_groups == 1:  # begin_step's cost: no generator for the common case
-            return (cache.transaction_slots(view),)
-        return tuple(cache.transaction_slots(view, group=g) for g in range(self._num_groups))
+            return (cache.steps.transaction_slots(view),)
+        return tuple(cache.steps.transaction_slots(view, group=g) for g in range(self._num_groups))
 
     def step_layer(
         self, tx, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -357,18 +406,18 @@ class DecodeEngine(RequestLifecycle):
             if type(layer_idx) is int and 0 <= layer_idx < self._num_layers:
                 g = groups[layer_idx]
             else:
-                g = self.cache.layer_group(layer_idx)  # TypeError / ValueError
+                g = self.cache.layout.layer_group(layer_idx)  # TypeError / ValueError
+            if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "step_layer is being captured in a CUDA graph outside capture_step: the "
+                    "engine would count layers the graph has not run yet; use capture_step"
+                )
             if step.kind != "decode":
                 if step.kind != "extend":
                     raise RuntimeError(
                         f"step {step.transaction_id} is a prefill transaction; use prefill_layer"
                     )
                 return self.attention.extend_layer(step, layer_idx, g, q, k, v)
-            if self._capturing is False and q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "step_layer is being captured in a CUDA graph outside capture_step: the "
-                    "engine would count layers the graph has not run yet; use capture_step"
-                )
             return self.attention.decode_layer(step, layer_idx, g, q, k, v)
         except BaseException:
             self._abort_open_step()
@@ -409,22 +458,27 @@ class DecodeEngine(RequestLifecycle):
         whatever model code sits around it — in a CUDA graph, then replay it once so this step
         is really written. Kernels must be warm (run one eager step of the same shapes first).
         """
-        step = self._require_open_step(tx, "decode")
-        if not step.slots.positions.is_cuda:
-            raise RuntimeError("capture_step needs a CUDA cache")
+        step = self._require_capturable(tx)
         if self.decode_backend != "triton":
             raise RuntimeError("capture_step needs decode_backend='triton' (no host sync)")
-        if self.cache.layers_written(step.transaction_id):
+        if self.append_backend == "torch":  # it writes the capture's live rows on every replay
+            raise RuntimeError(
+                "capture_step needs append_backend 'fused' or 'triton' (the torch append would "
+                "replay the capture's row count, writing padding rows into the pool)"
+            )
+        if not step.slots.positions.is_cuda:
+            raise RuntimeError("capture_step needs a CUDA cache")
+        if self.cache.steps.layers_written(step.transaction_id):
             raise RuntimeError("capture_step needs a step with no layer written yet")
         # the captured kernels do not run until the replay: an abort before it must not
         # restore from backup rows they never wrote
-        self.cache.complete_backup(step.transaction_id)
+        self.cache.steps.complete_backup(step.transaction_id)
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
             with own_blas_workspace(), torch.cuda.graph(graph, pool=pool):
                 output = body()
-            written = self.cache.layers_written(step.transaction_id)
+            written = self.cache.steps.layers_written(step.transaction_id)
             if written != self.cache.num_layers:
                 raise RuntimeError(
                     f"the captured body wrote {written} of "
@@ -437,22 +491,24 @@ class DecodeEngine(RequestLifecycle):
         finally:
             self._capturing = False
         graph.replay()
+        keep = (*step.decode, *step.extend, *step.fixed)
         return CapturedStep(
-            self, graph, output, step.num_rows, step.generations, tuple(step.decode)
+            self, graph, output, step.num_rows, step.generations, keep, step.tokens_per_row
         )
 
     def replay_step(self, tx, captured: CapturedStep) -> Any:
         """Write every layer of the open step by replaying ``captured``; returns its output."""
-        step = self._require_open_step(tx, "decode")
+        step = self._require_capturable(tx)
         if not isinstance(captured, CapturedStep) or captured.engine is not self:
             raise TypeError("captured must be a CapturedStep of this engine")
         if not captured._fits(step):  # the open step is looked up once
             raise ValueError(
-                f"captured step has {captured.num_rows} rows (buffers generation "
-                f"{captured.generation}); this step has {step.num_rows} (generation "
+                f"captured step has {captured.num_rows} rows of {captured.tokens_per_row} "
+                f"token(s) (buffers generation {captured.generation}); this step has "
+                f"{step.num_rows} of {step.tokens_per_row} (generation "
                 f"{step.slots.generation}): capture again"
             )
-        self.cache.write_all_layers_with(step.transaction_id, captured.graph.replay)
+        self.cache.steps.write_all_layers_with(step.transaction_id, captured.graph.replay)
         return captured.output
 
     # ------------------------------------------------------------------ prompt import
@@ -473,7 +529,9 @@ class DecodeEngine(RequestLifecycle):
         keeps only the rows its window needs; any failure aborts the whole import."""
         step = self._require_open_step(tx, "prefill")
         try:
-            self.attention.import_layer(step, layer_idx, self.cache.layer_group(layer_idx), k, v)
+            self.attention.import_layer(
+                step, layer_idx, self.cache.layout.layer_group(layer_idx), k, v
+            )
         except BaseException:
             self._abort_open_step()
             raise
@@ -554,6 +612,18 @@ class DecodeEngine(RequestLifecycle):
         if kind is not None and step.kind != kind:
             raise RuntimeError(
                 f"step {tx_id} is a {step.kind} transaction; this call needs a {kind} one"
+            )
+        return step
+
+    def _require_capturable(self, tx) -> OpenStep:
+        """The open step, when a CUDA graph can capture it: a decode step or a fixed-shape
+        extend step (``begin_step(..., num_tokens=, pad_to=)``)."""
+        step = self._require_open_step(tx)
+        if not step.tokens_per_row:
+            raise RuntimeError(
+                f"step {step.transaction_id} is a {step.kind} transaction without fixed "
+                "metadata; CUDA graphs need a decode step or a verification step begun with "
+                "pad_to (every row the same number of tokens)"
             )
         return step
 

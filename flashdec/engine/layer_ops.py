@@ -246,7 +246,7 @@ def extend_workspace(
         max_seq_len,
         dtype,
         cache.device,
-        max_blocks_per_seq=cache.group_max_blocks_per_seq(group),
+        max_blocks_per_seq=cache.layout.group_max_blocks_per_seq(group),
         max_query_len=max(query_lens),
         window=spec.window,
         kv_dtype=spec.dtype,
@@ -296,7 +296,7 @@ def rope_paged_kv_append(
         raise TypeError(
             f"request_ids must be a list or tuple of ids, got {type(request_ids).__name__}"
         )
-    if cache.group_kv_scales(0) is not None:
+    if cache.layout.group_kv_scales(0) is not None:
         raise ValueError(
             "rope_paged_kv_append does not run FP8 caches; use DecodeEngine(cache, "
             "activation_dtype=...)"
@@ -308,7 +308,7 @@ def rope_paged_kv_append(
     def write(k_layer, v_layer, slots):
         return write_rope_layer(backend, rope, q, k, v, k_layer, v_layer, slots), slots
 
-    q_rot, slots = cache.append_with(list(request_ids), write)
+    q_rot, slots = cache.steps.append_with(list(request_ids), write)
     return RopeAppendResult(
         q=q_rot,
         positions=slots.positions,
@@ -354,7 +354,7 @@ def check_prompt_layers(
     ks = _prompt_layers(cache, "k_layers", k_layers, dtype)
     vs = _prompt_layers(cache, "v_layers", v_layers, dtype)
     count = ks[0].shape[0]
-    specs = [cache.kv_groups[cache.layer_group(i)] for i in range(cache.num_layers)]
+    specs = [cache.kv_groups[cache.layout.layer_group(i)] for i in range(cache.num_layers)]
     for name, layers in (("k_layers", ks), ("v_layers", vs)):
         for i, (t, spec) in enumerate(zip(layers, specs, strict=True)):
             expected = (count, spec.num_kv_heads, spec.head_dim)
@@ -371,7 +371,7 @@ def _prompt_layers(
 ) -> list[torch.Tensor]:
     """``prefill_request_layers``' K or V as one ``[T, Hkv, D]`` tensor per layer."""
     num_layers = cache.num_layers
-    specs = [cache.kv_groups[cache.layer_group(i)] for i in range(num_layers)]
+    specs = [cache.kv_groups[cache.layout.layer_group(i)] for i in range(num_layers)]
     if isinstance(value, torch.Tensor):
         kinds = {(spec.num_kv_heads, spec.head_dim) for spec in specs}
         if len(kinds) != 1:

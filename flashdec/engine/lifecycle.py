@@ -76,7 +76,7 @@ class RequestLifecycle:
         """Finish an active request: the cache releases its private blocks."""
         self._require_no_open_step("finish_request")
         self._require_state(request_id, EngineRequestState.ACTIVE, "finish")
-        if self.cache.prefix_caching:  # its generated text joins the prefix cache
+        if self.cache.prefix_cache.enabled:  # its generated text joins the prefix cache
             self.submissions.cache_finished_blocks(request_id)
         self.cache.finish_request(request_id)
         self._forget(request_id)

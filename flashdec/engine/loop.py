@@ -334,7 +334,7 @@ class ServingLoop:
         lens = {rid: cache.seq_len(rid) for rid in batch}
 
         def free(g: int) -> int:  # read live: cancelling a victim frees blocks
-            return max(0, cache.group_free_blocks(g) - taken[g])
+            return max(0, cache.layout.group_free_blocks(g) - taken[g])
 
         def needing_in(g: int, ids: list) -> list:
             bs, window = shapes[g]

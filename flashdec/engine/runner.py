@@ -4,8 +4,9 @@ It owns what a step of :class:`flashdec.LLM` does beyond the engine: each reques
 (prompt, tokens, timing, sampling: :class:`~flashdec.engine.request.Request`), the
 device-resident last tokens and their hand-off to the host one step late, the choice of the
 next token (argmax or a sample), and the warm start: the CUDA graphs of the decode forward
-(:class:`~flashdec.engine.decode_graphs.DecodeGraphs`) and the mixed step's kernels, made ready
-before the first request.
+(:class:`~flashdec.engine.decode_graphs.DecodeGraphs`), those of the verification step when
+speculation is on (:class:`~flashdec.engine.verify_graphs.VerifyGraphs`) and the mixed step's
+kernels, made ready before the first request.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flashdec.engine.sampling import (
     probabilities,
     sample,
 )
+from flashdec.engine.verify_graphs import VerifyGraphs
 from flashdec.runtime import upload
 from flashdec.speculative import (
     DraftController,
@@ -87,6 +89,19 @@ class ModelRunner(StepExecutor):
             if cuda_graphs
             else None
         )
+        # verification steps of K drafts per row (padded), as graphs: captured at the warm start
+        self.verify_graphs = (
+            VerifyGraphs(
+                engine,
+                self._verify_forward,
+                max_batch_size=max_batch_size,
+                num_q_heads=self.spec.num_q_heads,
+                n=speculative.num_tokens + 1,
+            )
+            if cuda_graphs and speculative is not None
+            else None
+        )
+        self._draft_ids: torch.Tensor | None = None  # [max_batch_size, K]: what a graph reads
         self._ensure_slots()
         # the step whose tokens are still on their way to the host: (batch, host view, event)
         self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -106,6 +121,7 @@ class ModelRunner(StepExecutor):
             self.controller = DraftController(speculative.num_tokens)
         self._served: dict = {}  # request -> tokens the last run gave it (absent: one)
         self._accepted: dict = {}  # request -> drafts the last run accepted
+        self._caps: dict = {}  # request -> most drafts this run's step may take for it
         # running totals: drafts proposed and accepted; (request, step) pairs that decoded and
         # the tokens they produced
         self.counters = dict.fromkeys(
@@ -115,27 +131,33 @@ class ModelRunner(StepExecutor):
     def _ensure_slots(self) -> None:
         """``last_tokens`` covers every request slot of the cache (it grows rarely; graphs that
         read the old tensor are dropped)."""
-        needed = self.engine.cache.num_request_slots
+        needed = self.engine.cache.layout.num_request_slots
         if self.last_tokens.shape[0] < needed:
             grown = torch.zeros(needed, dtype=torch.long, device=self.spec.device)
             grown[: self.last_tokens.shape[0]] = self.last_tokens
             self.last_tokens = grown
-            if self.graphs is not None:  # they read the old tensor
-                self.graphs.drop()
+            for graphs in (self.graphs, self.verify_graphs):  # they read the old tensor
+                if graphs is not None:
+                    graphs.drop()
 
     @property
     def graph_replays(self) -> int:
-        return 0 if self.graphs is None else self.graphs.replays
+        """Decode and verification steps that replayed a CUDA graph."""
+        return sum(g.replays for g in (self.graphs, self.verify_graphs) if g is not None)
 
     def warm_start(self) -> WarmStart:
-        """Before the first request (the engine idle): capture every decode graph, then
-        compile the mixed steps' kernels, all on placeholder requests."""
+        """Before the first request (the engine idle): capture every decode graph (and, with
+        speculation, every verification graph, in the same memory pool), then compile the
+        mixed steps' kernels, all on placeholder requests. Returns the decode graphs' report
+        (the verification graphs' is ``verify_graphs.warm_start``)."""
         engine = self.engine
         # two at least: the mixed warm-up pairs a long context with a chunk (max_batch_size=1)
         rows = min(max(self.graphs.buckets[-1], 2), free_rows(engine))
         with placeholder_requests(engine, rows) as rids:
             self._ensure_slots()  # the graphs read last_tokens: sized for the rows first
             report = self.graphs.capture_all(rids)
+            if self.verify_graphs is not None:
+                self.verify_graphs.capture_all(rids, pool=self.graphs.pool)
             self._compile_mixed_steps(rids)
         return report
 
@@ -286,7 +308,7 @@ class ModelRunner(StepExecutor):
     def run(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
         """One loop step: a verification step when speculation is on and some request of
         ``batch`` has drafts (:meth:`_run_verify`), else :meth:`_run_plain`."""
-        self._served, self._accepted = {}, {}
+        self._served, self._accepted, self._caps = {}, {}, {}
         if self.speculative is None:
             return self._plain(batch, chunks)
         done = self._speculate(batch, chunks)
@@ -353,9 +375,11 @@ class ModelRunner(StepExecutor):
             ):
                 skipped.add(rid)
                 continue
-            k = min(budgets[rid], req.max_new_tokens - have - 1)
+            cap = req.max_new_tokens - have - 1  # what the request's commitment leaves
             if limit is not None:
-                k = min(k, limit - 1)
+                cap = min(cap, limit - 1)
+            self._caps[rid] = cap
+            k = min(budgets[rid], cap)
             if room is not None:
                 k = min(k, room)
             if k <= 0:  # no budget, or none left: not a lookup the controller learns from
@@ -373,11 +397,106 @@ class ModelRunner(StepExecutor):
         The accepted drafts plus the target's next token are committed (``commit_step(accept=)``
         restores the rest). Synchronous: the acceptance must reach the host before the commit,
         so the tokens are recorded at once (nothing stays pending). One wait for the device
-        (:meth:`_verify`'s read); the index uploads are asynchronous (:func:`_upload`)."""
-        engine, cache = self.engine, self.engine.cache
+        (:meth:`_verify`'s read); the index uploads are asynchronous (:func:`_upload`).
+
+        A step that :meth:`_verify_bucket` finds a batch bucket for runs padded to ``K``
+        drafts a row and that bucket (:meth:`_verify_padded`: a CUDA graph when one fits)."""
         self._ensure_slots()
         live = [rid for rid in batch if rid not in skipped]
         drafted = [drafts.get(rid, []) for rid in live]
+        bucket = self._verify_bucket(live, chunks)
+        if bucket is not None:
+            slots, emitted, accepted = self._verify_padded(live, drafted, bucket)
+            first_rids, rows = [], list(range(len(live)))
+        else:
+            slots, emitted, accepted, first_rids, rows = self._verify_packed(live, drafted, chunks)
+        # committed: only bookkeeping from here on (no model, no engine call that can fail)
+        self.collect()  # the previous step's tokens (the peek read them, this records them)
+        stamp = now()
+        for rid, tokens in zip([*live, *first_rids], emitted, strict=True):
+            for token in tokens:
+                if self._record(rid, token, stamp):
+                    self.ended.add(rid)
+        for rid, tokens, taken in zip(live, emitted[: len(live)], accepted, strict=True):
+            self._served[rid] = len(tokens)
+            self._accepted[rid] = taken
+        for rid in skipped:
+            self._served[rid] = 0
+        device = self.spec.device
+        last = upload([e[-1] for e in emitted], device)
+        self.last_tokens.index_copy_(0, slots.index_select(0, upload(rows, device)), last)
+        counters = self.counters
+        counters["draft_tokens"] += sum(map(len, drafted))
+        counters["accepted_tokens"] += sum(accepted)
+        counters["request_steps"] += len(live)
+        counters["step_tokens"] += sum(len(e) for e in emitted[: len(live)])
+        ended, self.ended = self.ended, set()
+        return set(), ended
+
+    def _verify_bucket(self, live: list, chunks: Sequence) -> int | None:
+        """The batch bucket a verification step pads to, or None (it runs packed, eagerly):
+        with verification graphs, a step without prompt chunks whose every live request may
+        take ``K`` drafts (its commitment, the windows and ``max_step_tokens`` allow ``K + 1``
+        tokens each; fewer real drafts are padded, their acceptance capped by the real ones)."""
+        graphs = self.verify_graphs
+        if graphs is None or chunks or not live:
+            return None
+        n = graphs.n
+        if any(self._caps.get(rid, 0) < n - 1 for rid in live):
+            return None
+        if self.max_step_tokens is not None and len(live) * n > self.max_step_tokens:
+            return None
+        return graphs.bucket(len(live))
+
+    def _draft_buffer(self) -> torch.Tensor:
+        """``[max_batch_size, K]`` drafts of a padded verification step: filled before the
+        step, read by its graph (fixed address: made once)."""
+        if self._draft_ids is None:
+            self._draft_ids = torch.zeros(
+                self.max_batch_size,
+                self.verify_graphs.n - 1,
+                dtype=torch.long,
+                device=self.spec.device,
+            )
+        return self._draft_ids
+
+    def _verify_padded(self, live: list, drafted: list, bucket: int) -> tuple:
+        """The step of :meth:`_run_verify` as a fixed-shape step: every row brings its last
+        token and ``K`` drafts (its own, then padding), the rows pad to ``bucket``; the graph
+        of (bucket, launch key) replays when one fits, else the same forward runs eagerly.
+        Returns the live rows' request slots, the emitted tokens and the accepted counts."""
+        engine, graphs = self.engine, self.verify_graphs
+        n, count = graphs.n, len(live)
+        device = self.spec.device
+        max_len = max(engine.cache.seq_len(rid) for rid in live) + n
+        padded = [[*d, *([0] * (n - 1 - len(d)))] for d in drafted]  # any id: never accepted
+        tx = engine.begin_step(live, num_tokens=[n] * count, pad_to=bucket)
+        try:
+            slots = engine.cache.steps.transaction_slots(tx).request_slots
+            self._draft_buffer()[:count].copy_(upload(padded, device))
+            logits = graphs.run(tx, engine.step_slots(tx), bucket, max_len)
+            emitted, accepted = self._verify(logits[: count * n], live, drafted, [], width=n)
+            engine.commit_step(tx, accept=[len(e) for e in emitted])
+        except BaseException:  # nothing committed: the inputs and the pending tokens stay
+            if engine.has_open_step:
+                engine.abort_step(tx)
+            raise
+        return slots, emitted, accepted
+
+    def _verify_forward(self, tx, slots) -> torch.Tensor:
+        """The model over an open fixed-shape verification step (what its graph captures): each
+        row's last token gathered from ``last_tokens`` with the fixed ``slots``' request slots,
+        its drafts from the draft buffer, all on the device. Logits of every row."""
+        rows = slots.num_rows
+        last = self.last_tokens.index_select(0, slots.request_slots).view(rows, 1)
+        ids = torch.cat([last, self._draft_buffer()[:rows]], dim=1).view(-1)
+        return self.adapter.decode(ids, self._attention(tx))
+
+    def _verify_packed(self, live: list, drafted: list, chunks: Sequence) -> tuple:
+        """The step of :meth:`_run_verify` packed as drafted (prompt chunks after the verified
+        rows), eager. Returns the step's request slots, the emitted tokens, the accepted counts,
+        the requests whose prompt ended in it and the slot rows the emitted tokens belong to."""
+        engine, cache = self.engine, self.engine.cache
         rids = [*live, *(rid for rid, _ in chunks)]
         counts = [1 + len(d) for d in drafted] + [n for _, n in chunks]
         starts = [cache.seq_len(rid) for rid, _ in chunks]
@@ -396,7 +515,7 @@ class ModelRunner(StepExecutor):
         device = self.spec.device
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
-            slots = cache.transaction_slots(tx).request_slots
+            slots = cache.steps.transaction_slots(tx).request_slots
             ids = upload(flat, device)
             ids.index_copy_(
                 0,
@@ -420,59 +539,51 @@ class ModelRunner(StepExecutor):
             if engine.has_open_step:
                 engine.abort_step(tx)
             raise
-        # committed: only bookkeeping from here on (no model, no engine call that can fail)
-        self.collect()  # the previous step's tokens (the peek read them, this records them)
-        stamp = now()
-        for rid, tokens in zip([*live, *first_rids], emitted, strict=True):
-            for token in tokens:
-                if self._record(rid, token, stamp):
-                    self.ended.add(rid)
-        for rid, tokens, taken in zip(live, emitted[: len(live)], accepted, strict=True):
-            self._served[rid] = len(tokens)
-            self._accepted[rid] = taken
-        for rid in skipped:
-            self._served[rid] = 0
-        index = upload([*range(len(live)), *(len(live) + i for i in ending)], device)
-        last = upload([e[-1] for e in emitted], device)
-        self.last_tokens.index_copy_(0, slots.index_select(0, index), last)
-        counters = self.counters
-        counters["draft_tokens"] += sum(map(len, drafted))
-        counters["accepted_tokens"] += sum(accepted)
-        counters["request_steps"] += len(live)
-        counters["step_tokens"] += sum(len(e) for e in emitted[: len(live)])
-        ended, self.ended = self.ended, set()
-        return set(), ended
+        return (
+            slots,
+            emitted,
+            accepted,
+            first_rids,
+            [*range(len(live)), *(len(live) + i for i in ending)],
+        )
 
     def _verify(
-        self, logits: torch.Tensor, live: list, drafted: list, first_rids: list
+        self,
+        logits: torch.Tensor,
+        live: list,
+        drafted: list,
+        first_rids: list,
+        width: int | None = None,
     ) -> tuple[list[list[int]], list[int]]:
         """The tokens each verified request emits (greedy: the matching drafts plus the
         argmax; sampled: the speculative-sampling rule with its generator), cut after the
         first EOS unless ``ignore_eos``, and how many of them are drafts; then the first token
-        of each request of ``first_rids`` (its prompt's last row, after the verified rows)."""
+        of each request of ``first_rids`` (its prompt's last row, after the verified rows).
+        ``width``: rows per request when padded (only the first ``1 + len(draft)`` of them
+        are read: padding drafts are never accepted); None: ``1 + len(draft)``."""
         greedy = torch.argmax(logits, dim=-1)
         draws, row = [], 0  # sampled requests' (accepted, next token), enqueued in batch order
         for rid, draft in zip(live, drafted, strict=True):
-            width = 1 + len(draft)
+            real = 1 + len(draft)
             if rid in self.sampled:
                 req = self.requests[rid]
-                probs = probabilities(logits[row : row + width], req.sampling)
+                probs = probabilities(logits[row : row + real], req.sampling)
                 drafts = upload([draft], logits.device).view(1, len(draft))
                 draws += accept_sampled(probs.unsqueeze(0), drafts, req.generator)
-            row += width
+            row += width or real
         chosen = self._choose(logits[row:], greedy[row:], first_rids) if first_rids else None
         # the one wait for the device: every token of the step in one read
         host = torch.cat([greedy, *draws, *([chosen] if first_rids else [])]).tolist()
         targets, drawn = host[: greedy.shape[0]], iter(host[greedy.shape[0] :])
         emitted, accepted, row = [], [], 0
         for rid, draft in zip(live, drafted, strict=True):
-            width = 1 + len(draft)
+            real = 1 + len(draft)
             req = self.requests[rid]
             if rid in self.sampled:
                 num, token = next(drawn), next(drawn)
                 tokens = [*draft[:num], token]
             else:
-                tokens = accept_greedy(draft, targets[row : row + width])
+                tokens = accept_greedy(draft, targets[row : row + real])
             taken = len(tokens) - 1
             if not req.ignore_eos:
                 cut = next((i for i, t in enumerate(tokens) if t in self.eos), None)
@@ -480,7 +591,7 @@ class ModelRunner(StepExecutor):
                     tokens, taken = tokens[: cut + 1], min(taken, cut + 1)
             emitted.append(tokens)
             accepted.append(taken)
-            row += width
+            row += width or real
         emitted += [[t] for t in drawn]  # the first tokens of ``first_rids``
         return emitted, accepted
 
@@ -508,7 +619,7 @@ class ModelRunner(StepExecutor):
         last_rows = (upload(counts, device).cumsum(0) - 1).index_select(0, index)
         tx = engine.begin_step(rids, num_tokens=counts)
         try:
-            slots = cache.transaction_slots(tx).request_slots
+            slots = cache.steps.transaction_slots(tx).request_slots
             pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
             pieces += [
                 self.requests[rid].prompt[start : start + n]
@@ -540,7 +651,7 @@ class ModelRunner(StepExecutor):
         bucket = rows if self.graphs is None else self.graphs.bucket(rows)
         tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
         try:
-            slots = engine.cache.transaction_slots(tx)
+            slots = engine.cache.steps.transaction_slots(tx)
             if self.graphs is not None:
                 max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
                 logits, greedy_ids = self.graphs.run(tx, slots, bucket, max_len)

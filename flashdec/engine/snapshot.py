@@ -80,10 +80,10 @@ def grouped_pools(cache: PagedKVCache) -> tuple[GroupPool, ...]:
         GroupPool(
             spec.block_size,
             spec.num_blocks,
-            cache.group_free_blocks(g),
-            cache.group_max_blocks_per_seq(g),
+            cache.layout.group_free_blocks(g),
+            cache.layout.group_max_blocks_per_seq(g),
             spec.window,
-            cache.shared_cached_block_refs(g),
+            cache.prefix_cache.shared_cached_block_refs(g),
         )
         for g, spec in enumerate(cache.kv_groups)
     )
@@ -98,7 +98,11 @@ def shared_hits(
     """``SchedulingSnapshot.shared_hits``: each waiting request (with block hashes) whose cache
     hit would share blocks active requests hold, and how many per group, in submission order.
     O(waiting requests with hashes · their blocks) while any cached block is held; else none."""
-    if not block_hashes or not cache.prefix_caching or not cache.shared_cached_blocks_held():
+    if (
+        not block_hashes
+        or not cache.prefix_cache.enabled
+        or not cache.prefix_cache.shared_cached_blocks_held()
+    ):
         return ()
     found = []
     for rid in waiting_ids:
@@ -106,7 +110,7 @@ def shared_hits(
         if hashes is None:
             continue
         spec = specs[rid]
-        held = cache.held_hit_blocks(hashes, spec.initial_context_tokens)
+        held = cache.prefix_cache.held_hit_blocks(hashes, spec.initial_context_tokens)
         if any(held):
             found.append((spec.submission_order, rid, held))
     found.sort(key=lambda f: f[0])
@@ -212,7 +216,7 @@ def snapshot_from_cache(
     skips = _counters("waiting_skip_counts", waiting_skip_counts, waiting)
     service = _counters("active_service_wait_steps", active_service_wait_steps, active)
 
-    if cache.open_transaction_id is not None:
+    if cache.steps.open_transaction_id is not None:
         raise RuntimeError("cannot snapshot the cache while a token transaction is open")
     cache_active = set(cache.request_ids(RequestState.ACTIVE))
     if cache_active != set(active):
@@ -327,6 +331,8 @@ def cache_snapshot(
         groups=groups,
         # each active request counts the cached blocks it shares as its own (its remaining
         # need stays exact): the references beyond the first make the counts add up
-        shared_block_refs=pool.shared_block_refs if pool else cache.shared_cached_block_refs(),
+        shared_block_refs=pool.shared_block_refs
+        if pool
+        else cache.prefix_cache.shared_cached_block_refs(),
         shared_hits=hits,
     )

@@ -8,6 +8,7 @@ import torch
 
 from flashdec.cache import TokenTransactionView
 from flashdec.engine.decode_state import DecodeState
+from flashdec.engine.verify_state import VerifySlots
 from flashdec.kernels import ExtendWorkspace
 
 
@@ -34,6 +35,7 @@ class OpenStep:
         "bound",
         "decode",
         "extend",
+        "fixed",
         "group_slots",
         "kind",
         "layer_outputs",
@@ -48,6 +50,7 @@ class OpenStep:
         "seq_lens_after",
         "shapes",
         "slots",
+        "tokens_per_row",
         "transaction_id",
     )
 
@@ -81,6 +84,10 @@ class OpenStep:
         # per group: the fast path's launch, the q, k, v strides it was bound to, the outputs
         self.bound: list[tuple | None] = [None] * count
         self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
+        # tokens of every row: 1 for a decode step, n for a fixed-shape extend step (its
+        # metadata in ``fixed``, per group: a CUDA graph can capture it), 0 for other steps
+        self.tokens_per_row = 1 if kind == "decode" else 0
+        self.fixed: tuple[VerifySlots, ...] = ()
 
     @property
     def generations(self) -> tuple[int, ...]:
@@ -89,23 +96,33 @@ class OpenStep:
 
 
 class CapturedStep:
-    """A CUDA graph over the layers of one step, replayable for later steps of the same batch.
+    """A CUDA graph over the layers of one step, replayable for later steps of the same shape:
+    as many rows, as many tokens per row (1: decode; n: a fixed-shape extend step), the same
+    metadata buffers.
 
     ``output`` is what the captured body returned (tensors the graph rewrites on every replay).
     """
 
-    def __init__(self, engine, graph, output, num_rows: int, generation, keep: tuple):
+    def __init__(
+        self, engine, graph, output, num_rows: int, generation, keep: tuple, tokens_per_row: int = 1
+    ):
         self.engine = engine
         self.graph = graph
         self.output = output
         self.num_rows = num_rows
+        self.tokens_per_row = tokens_per_row
         self.generation = generation  # the slot buffers' generation(s) it read
-        self._keep = keep  # buffers the graph reads (its decode workspaces)
+        self._keep = keep  # buffers the graph reads (its decode or extend workspaces)
 
     def fits(self, tx) -> bool:
         """Whether ``replay_step(tx, self)`` is valid: the open step ``tx`` has this graph's
-        rows and reads the same slot buffers (a bigger batch since the capture replaces them)."""
-        return self._fits(self.engine._require_open_step(tx, "decode"))
+        rows and tokens per row and reads the same slot buffers (a bigger batch since the
+        capture replaces a decode step's)."""
+        return self._fits(self.engine._require_open_step(tx))
 
     def _fits(self, step: OpenStep) -> bool:
-        return (self.num_rows, self.generation) == (step.num_rows, step.generations)
+        return (self.num_rows, self.tokens_per_row, self.generation) == (
+            step.num_rows,
+            step.tokens_per_row,
+            step.generations,
+        )

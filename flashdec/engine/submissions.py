@@ -62,7 +62,7 @@ class SubmissionQueue:
         # the decision applied last and the queue before it, while revert_decision may undo it
         self._applied: tuple[SchedulerDecision, Any] | None = None
         # automatic prefix caching: a waiting request's prompt block hashes (its submitter's,
-        # PagedKVCache.block_hashes); at admission it starts with the cached run they match
+        # cache.prefix_cache.block_hashes); at admission it starts with the cached run they match
         self.block_hashes: dict[Any, list[bytes]] = {}
         # generated text cached at finish: each request's prompt tokens after its last full
         # block (remember_prompt), and where its generated token ids are read when it finishes
@@ -92,7 +92,7 @@ class SubmissionQueue:
         """Keep what automatic prefix caching needs of a request about to be submitted: its
         prompt's block hashes (looked up at admission) and the tokens after its last full
         block (with its generated ones they make the blocks cached when it finishes)."""
-        hashes = self._cache.block_hashes(token_ids)
+        hashes = self._cache.prefix_cache.block_hashes(token_ids)
         self.block_hashes[request_id] = hashes
         self.prompt_tails[request_id] = list(token_ids[len(hashes) * self._cache.block_size :])
 
@@ -120,8 +120,8 @@ class SubmissionQueue:
         if len(tokens) < bs:
             return
         parent = known[-1] if known else None
-        more = cache.block_hashes(tokens, parent=parent)
-        cache.cache_request_blocks(request_id, [*known, *more])
+        more = cache.prefix_cache.block_hashes(tokens, parent=parent)
+        cache.prefix_cache.cache_request_blocks(request_id, [*known, *more])
 
     def submit_request(self, spec: RequestSpec) -> None:
         """Queue a scheduler-managed request; the scheduler admits or rejects it later.
@@ -307,7 +307,9 @@ class SubmissionQueue:
                 self._cache.attach_prefix(rid, spec.prefix_id)
             elif rid in self.block_hashes:
                 hashes = self.block_hashes[rid]
-                self._cache.attach_cached_prefix(rid, hashes, spec.initial_context_tokens)
+                self._cache.prefix_cache.attach_cached_prefix(
+                    rid, hashes, spec.initial_context_tokens
+                )
             self._engine._leave_queue(rid, None)
         for rid in decision.reject:
             self._engine._leave_queue(rid, EngineRequestState.REJECTED)

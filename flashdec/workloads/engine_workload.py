@@ -129,7 +129,7 @@ class RandomKVExecutor(StepExecutor):
         cache = engine.cache
         self.layer_shapes = [
             (spec.num_kv_heads, spec.head_dim, spec.dtype)
-            for spec in (cache.kv_groups[cache.layer_group(i)] for i in range(num_layers))
+            for spec in (cache.kv_groups[cache.layout.layer_group(i)] for i in range(num_layers))
         ]
         self.rng = random.Random(config.seed)
         self.gen = torch.Generator(device=device).manual_seed(config.seed)
@@ -188,7 +188,7 @@ class RandomKVExecutor(StepExecutor):
     def _failed_attempt(self, batch: list, inputs) -> None:
         """Run the step with a broken input at a random layer and prove it rolled back."""
         cache = self.engine.cache
-        groups = range(cache.num_groups)
+        groups = range(cache.layout.num_groups)
         lens_before = [cache.seq_len(rid) for rid in batch]
         blocks_before = [[cache.request_block_ids(rid, group=g) for g in groups] for rid in batch]
         free_before = cache.num_free_blocks
@@ -295,7 +295,7 @@ class _EngineRun:
             peak_used = max(peak_used, used)
             used_bytes = 0
             for g, spec in enumerate(specs):  # groups' blocks differ in size
-                in_use = spec.num_blocks - cache.group_free_blocks(g)
+                in_use = spec.num_blocks - cache.layout.group_free_blocks(g)
                 group_peaks[g] = max(group_peaks[g], in_use)
                 used_bytes += in_use * spec.block_bytes
             peak_bytes = max(peak_bytes, used_bytes)
@@ -368,7 +368,7 @@ class _EngineRun:
             groups=tuple(
                 {
                     "group": g,
-                    "layers": list(cache.group_layers(g)),
+                    "layers": list(cache.layout.group_layers(g)),
                     "num_kv_heads": spec.num_kv_heads,
                     "head_dim": spec.head_dim,
                     "block_size": spec.block_size,

@@ -90,7 +90,7 @@ def _loop(config: WindowWorkloadConfig, engine, executor) -> ServingLoop:
 def _long_generation(config: WindowWorkloadConfig, spec: str):
     engine, executor = _engine(config, spec)
     cache = engine.cache
-    groups = range(cache.num_groups)
+    groups = range(cache.layout.num_groups)
     request = RequestSpec("long", config.context_tokens, config.generation_tokens, 0)
     trajectory: list[tuple[int, ...]] = []
     tokens: list[int] = []

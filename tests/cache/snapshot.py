@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
-from tests.cache.helpers import request_first_block
+from tests.cache.helpers import group_kv, request_first_block
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -32,17 +32,17 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         for rid in cache.request_ids()
     }
     prefixes = {pid: cache.prefix_state(pid) for pid in cache.prefix_ids()}
-    tx_id = cache.open_transaction_id
+    tx_id = cache.steps.open_transaction_id
     tx = None
     if tx_id is not None:
         view = cache.transaction_view(tx_id)
         metadata = [view.block_tables.flatten()]
         for g in groups:
-            slots = cache.transaction_slots(tx_id, group=g)
+            slots = cache.steps.transaction_slots(tx_id, group=g)
             metadata += [slots.positions, slots.block_ids, slots.offsets, slots.seq_lens_after]
         tx = (
             tx_id,
-            cache.layers_written(tx_id),
+            cache.steps.layers_written(tx_id),
             cache.metrics()["num_reserved_blocks"],
             torch.cat(metadata).clone(),
         )
@@ -52,11 +52,11 @@ def snapshot(cache: PagedKVCache) -> dict[str, Any]:
         "num_free_blocks": cache.num_free_blocks,
         "requests": requests,
         "prefixes": prefixes,
-        "open_transaction_id": cache.open_transaction_id,
+        "open_transaction_id": cache.steps.open_transaction_id,
         "tx": tx,
         "history": list(cache._tx.history),
     }
-    storage = [_bits(t).clone() for g in groups for t in cache.group_kv(g)]
+    storage = [_bits(t).clone() for g in groups for t in group_kv(cache, g)]
     if len(groups) == 1:  # the SPEC names of a single-group cache's storage
         state["k"], state["v"] = storage
     else:

@@ -17,7 +17,7 @@ GROUPED = "(2,24,2,2,4):float32:2;(2,24,4,1,4):float32:1"
 def _write_all(cache: PagedKVCache, tx, seed: int) -> None:
     count = len(tx.request_ids)
     for layer in range(cache.num_layers):
-        g = cache.layer_group(layer)
+        g = cache.layout.layer_group(layer)
         spec = cache.kv_groups[g]
         k = tokens(cache, count, seed * 100 + 2 * layer, spec.num_kv_heads)
         v = tokens(cache, count, seed * 100 + 2 * layer + 1, spec.num_kv_heads)
@@ -29,7 +29,7 @@ def _observed(cache: PagedKVCache, tx, rids) -> list[torch.Tensor]:
     """Everything a step's caller and writers read: the view and every group's slots."""
     out = [tx.positions, tx.block_ids, tx.offsets, tx.seq_lens, tx.block_tables]
     for g in range(len(cache.kv_groups)):
-        slots = cache.transaction_slots(tx, group=g)
+        slots = cache.steps.transaction_slots(tx, group=g)
         batch = slots.num_rows
         # the gathered tables must equal the device tables' rows (whatever path made them)
         rows = slots.request_slots[: slots.batch]

@@ -327,11 +327,11 @@ TX_CASES = [
     ),
     (
         "all-layers-after-one",
-        lambda c, t: c.write_all_layers_with(t, lambda: None),
+        lambda c, t: c.steps.write_all_layers_with(t, lambda: None),
         RuntimeError,
         "already has 1 layer",
     ),
-    ("slots-type", lambda c, t: c.transaction_slots("x"), TypeError, "TokenTransactionView"),
+    ("slots-type", lambda c, t: c.steps.transaction_slots("x"), TypeError, "TokenTransactionView"),
     ("commit-early", lambda c, t: c.commit_token(t), RuntimeError, "1 of 2 layers"),
     ("begin-second", lambda c, t: c.begin_token(["b"]), RuntimeError, "is open"),
     ("finish-in-tx", lambda c, t: c.finish_request("a"), RuntimeError, "is open"),
@@ -344,7 +344,7 @@ TX_CASES = [
 )
 def test_rejected_transaction_calls_leave_it_open_and_unchanged(call, exc, match):
     cache = populated(num_layers=2, open_tx=True)
-    tx = cache.transaction_view(cache.open_transaction_id)
+    tx = cache.transaction_view(cache.steps.open_transaction_id)
     assert_rejected(cache, exc, match, lambda: call(cache, tx))
     # the transaction still completes normally
     cache.write_token_layer(tx, 1, kv(cache, 2), kv(cache, 2))

@@ -9,7 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, lifetime_blocks, window_block_bound
 from flashdec.cache import KVGroupSpec, PagedKVCache, parse_kv_spec
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
-from tests.cache.helpers import decode_inputs, request_first_block
+from tests.cache.helpers import decode_inputs, group_kv, request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 
 # a full group (2 layers, 2 KV heads, D 8, blocks of 4) and a window group (1 layer, 1 KV head,
@@ -32,7 +32,7 @@ class History:
         self.v: dict[tuple[object, int], list[torch.Tensor]] = {}
 
     def rows(self, layer: int, count: int) -> torch.Tensor:
-        spec = self.cache.kv_groups[self.cache.layer_group(layer)]
+        spec = self.cache.kv_groups[self.cache.layout.layer_group(layer)]
         shape = (count, spec.num_kv_heads, spec.head_dim)
         rows = torch.randn(shape, generator=self.gen).to(self.cache.device)
         return rows if spec.dtype == torch.float8_e4m3fn else rows.to(spec.dtype)
@@ -63,11 +63,11 @@ class History:
         cache = self.cache
         length = cache.seq_len(rid)
         for layer in range(cache.num_layers):
-            g = cache.layer_group(layer)
+            g = cache.layout.layer_group(layer)
             spec = cache.kv_groups[g]
             table = cache.block_tables([rid], group=g)[0].tolist()
             start = 0 if spec.window is None else max(0, length + 1 - spec.window)
-            k_layer, v_layer = cache.layer_kv(layer)
+            k_layer, v_layer = cache.layout.layer_kv(layer)
             for pos in range(start, length):
                 block = int(table[pos // spec.block_size])
                 offset = pos % spec.block_size
@@ -78,19 +78,22 @@ class History:
 def test_construction_and_read_api():
     cache = make()
     groups = parse_kv_spec(SPEC)
-    assert cache.kv_groups == groups and cache.num_groups == 2 and cache.num_layers == 3
-    assert [cache.layer_group(i) for i in range(3)] == LAYER_GROUPS
-    assert cache.group_layers(0) == (0, 2) and cache.group_layers(1) == (1,)
-    k0, v0 = cache.group_kv(0)
-    k1, v1 = cache.group_kv(1)
+    assert cache.kv_groups == groups and cache.layout.num_groups == 2 and cache.num_layers == 3
+    assert [cache.layout.layer_group(i) for i in range(3)] == LAYER_GROUPS
+    assert cache.layout.group_layers(0) == (0, 2) and cache.layout.group_layers(1) == (1,)
+    k0, v0 = group_kv(cache, 0)
+    k1, v1 = group_kv(cache, 1)
     assert k0.shape == v0.shape == (2, 32, 2, 4, 8) and k1.shape == (1, 12, 1, 2, 4)
-    assert cache.layer_kv(2)[0].data_ptr() == k0[1].data_ptr()
-    assert cache.layer_kv(1)[1].data_ptr() == v1[0].data_ptr()
-    assert cache.kv_groups[1].num_blocks == 12 == cache.group_free_blocks(1)
+    assert cache.layout.layer_kv(2)[0].data_ptr() == k0[1].data_ptr()
+    assert cache.layout.layer_kv(1)[1].data_ptr() == v1[0].data_ptr()
+    assert cache.kv_groups[1].num_blocks == 12 == cache.layout.group_free_blocks(1)
     assert cache.max_blocks == cache.num_free_blocks == 44
     # one token limit: the full pool's 32 * 4 tokens, in each group's blocks
-    assert cache.group_max_blocks_per_seq(0) == 32 and cache.group_max_blocks_per_seq(1) == 64
-    for name in ("k_cache", "v_cache", "bytes_per_block"):
+    assert (
+        cache.layout.group_max_blocks_per_seq(0) == 32
+        and cache.layout.group_max_blocks_per_seq(1) == 64
+    )
+    for name in ("k_cache", "v_cache"):
         with pytest.raises(RuntimeError, match="group"):
             getattr(cache, name)
     assert cache.dtype == torch.float32  # the groups agree on it
@@ -113,11 +116,11 @@ def test_construction_and_read_api():
 
 def test_default_layer_groups_are_consecutive_and_all_window_caches_size_from_the_pool():
     cache = PagedKVCache(kv_spec=SPEC, device="cpu")
-    assert [cache.layer_group(i) for i in range(3)] == [0, 0, 1]
+    assert [cache.layout.layer_group(i) for i in range(3)] == [0, 0, 1]
     windows = PagedKVCache(kv_spec="(2,4,2,1,4):float32:1:window=3", device="cpu")
-    assert windows.group_max_blocks_per_seq(0) == 4
+    assert windows.layout.group_max_blocks_per_seq(0) == 4
     longer = PagedKVCache(kv_spec="(2,4,2,1,4):float32:1:window=3", device="cpu", max_seq_len=99)
-    assert longer.group_max_blocks_per_seq(0) == 50
+    assert longer.layout.group_max_blocks_per_seq(0) == 50
 
 
 @pytest.mark.parametrize(
@@ -197,11 +200,11 @@ def test_decode_over_the_window_group_matches_the_dense_reference():
         tx = cache.begin_token(rids)
         history.write(tx, rids, [1] * 3)
         for layer in range(cache.num_layers):
-            g = cache.layer_group(layer)
+            g = cache.layout.layer_group(layer)
             spec = cache.kv_groups[g]
             tables, lens = decode_inputs(cache, tx, group=g)
             q = torch.randn(3, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
-            k_layer, v_layer = cache.layer_kv(layer)
+            k_layer, v_layer = cache.layout.layer_kv(layer)
             out = paged_decode_attention_ref(
                 q,
                 k_layer,
@@ -231,11 +234,11 @@ def test_prompt_import_longer_than_the_window_stores_only_the_tail():
     cache.add_request("long")
     cache.add_request("short")
     tx = cache.begin_tokens(["long", "short"], [23, 2])
-    slots = cache.transaction_slots(tx, group=1)
+    slots = cache.steps.transaction_slots(tx, group=1)
     # the window group keeps positions [23 + 1 - 5, 23) = [19, 23): blocks 9..11 (18..23)
     assert slots.token_rows.tolist() == [18, 19, 20, 21, 22, 23, 24]
     assert slots.positions.tolist() == [18, 19, 20, 21, 22, 0, 1]
-    assert cache.transaction_slots(tx, group=0).token_rows is None
+    assert cache.steps.transaction_slots(tx, group=0).token_rows is None
     assert cache.metrics()["groups"][1]["num_reserved_blocks"] == 3 + 1
     view = cache.transaction_view(tx)  # group 0 stores every token
     assert (view.block_ids >= 0).all()
@@ -247,7 +250,7 @@ def test_prompt_import_longer_than_the_window_stores_only_the_tail():
     assert (
         tables.shape == (2, 64)
         and tables[0, 9:12].tolist()
-        == cache.transaction_slots(tx, group=1).block_ids[[0, 2, 4]].tolist()
+        == cache.steps.transaction_slots(tx, group=1).block_ids[[0, 2, 4]].tolist()
     )
     assert tables[0, :9].tolist() == [0] * 9
     history.write(tx, ["long", "short"], [23, 2])
@@ -280,7 +283,7 @@ def test_window_of_one_keeps_nothing_between_steps():
         assert cache.metrics()["groups"][0]["max_blocks_per_request"] == 1
         history.write(tx, ["a"], [1])
         tables, lens = decode_inputs(cache, tx)
-        k_layer, _ = cache.layer_kv(0)
+        k_layer, _ = cache.layout.layer_kv(0)
         pos = int(lens[0]) - 1
         block = int(tables[0, pos // 2])
         assert torch.equal(k_layer[block, :, pos % 2], history.k[("a", 0)][pos])
@@ -382,9 +385,9 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
     spec = "(2,8,2,2,4):float8_e4m3fn:1;(2,8,2,2,4):float32:1"
     scales = [(torch.tensor([0.5, 2.0]), 0.25), None]
     cache = PagedKVCache(kv_spec=spec, device="cpu", kv_scales=scales)
-    k_scale, v_scale = cache.group_kv_scales(0)
+    k_scale, v_scale = cache.layout.group_kv_scales(0)
     assert k_scale.tolist() == [0.5, 2.0] and v_scale.tolist() == [0.25, 0.25]
-    assert cache.group_kv_scales(1) is None
+    assert cache.layout.group_kv_scales(1) is None
     cache.add_request("a")
     k = torch.tensor([[[1.0, -2.0, 1000.0, 0.0], [4.0, 8.0, -3000.0, 1.0]]])
     tx = cache.begin_token(["a"])
@@ -392,7 +395,7 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
     cache.write_token_layer(tx, 1, k, k)
     cache.commit_token(tx)
     block = cache.request_block_ids("a")[0]
-    k_fp8, v_fp8 = cache.group_kv(0)
+    k_fp8, v_fp8 = group_kv(cache, 0)
     stored_k = k_fp8[0, block, :, 0].float()
     expected = (k / k_scale.view(1, -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     assert torch.equal(stored_k, expected[0])
@@ -402,11 +405,11 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
         (k[0] / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float(),
     )
     fresh = PagedKVCache(kv_spec=spec, device="cpu")
-    assert fresh.group_kv_scales(0)[0].tolist() == [1.0, 1.0]
+    assert fresh.layout.group_kv_scales(0)[0].tolist() == [1.0, 1.0]
     scaled = PagedKVCache(
         kv_spec=spec, device="cpu", kv_scales=[(2.0, torch.tensor([1.0, 3.0])), None]
     )
-    assert scaled.group_kv_scales(0)[1].tolist() == [1.0, 3.0]
+    assert scaled.layout.group_kv_scales(0)[1].tolist() == [1.0, 3.0]
     with pytest.raises(ValueError, match="takes no scales"):
         PagedKVCache(kv_spec=spec, device="cpu", kv_scales=[None, (2.0, 2.0)])
     with pytest.raises(ValueError, match="finite and > 0"):
@@ -440,7 +443,7 @@ def test_legacy_append_on_a_single_window_layer_releases_blocks():
         cache.validate_invariants()
         assert len(cache.request_block_ids("a")) == blocks_for_tokens(step + 1, 2, 3)
     table = cache.block_tables(["a"])[0].tolist()
-    k_layer, v_layer = cache.layer_kv(0)
+    k_layer, v_layer = cache.layout.layer_kv(0)
     for pos in range(9 + 1 - 3, 9):  # what the next decode reads
         assert torch.equal(k_layer[table[pos // 2], :, pos % 2], written[pos])
         assert torch.equal(v_layer[table[pos // 2], :, pos % 2], -written[pos])
@@ -455,10 +458,10 @@ def test_padded_step_over_groups_pads_every_group():
     history.prefill(["a", "b"], [6, 1])
     tx = cache.begin_token(["a", "b"], pad_to=4)
     for g in range(2):
-        slots = cache.transaction_slots(tx, group=g)
+        slots = cache.steps.transaction_slots(tx, group=g)
         assert slots.num_rows == 4 and slots.block_ids[2:].tolist() == [-1, -1]
         assert slots.seq_lens_after.tolist() == [7, 2, 0, 0]
-        assert slots.block_tables.shape == (4, cache.group_max_blocks_per_seq(g))
+        assert slots.block_tables.shape == (4, cache.layout.group_max_blocks_per_seq(g))
     cache.abort_token(tx)
     cache.validate_invariants()
 
@@ -485,7 +488,7 @@ def test_shared_prefixes_span_every_full_group():
     cache.validate_invariants()
     tables = [cache.block_tables(["a"], group=g)[0].tolist() for g in range(2)]
     for layer, g, local in ((0, 1, 0), (1, 0, 0), (2, 1, 1)):
-        k_layer, _ = cache.layer_kv(layer)
+        k_layer, _ = cache.layout.layer_kv(layer)
         for pos in range(4):  # the prefix's tokens read back through each group's table
             got = k_layer[tables[g][pos // 2], :, pos % 2]
             assert torch.equal(got, k[g][local, pos // 2, :, pos % 2])
@@ -501,7 +504,7 @@ def test_shared_prefixes_span_every_full_group():
     assert cache.prefix_ids() == ["r"]
     with pytest.raises(ValueError, match="unknown prefix"):
         cache.prefix_state("q", group=1)
-    assert cache.group_free_blocks(0) == 5 and cache.group_free_blocks(1) == 1
+    assert cache.layout.group_free_blocks(0) == 5 and cache.layout.group_free_blocks(1) == 1
     assert_rejected(
         cache, RuntimeError, "capacity", lambda: cache.register_prefix("s", blocks(5), blocks(5))
     )

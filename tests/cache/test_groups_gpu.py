@@ -9,7 +9,7 @@ import torch
 from flashdec._blocks import blocks_for_tokens, window_block_bound
 from flashdec.cache import PagedKVCache
 from flashdec.reference import dense_decode_attention_ref, paged_decode_attention_ref
-from tests.cache.helpers import decode_inputs
+from tests.cache.helpers import decode_inputs, group_kv
 from tests.cache.snapshot import snapshot
 from tests.cache.test_groups import History
 
@@ -32,12 +32,12 @@ def test_long_generation_keeps_window_blocks_bounded_and_decodes_like_dense():
         history.write(tx, rids, [1] * len(rids))
         if step % 40 == 39:  # decode every layer against the dense reference
             for layer in range(cache.num_layers):
-                g = cache.layer_group(layer)
+                g = cache.layout.layer_group(layer)
                 spec = cache.kv_groups[g]
                 tables, lens = decode_inputs(cache, tx, group=g)
                 q = torch.randn(4, 2 * spec.num_kv_heads, spec.head_dim, generator=gen)
                 q = q.to(device="cuda", dtype=spec.dtype)
-                k_layer, v_layer = cache.layer_kv(layer)
+                k_layer, v_layer = cache.layout.layer_kv(layer)
                 tables, lens = tables.to(torch.int32), lens.to(torch.int32)
                 out = paged_decode_attention_ref(
                     q, k_layer, v_layer, tables, lens, window=spec.window
@@ -86,7 +86,7 @@ def test_fp8_group_on_gpu_quantizes_with_its_scales():
     history = History(cache, seed=3)
     cache.add_request("a")
     history.prefill(["a"], [40])
-    k_fp8, _ = cache.group_kv(0)
+    k_fp8, _ = group_kv(cache, 0)
     block = cache.request_block_ids("a")[0]
     want = (history.k[("a", 0)][3].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(k_fp8[0, block, :, 3].view(torch.uint8), want.view(torch.uint8))

@@ -85,7 +85,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
 
     # ---- model ----------------------------------------------------------------------------
     def spec_of(self, layer: int) -> KVGroupSpec:
-        return self.cache.kv_groups[self.cache.layer_group(layer)]
+        return self.cache.kv_groups[self.cache.layout.layer_group(layer)]
 
     def rows(self, layer: int, count: int) -> torch.Tensor:
         spec = self.spec_of(layer)
@@ -124,7 +124,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
 
     def expected_error(self, rids, counts):
         for g, spec in enumerate(self.cache.kv_groups):
-            width = self.cache.group_max_blocks_per_seq(g)
+            width = self.cache.layout.group_max_blocks_per_seq(g)
             for rid, n in zip(rids, counts, strict=True):
                 if -(-(self.length(rid) + n) // spec.block_size) > width:
                     return "is full"
@@ -242,8 +242,8 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         for t in range(num_blocks * bs):
             per_layer = []
             for layer in range(cache.num_layers):
-                g = cache.layer_group(layer)
-                local = cache.group_layers(g).index(layer)
+                g = cache.layout.layer_group(layer)
+                local = cache.layout.group_layers(g).index(layer)
                 per_layer.append((k[g][local, t // bs, :, t % bs], v[g][local, t // bs, :, t % bs]))
             tokens.append(per_layer)
         before = snapshot(cache)
@@ -288,7 +288,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         cache.validate_invariants()
         groups = cache.metrics()["groups"]
         for g in range(len(cache.kv_groups)):
-            assert cache.group_free_blocks(g) == self.free(g) == groups[g]["num_free_blocks"]
+            assert cache.layout.group_free_blocks(g) == self.free(g) == groups[g]["num_free_blocks"]
             for rid in self.active():
                 assert len(cache.request_block_ids(rid, group=g)) == self.held(g, rid)
                 if request_first_block(cache, rid, group=g):
@@ -304,7 +304,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
         cache = self.cache
         length = self.length(rid)
         for layer in range(cache.num_layers):
-            g = cache.layer_group(layer)
+            g = cache.layout.layer_group(layer)
             spec = cache.kv_groups[g]
             start = 0 if spec.window is None else max(0, length + 1 - spec.window)
             if start >= length:
@@ -312,7 +312,7 @@ class GroupedCacheMachine(RuleBasedStateMachine):
             table = cache.block_tables([rid], group=g)[0].long()
             t = torch.arange(start, length)
             blocks, offsets = table[t // spec.block_size], t % spec.block_size
-            k_layer, v_layer = cache.layer_kv(layer)
+            k_layer, v_layer = cache.layout.layer_kv(layer)
             want_k = torch.stack([self.tokens[rid][p][layer][0] for p in range(start, length)])
             want_v = torch.stack([self.tokens[rid][p][layer][1] for p in range(start, length)])
             assert torch.equal(_bits(k_layer[blocks, :, offsets]), _bits(want_k))

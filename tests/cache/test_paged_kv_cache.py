@@ -34,14 +34,14 @@ def test_storage_geometry_and_layer_views():
     assert cache.k_cache.shape == (3, 5, 2, 4, 8) == cache.v_cache.shape
     assert cache.k_cache.dtype == torch.float32 and not cache.k_cache.any()
     assert cache.max_blocks_per_seq == 5 and cache.num_free_blocks == 5
-    k1, v1 = cache.layer_kv(1)
+    k1, v1 = cache.layout.layer_kv(1)
     assert k1.shape == (5, 2, 4, 8)
     assert (
         k1.data_ptr() == cache.k_cache[1].data_ptr()
         and v1.data_ptr() == cache.v_cache[1].data_ptr()
     )
     with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 3\)"):
-        cache.layer_kv(3)
+        cache.layout.layer_kv(3)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_paged_reference_decodes_what_was_appended():
             dense_k[rids.index(rid), step] = k[row]
             dense_v[rids.index(rid), step] = v[row]
     q = tokens(cache, 3, 77, heads=4)
-    k_layer, v_layer = cache.layer_kv(0)
+    k_layer, v_layer = cache.layout.layer_kv(0)
     out = paged_decode_attention_ref(
         q, k_layer, v_layer, cache.block_tables(rids), cache.seq_lens_tensor(rids)
     )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashdec.cache import PagedKVCache
-from tests.cache.helpers import request_first_block
+from tests.cache.helpers import group_kv, request_first_block
 from tests.cache.snapshot import assert_rejected, assert_same_state, snapshot
 from tests.cache.util import make_cache, tokens
 
@@ -16,7 +16,7 @@ GROUPED = "(2,16,2,2,4):float32:2;(2,16,2,1,4):float32:1:window=6"
 
 def _write_all(cache, tx, num_tokens: int, seed: int) -> None:
     for layer in range(cache.num_layers):
-        g = cache.layer_group(layer)
+        g = cache.layout.layer_group(layer)
         spec = cache.kv_groups[g]
         gen = torch.Generator().manual_seed(seed * 100 + layer)
         shape = (num_tokens, spec.num_kv_heads, spec.head_dim)
@@ -32,7 +32,7 @@ def _grow(cache, rids, counts, seed):
 
 
 def _blocks_held(cache, rid) -> list[int]:
-    return [len(cache.request_block_ids(rid, group=g)) for g in range(cache.num_groups)]
+    return [len(cache.request_block_ids(rid, group=g)) for g in range(cache.layout.num_groups)]
 
 
 @pytest.mark.parametrize("kv_spec", [None, GROUPED])
@@ -53,7 +53,9 @@ def test_partial_commit_equals_committing_only_the_kept_tokens(kv_spec, accept):
         return cache
 
     partial, whole = build(), build()
-    storage_before = [t.clone() for g in range(partial.num_groups) for t in partial.group_kv(g)]
+    storage_before = [
+        t.clone() for g in range(partial.layout.num_groups) for t in group_kv(partial, g)
+    ]
     tx = partial.begin_tokens(["a", "b"], [4, 5])
     _write_all(partial, tx, 9, seed=2)
     view = partial.commit_token(tx, accept)
@@ -71,14 +73,16 @@ def test_partial_commit_equals_committing_only_the_kept_tokens(kv_spec, accept):
     for rid in ("a", "b"):
         assert whole.seq_len(rid) == partial.seq_len(rid)
         assert _blocks_held(whole, rid) == _blocks_held(partial, rid)
-    for g in range(partial.num_groups):
-        assert whole.group_free_blocks(g) == partial.group_free_blocks(g)
+    for g in range(partial.layout.num_groups):
+        assert whole.layout.group_free_blocks(g) == partial.layout.group_free_blocks(g)
     # what each request can read is the same, and every other slot holds its old bytes
     for rid in ("a", "b"):
         assert _readable(whole, rid) == _readable(partial, rid)
-    for g in range(partial.num_groups):
+    for g in range(partial.layout.num_groups):
         owned = {slot for rid in ("a", "b") for slot in _slots(partial, rid, g)}
-        for now, before in zip(partial.group_kv(g), storage_before[2 * g : 2 * g + 2], strict=True):
+        for now, before in zip(
+            group_kv(partial, g), storage_before[2 * g : 2 * g + 2], strict=True
+        ):
             changed = (now != before).any(-1).any(2).any(0)  # [L, NB, H, bs, D] -> [NB, bs]
             assert {tuple(x) for x in changed.nonzero().tolist()} <= owned
 
@@ -93,8 +97,8 @@ def _slots(cache, rid, g) -> list[tuple[int, int]]:
 
 def _readable(cache, rid) -> list[list[float]]:
     out = []
-    for g in range(cache.num_groups):
-        k, v = cache.group_kv(g)
+    for g in range(cache.layout.num_groups):
+        k, v = group_kv(cache, g)
         for block, offset in _slots(cache, rid, g):
             out.append(torch.cat([k[:, block, :, offset], v[:, block, :, offset]]).tolist())
     return out
@@ -103,7 +107,7 @@ def _readable(cache, rid) -> list[list[float]]:
 def _write_kept(cache, tx, accept, seed):
     """Write, for the kept tokens only, the rows ``_write_all`` gives them in a 9-token tx."""
     for layer in range(cache.num_layers):
-        g = cache.layer_group(layer)
+        g = cache.layout.layer_group(layer)
         spec = cache.kv_groups[g]
         gen = torch.Generator().manual_seed(seed * 100 + layer)
         shape = (9, spec.num_kv_heads, spec.head_dim)
@@ -167,7 +171,7 @@ def test_a_bad_accept_changes_nothing_and_leaves_the_transaction_open(cache, acc
     before = snapshot(cache)
     assert_rejected(cache, error, match, lambda: cache.commit_token(tx, accept))
     assert_same_state(cache, before)
-    assert cache.open_transaction_id == tx.transaction_id
+    assert cache.steps.open_transaction_id == tx.transaction_id
     cache.commit_token(tx, [2, 1])
     assert (cache.seq_len("a"), cache.seq_len("b")) == (2, 1)
     cache.validate_invariants()

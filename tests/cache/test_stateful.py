@@ -411,7 +411,7 @@ class CacheMachine(RuleBasedStateMachine):
             for t, (k, v) in enumerate(self.requests[rid].tokens):
                 dense_k[b, t], dense_v[b, t] = k[0], v[0]
         q = self.rand((len(rids), 2 * cache.num_kv_heads, cache.head_dim), seed)
-        k_layer, v_layer = cache.layer_kv(0)
+        k_layer, v_layer = cache.layout.layer_kv(0)
         out = paged_decode_attention_ref(q, k_layer, v_layer, cache.block_tables(rids), lens)
         expected = dense_decode_attention_ref(q, dense_k, dense_v, lens)
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)

@@ -174,7 +174,7 @@ def test_transaction_view_accepts_open_handles_only(cache):
     cache.add_request("a")
     tx = cache.begin_token(["a"])
     assert cache.transaction_view(tx.transaction_id).transaction_id == tx.transaction_id
-    assert cache.open_transaction_id == tx.transaction_id
+    assert cache.steps.open_transaction_id == tx.transaction_id
     cache.abort_token(tx)
     with pytest.raises(RuntimeError, match="already aborted"):
         cache.transaction_view(tx)

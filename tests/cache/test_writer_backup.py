@@ -17,10 +17,10 @@ from tests.cache.util import commit_token, make_cache, tokens
 def saving_writer(cache: PagedKVCache, tx, layer: int, k, v, fail: bool = False):
     """A writer that saves the slots' old bytes into the transaction backup, then stores (and
     then raises, with ``fail``) — the fused append kernel's contract."""
-    group = cache.layer_group(layer)
-    layers = cache.group_layers(group)
+    group = cache.layout.layer_group(layer)
+    layers = cache.layout.group_layers(group)
     local, count = layers.index(layer), len(layers)
-    backup = cache.transaction_backup(tx, group=group)
+    backup = cache.steps.transaction_backup(tx, group=group)
 
     def write(k_layer, v_layer, slots):
         ids, offsets = slots.block_ids[: slots.batch], slots.offsets[: slots.batch]
@@ -42,7 +42,7 @@ def test_abort_restores_exactly_the_layers_whose_writer_ran():
     for fail_at in range(cache.num_layers + 1):
         before = snapshot(cache)
         tx = cache.begin_token(["a", "b"], backup_by_writer=True)
-        backup = cache.transaction_backup(tx)
+        backup = cache.steps.transaction_backup(tx)
         assert backup.shape == (2 * cache.num_layers, 2 * cache.num_kv_heads, cache.head_dim)
         assert backup.dtype == cache.dtype
         backup.fill_(7.0)  # stale rows: restoring a layer no writer saved would show
@@ -53,7 +53,7 @@ def test_abort_restores_exactly_the_layers_whose_writer_ran():
             else:
                 with pytest.raises(OSError, match="injected"):
                     saving_writer(cache, tx, layer, k, v, fail=True)
-                assert cache.layers_written(tx) == layer
+                assert cache.steps.layers_written(tx) == layer
         cache.abort_token(tx)
         after = snapshot(cache)
         assert torch.equal(after["k"], before["k"]) and torch.equal(after["v"], before["v"])
@@ -69,7 +69,7 @@ def test_the_backup_has_fixed_addresses_per_batch_size():
     pointers = set()
     for _ in range(3):
         tx = cache.begin_token(["a", "b"], backup_by_writer=True)
-        pointers.add(cache.transaction_backup(tx).data_ptr())
+        pointers.add(cache.steps.transaction_backup(tx).data_ptr())
         for layer in range(cache.num_layers):
             saving_writer(cache, tx, layer, tokens(cache, 2, layer), tokens(cache, 2, 5))
         cache.commit_token(tx)
@@ -82,8 +82,8 @@ def test_complete_backup_restores_every_layer_whatever_the_writers_did():
     commit_token(cache, ["a"], seed=3)
     before = snapshot(cache)
     tx = cache.begin_token(["a"], backup_by_writer=True)
-    cache.complete_backup(tx)
-    assert cache.transaction_backup(tx) is None  # the cache's backup now
+    cache.steps.complete_backup(tx)
+    assert cache.steps.transaction_backup(tx) is None  # the cache's backup now
     for layer in range(cache.num_layers):  # writers that save nothing
         cache.write_token_layer(tx, layer, tokens(cache, 1, layer), tokens(cache, 1, 9))
     cache.abort_token(tx)
@@ -96,7 +96,9 @@ def test_complete_backup_comes_before_the_first_layer():
     cache.add_request("a")
     tx = cache.begin_token(["a"], backup_by_writer=True)
     saving_writer(cache, tx, 0, tokens(cache, 1, 0), tokens(cache, 1, 1))
-    assert_rejected(cache, RuntimeError, "before the first", lambda: cache.complete_backup(tx))
+    assert_rejected(
+        cache, RuntimeError, "before the first", lambda: cache.steps.complete_backup(tx)
+    )
     cache.abort_token(tx)
 
 
@@ -104,13 +106,13 @@ def test_no_writer_backup_without_the_option_or_without_restore():
     cache = make_cache()
     cache.add_request("a")
     tx = cache.begin_token(["a"])
-    assert cache.transaction_backup(tx) is None
-    cache.complete_backup(tx)  # nothing to complete
+    assert cache.steps.transaction_backup(tx) is None
+    cache.steps.complete_backup(tx)  # nothing to complete
     cache.abort_token(tx)
     cache = make_cache(restore_on_abort=False)
     cache.add_request("a")
     tx = cache.begin_token(["a"], backup_by_writer=True)
-    assert cache.transaction_backup(tx) is None
+    assert cache.steps.transaction_backup(tx) is None
     cache.abort_token(tx)
 
 
@@ -139,7 +141,7 @@ def test_multi_group_abort_restores_the_attempted_layers_of_each_group():
         before = snapshot(cache)
         tx = cache.begin_token(["a", "b"], backup_by_writer=True)
         for g in range(len(cache.kv_groups)):
-            cache.transaction_backup(tx, group=g).fill_(7.0)
+            cache.steps.transaction_backup(tx, group=g).fill_(7.0)
         for layer in range(min(fail_at + 1, cache.num_layers)):
             k, v = history.rows(layer, 2), history.rows(layer, 2)
             if layer < fail_at:

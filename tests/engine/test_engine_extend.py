@@ -76,7 +76,7 @@ def test_an_n_token_step_equals_its_tokens_one_by_one(append_backend, decode_bac
         for rid in ("a", "b", "c"):
             tables = [c.block_tables([rid])[0] for c in (mixed.cache, serial.cache)]
             for kv_mixed, kv_serial in zip(
-                mixed.cache.layer_kv(layer), serial.cache.layer_kv(layer), strict=True
+                mixed.cache.layout.layer_kv(layer), serial.cache.layout.layer_kv(layer), strict=True
             ):
                 n = mixed.cache.seq_len(rid)
                 blocks = -(-n // mixed.cache.block_size)
@@ -150,12 +150,13 @@ def test_n_equal_one_everywhere_is_the_decode_step():
         ({"num_tokens": [1]}, ValueError, "1 entries for 2 requests"),
         ({"num_tokens": [2, 0]}, ValueError, r"num_tokens\[1\] must be >= 1"),
         ({"num_tokens": [2, 1.0]}, TypeError, r"num_tokens\[1\] must be an int"),
-        ({"num_tokens": [2, 1], "pad_to": 4}, ValueError, "pad_to and plan_len are for one-token"),
-        (
-            {"num_tokens": [2, 1], "plan_len": 64},
-            ValueError,
-            "pad_to and plan_len are for one-token",
-        ),
+        ({"num_tokens": [2, 1], "pad_to": 4}, ValueError, "rows all bring the same number"),
+        ({"num_tokens": [2, 1], "plan_len": 64}, ValueError, "rows all bring the same number"),
+        ({"num_tokens": [3, 3], "pad_to": 1}, ValueError, r"pad_to \(1\) must be >= the batch"),
+        ({"num_tokens": [3, 3], "pad_to": 2.0}, TypeError, "pad_to"),
+        ({"num_tokens": [3, 3], "plan_len": 0}, ValueError, "plan_len"),
+        ({"num_tokens": [3, 200], "pad_to": 4}, ValueError, "rows all bring the same number"),
+        ({"num_tokens": [200, 200], "pad_to": 4}, RuntimeError, "full|out of KV blocks"),
         ({"num_tokens": [2, 200]}, RuntimeError, "full|out of KV blocks"),
     ],
 )

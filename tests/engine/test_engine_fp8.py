@@ -12,6 +12,7 @@ import torch
 from flashdec import PagedKVCache, apply_rope, paged_decode_attention_ref
 from flashdec.engine import DecodeEngine, rope_paged_kv_append
 from flashdec.reference import dequantize_fp8
+from tests.cache.helpers import group_kv
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -45,7 +46,7 @@ def make_engine(append_backend="torch", decode_backend="torch", spec=SPEC):
 
 
 def geometry(cache, layer):
-    spec = cache.kv_groups[cache.layer_group(layer)]
+    spec = cache.kv_groups[cache.layout.layer_group(layer)]
     return spec.num_kv_heads, spec.head_dim
 
 
@@ -70,9 +71,9 @@ def prefill(engine, rid, length, gen):
 
 def stored_rows(cache, layer, slots):
     """Dequantized K and V of a step's reserved slots (float32 ``[rows, Hkv, D]``)."""
-    scales = cache.group_kv_scales(cache.layer_group(layer))
+    scales = cache.layout.group_kv_scales(cache.layout.layer_group(layer))
     rows = []
-    for t, scale in zip(cache.layer_kv(layer), scales or (None, None), strict=True):
+    for t, scale in zip(cache.layout.layer_kv(layer), scales or (None, None), strict=True):
         raw = t.view(torch.uint8)[slots.block_ids.long(), :, slots.offsets.long()].view(t.dtype)
         rows.append(raw.float() if scale is None else dequantize_fp8(raw, scale))
     return rows
@@ -83,14 +84,14 @@ def checked_step(engine, rids, gen):
     positions = cache.seq_lens_tensor(rids)
     tx = engine.begin_step(rids)
     for layer in range(cache.num_layers):
-        g = cache.layer_group(layer)
+        g = cache.layout.layer_group(layer)
         spec = cache.kv_groups[g]
         hkv, d = geometry(cache, layer)
         q = torch.randn(len(rids), HQ, d, generator=gen).to(BF16)
         k, v = torch.randn(2, len(rids), hkv, d, generator=gen).to(BF16)
         out = engine.step_layer(tx, layer, q, k, v)
         assert out.dtype == BF16 and out.shape == q.shape
-        slots = cache.transaction_slots(tx, group=g)
+        slots = cache.steps.transaction_slots(tx, group=g)
         # the new token is stored as rotated k and v, within FP8 rounding (3 mantissa bits)
         k_got, v_got = stored_rows(cache, layer, slots)
         k_rot = apply_rope(k, positions).float()
@@ -98,8 +99,8 @@ def checked_step(engine, rids, gen):
         torch.testing.assert_close(k_got, k_rot, **tol)
         torch.testing.assert_close(v_got, v.float(), **tol)
         # decode equals the reference over the cache's own (dequantized) storage
-        k_layer, v_layer = cache.layer_kv(layer)
-        scales = cache.group_kv_scales(g) or (None, None)
+        k_layer, v_layer = cache.layout.layer_kv(layer)
+        scales = cache.layout.group_kv_scales(g) or (None, None)
         ref = paged_decode_attention_ref(
             apply_rope(q, positions),
             k_layer,
@@ -140,10 +141,12 @@ def test_prefill_quantizes_with_the_group_scales(append_backend):
     admit(engine, ["a"])
     layers = prefill(engine, "a", 6, gen)
     cache = engine.cache
-    k_scale, v_scale = cache.group_kv_scales(0)
+    k_scale, v_scale = cache.layout.group_kv_scales(0)
     blocks = torch.tensor(cache.request_block_ids("a")).long()
     for layer, (k, v) in enumerate(layers):
-        for t, x, scale in zip(cache.layer_kv(layer), (k, v), (k_scale, v_scale), strict=True):
+        for t, x, scale in zip(
+            cache.layout.layer_kv(layer), (k, v), (k_scale, v_scale), strict=True
+        ):
             raw = t.view(torch.uint8)[blocks].view(FP8)  # [nb, Hkv, bs, D]
             got = raw.transpose(1, 2).reshape(-1, *x.shape[1:])[: x.shape[0]]
             want = (x.float() / scale.view(1, -1, 1)).clamp(-448, 448).to(FP8)
@@ -152,10 +155,10 @@ def test_prefill_quantizes_with_the_group_scales(append_backend):
 
 def _state(cache):
     lens = {rid: cache.seq_len(rid) for rid in cache.request_ids()}
-    free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
+    free = [cache.layout.group_free_blocks(g) for g in range(cache.layout.num_groups)]
     storage = [
-        torch.cat([t.flatten() for t in cache.group_kv(g)]).view(torch.uint8).clone()
-        for g in range(cache.num_groups)
+        torch.cat([t.flatten() for t in group_kv(cache, g)]).view(torch.uint8).clone()
+        for g in range(cache.layout.num_groups)
     ]
     return lens, free, storage
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from tests.cache.helpers import group_kv
 from tests.engine.conftest import graphed_step
 
 pytestmark = pytest.mark.gpu
@@ -65,9 +66,9 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
         tx = eager.begin_step(rids)
         want = [eager.step_layer(tx, i, *inputs[i]) for i in LAYERS]
         for i, g in enumerate(LAYER_GROUPS):
-            slots = cache.transaction_slots(tx, group=g)
-            k_scale, v_scale = cache.group_kv_scales(g)
-            k_layer, v_layer = cache.layer_kv(i)
+            slots = cache.steps.transaction_slots(tx, group=g)
+            k_scale, v_scale = cache.layout.group_kv_scales(g)
+            k_layer, v_layer = cache.layout.layer_kv(i)
             ref = paged_decode_attention_ref(
                 apply_rope(inputs[i][0], positions),
                 k_layer,
@@ -85,6 +86,6 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
         for i in LAYERS:
             torch.testing.assert_close(got[i], want[i], atol=0, rtol=0)
     for g in range(2):
-        for a, b in zip(cache.group_kv(g), graphed.cache.group_kv(g), strict=True):
+        for a, b in zip(group_kv(cache, g), group_kv(graphed.cache, g), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     graphed.cache.validate_invariants()

@@ -45,7 +45,7 @@ def test_engine_step_matches_reference_on_gpu(dtype, hq, hkv, dim):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         tables, lens = decode_inputs(cache, tx)
-        k_layer, v_layer = cache.layer_kv(layer)
+        k_layer, v_layer = cache.layout.layer_kv(layer)
         ref = paged_decode_attention_ref(apply_rope(q, positions), k_layer, v_layer, tables, lens)
         tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

@@ -10,16 +10,29 @@ from tests.engine.conftest import graphed_step, make_engine, run_step
 LAYERS, HQ, HKV, D, BS = 3, 8, 2, 64, 16
 
 
-def test_capture_and_replay_refuse_what_they_cannot_do(gen):
-    engine = make_engine()  # CPU, torch backends
+@pytest.mark.parametrize(
+    ("append_backend", "decode_backend", "message"),
+    [
+        ("torch", "torch", "decode_backend='triton'"),  # the torch decode syncs the host
+        # the torch append writes the capture's live row count on every replay: a later step
+        # with padding rows (block id -1) would write them into the pool's last block
+        ("torch", "triton", "append_backend 'fused' or 'triton'"),
+        ("triton", "triton", "CUDA"),
+    ],
+)
+def test_capture_and_replay_refuse_what_they_cannot_do(
+    gen, append_backend, decode_backend, message
+):
+    engine = make_engine(append_backend=append_backend, decode_backend=decode_backend)  # CPU
     for rid in ("a", "b"):
         engine.add_request(rid)
         engine.admit(rid)
     run_step(engine, ["a", "b"], gen)
     tx = engine.begin_step(["a", "b"])
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(RuntimeError, match=message):
         engine.capture_step(tx, lambda: None)
     assert engine.has_open_step  # a refused call changes nothing
+    assert engine.cache.steps.layers_written(tx) == 0
     with pytest.raises(TypeError, match="CapturedStep"):
         engine.replay_step(tx, object())
     engine.abort_step(tx)
@@ -68,7 +81,7 @@ def test_replayed_steps_equal_eager_steps_across_a_block_boundary():
         tables, lens = decode_inputs(eager.cache, tx)
         refs = [
             paged_decode_attention_ref(
-                apply_rope(inputs[i][0], positions), *eager.cache.layer_kv(i), tables, lens
+                apply_rope(inputs[i][0], positions), *eager.cache.layout.layer_kv(i), tables, lens
             )
             for i in range(LAYERS)
         ]

@@ -13,6 +13,7 @@ from flashdec.engine import DecodeEngine
 from flashdec.engine.loop import StepExecutor
 from flashdec.engine.snapshot import snapshot_from_cache
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
+from tests.cache.helpers import group_kv
 
 # group 0: full attention, 2 KV heads of 16; group 1: a 6-token window, 1 KV head of 8
 SPEC = "(2,40,4,2,16):float32:2;(2,12,4,1,8):float32:1:window=6"
@@ -32,7 +33,7 @@ def make_engine(append_backend="torch", decode_backend="torch", spec=SPEC, layer
 
 
 def geometry(engine, layer):
-    return GEOMETRY[engine.cache.layer_group(layer)]
+    return GEOMETRY[engine.cache.layout.layer_group(layer)]
 
 
 class Shadow:
@@ -46,7 +47,7 @@ class Shadow:
         self.v = {(layer, rid): [] for layer in layers for rid in rids}
 
     def reference(self, layer, rids, q_rot):
-        hkv, d, window = self.geometry[self.engine.cache.layer_group(layer)]
+        hkv, d, window = self.geometry[self.engine.cache.layout.layer_group(layer)]
         lens = [len(self.k[layer, rid]) for rid in rids]
         length = max(lens)
         k = torch.zeros(len(rids), length, hkv, d)
@@ -143,13 +144,14 @@ def _state(cache: PagedKVCache):
         rid: (
             cache.request_state(rid),
             cache.seq_len(rid),
-            [cache.request_block_ids(rid, group=g) for g in range(cache.num_groups)],
+            [cache.request_block_ids(rid, group=g) for g in range(cache.layout.num_groups)],
         )
         for rid in cache.request_ids()
     }
-    free = [cache.group_free_blocks(g) for g in range(cache.num_groups)]
+    free = [cache.layout.group_free_blocks(g) for g in range(cache.layout.num_groups)]
     storage = [
-        torch.cat([t.flatten() for t in cache.group_kv(g)]).clone() for g in range(cache.num_groups)
+        torch.cat([t.flatten() for t in group_kv(cache, g)]).clone()
+        for g in range(cache.layout.num_groups)
     ]
     return requests, free, storage
 

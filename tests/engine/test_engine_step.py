@@ -56,7 +56,7 @@ def test_step_layers_match_reference(append_backend, decode_backend, gen):
     for layer in range(NUM_LAYERS):
         q, k, v = layer_inputs(3, gen)
         out = engine.step_layer(tx, layer, q, k, v)
-        k_layer, v_layer = cache.layer_kv(layer)
+        k_layer, v_layer = cache.layout.layer_kv(layer)
         tables, lens = decode_inputs(cache, tx)
         q_rot = apply_rope(q, positions, rotary_dim=8)
         ref = paged_decode_attention_ref(q_rot, k_layer, v_layer, tables, lens)
@@ -127,7 +127,7 @@ def test_failure_at_any_layer_rolls_back_the_whole_token(fail_layer, where, gen,
         engine.step_layer(tx, layer, q, k, v)
     monkeypatch.undo()
     assert not engine.has_open_step
-    assert cache.open_transaction_id is None
+    assert cache.steps.open_transaction_id is None
     assert_same_durable_state(cache, before)
     with pytest.raises(RuntimeError, match="already aborted"):
         engine.abort_step(tx)

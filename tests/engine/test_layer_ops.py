@@ -159,7 +159,7 @@ def test_legacy_append_backends_store_identical_bytes(dtype):
         for backend, cache in caches.items():
             if step == 0:  # plain append with the two scatter backends
                 plain = "torch" if backend == "fused" else backend
-                cache.append_with(batch, plain_writer(plain, k, v))
+                cache.steps.append_with(batch, plain_writer(plain, k, v))
                 continue
             results[backend] = rope_paged_kv_append(
                 cache, 0, batch, q, k, v, rotary_dim=4, append_backend=backend

@@ -51,7 +51,7 @@ class _ZeroKV(StepExecutor):
         self.engine.commit_step(tx)
         if self.cache_prompts:
             for rid, _ in requests:
-                self.engine.cache.cache_request_blocks(rid)
+                self.engine.cache.prefix_cache.cache_request_blocks(rid)
 
     def decode(self, batch) -> tuple:
         qkv = torch.zeros(len(batch), 1, HEAD_DIM)
@@ -90,7 +90,7 @@ def simulate(
     engine = DecodeEngine(cache, append_backend="torch", decode_backend="torch")
     if prompts is not None:
         for rid, ids in prompts.items():  # read at admission; forgotten when it ends
-            engine.submissions.block_hashes[rid] = cache.block_hashes(ids)
+            engine.submissions.block_hashes[rid] = cache.prefix_cache.block_hashes(ids)
     for p in prefixes:
         blocks = torch.zeros(1, p.num_blocks, 1, block_size, HEAD_DIM)
         engine.register_prefix(p.prefix_id, blocks, blocks)
@@ -135,5 +135,5 @@ def simulate(
     out.steps = run.num_steps
     if prompts is not None:
         cache.validate_invariants()
-        out.prefix_cache_stats = cache.prefix_cache_stats()
+        out.prefix_cache_stats = cache.prefix_cache.stats()
     return out

@@ -93,13 +93,13 @@ def test_shared_blocks_admit_under_pressure_and_rejection_uses_the_real_pool():
     cache, engine, loop = _caching_loop(num_blocks=8)
     prompt = list(range(7))  # 3 full blocks
     for rid in ("a", "b"):  # 10 tokens each: 5 blocks; both need 10 of the 8
-        engine.submissions.block_hashes[rid] = cache.block_hashes(prompt)
+        engine.submissions.block_hashes[rid] = cache.prefix_cache.block_hashes(prompt)
         loop.submit(RequestSpec(rid, 7, 3, len(engine.submissions.specs)))
     first = loop.step()
     assert first.admitted == ("a",)  # b's hit is not cached yet: 5 blocks, 3 left
     second = loop.step()
     assert second.admitted == ("b",)  # now it shares a's 3 blocks: 2 new ones fit
-    assert cache.seq_len("b") >= 6 and cache.shared_cached_block_refs() == 3
+    assert cache.seq_len("b") >= 6 and cache.prefix_cache.shared_cached_block_refs() == 3
     # decided once, on the real pool: 9 blocks never fit 8, however many references are shared
     assert loop.rejection_reason(RequestSpec("big", 17, 1, 99)) is not None
     assert loop.rejection_reason(RequestSpec("ok", 15, 1, 99)) is None
