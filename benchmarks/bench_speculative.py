@@ -407,13 +407,24 @@ def _mechanism_lines(mechanism: list[dict]) -> list[str]:
     ]
 
 
+def _speculation_cells(r: dict) -> list:
+    """A row's speculation mode, tok/s, drafts, acceptance and tokens per step (either engine)."""
+    spec = r["mode"] != "off"
+    return [
+        r["mode"],
+        r["tok_s"],
+        f"{r['draft_tokens']:,}" if spec else "—",
+        f"{100 * r['acceptance_rate']:.1f}%" if spec else "—",
+        f"{r['tokens_per_step']:.2f}",
+    ]
+
+
 def _vllm_lines(rows: list[dict], vllm: dict | None) -> list[str]:
     if not vllm:
         return []
     base = {r["batch"]: r for r in rows if r["kind"] == "grounded chat" and r["mode"] == "off"}
     table = []
     for r in vllm["rows"]:
-        spec = r["mode"] != "off"
         mine = base.get(r["batch"])
         same = "—"
         if mine is not None:
@@ -422,11 +433,7 @@ def _vllm_lines(rows: list[dict], vllm: dict | None) -> list[str]:
         table.append(
             [
                 r["batch"],
-                r["mode"],
-                r["tok_s"],
-                f"{r['draft_tokens']:,}" if spec else "—",
-                f"{100 * r['acceptance_rate']:.1f}%" if spec else "—",
-                f"{r['tokens_per_step']:.2f}",
+                *_speculation_cells(r),
                 f"{r['generated_tokens']:,}",
                 "—" if mine is None else f"{r['tok_s'] / mine['tok_s']:.2f}",
                 same,
@@ -467,11 +474,7 @@ def report(
             [
                 f"{r['model']} ({r['kind']})",
                 r["batch"],
-                r["mode"],
-                r["tok_s"],
-                f"{r['draft_tokens']:,}" if spec else "—",
-                f"{100 * r['acceptance_rate']:.1f}%" if spec else "—",
-                f"{r['tokens_per_step']:.2f}",
+                *_speculation_cells(r),
                 f"{r['tok_s'] / base['tok_s']:.2f}" if spec else "1.00",
                 "yes" if r["identical_to_off"] else "NO",
             ]
