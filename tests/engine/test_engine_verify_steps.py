@@ -102,7 +102,7 @@ def test_capture_and_replay_refuse_steps_they_cannot_take_and_change_nothing():
     engine.abort_step(tx)
 
     tx = engine.begin_step(["a", "b"], num_tokens=[3, 3], pad_to=2)
-    with pytest.raises(RuntimeError, match="decode_backend=.triton."):  # torch backends (CPU)
+    with pytest.raises(RuntimeError, match=r"decode_backend=.triton."):  # torch backends (CPU)
         engine.capture_step(tx, lambda: None)
     generations = engine._open.generations
     same = CapturedStep(engine, None, None, 2, generations, (), tokens_per_row=3)
