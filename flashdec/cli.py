@@ -459,12 +459,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if pressed:
                 return _interrupted()
             raise
+        if pressed:  # a library's bare ``except`` swallowed the KeyboardInterrupt
+            return _interrupted()
         try:
             from rich.console import Console
 
             # piped output (CI logs, files) is not limited to rich's 80-column default
             console = Console(width=None if sys.stdout.isatty() else 120)
-            return _dispatch(parser, args, console)
+            status = _dispatch(parser, args, console)
+            return _interrupted() if pressed else status
         except KeyboardInterrupt:
             return _interrupted()
         except Exception as exc:

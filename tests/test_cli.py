@@ -787,6 +787,25 @@ def test_an_interrupt_during_start_up_is_one_line(monkeypatch, capsys):
     assert _assert_one_error_line(*capsys.readouterr()) == "flashdec: error: interrupted"
 
 
+@pytest.mark.parametrize("where", ["start-up", "the run"])
+def test_an_interrupt_a_library_swallows_still_ends_the_run(where, monkeypatch, capsys):
+    """A bare ``except`` in an imported library can eat the KeyboardInterrupt; the press is
+    still noted, and the run ends as interrupted instead of finishing with status 0."""
+
+    def swallowed(*args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # the handler runs (and raises) at the next bytecode
+        except BaseException:  # the library's bare except, on purpose
+            pass
+        return 0
+
+    target = "prepare_triton" if where == "start-up" else "_dispatch"
+    monkeypatch.setattr(runtime if where == "start-up" else cli, target, swallowed)
+    assert main(["env"]) == 130
+    assert _assert_one_error_line(*capsys.readouterr()) == "flashdec: error: interrupted"
+
+
 def test_the_command_module_imports_nothing_heavy():
     """torch and transformers load inside main, where Ctrl-C is one line, not a traceback."""
     code = "import sys, flashdec.cli; print(sorted({'torch', 'rich'} & set(sys.modules)))"
