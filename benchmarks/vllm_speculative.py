@@ -28,6 +28,7 @@ Importing this module does not import vLLM.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -153,7 +154,8 @@ def run(args, llm_class=None, sampling_params=None, tokenizer=None) -> dict:
     rows, settings = [], {}
     for mode in args.modes:
         settings[mode] = engine_args(args, mode)
-        llm = llm_class(model=args.model_dir, **settings[mode])
+        # a copy: vLLM writes its ModelConfig into the speculative_config dict it is given
+        llm = llm_class(model=args.model_dir, **copy.deepcopy(settings[mode]))
         params = sampling_params(temperature=0, max_tokens=args.new)
         for batch in args.batch:
             prompts = grounded_prompts(tokenizer, batch)

@@ -137,12 +137,17 @@ class FakeVllm:
     """``vllm.LLM`` as vllm_speculative.py uses it: ``generate`` over ``prompt_token_ids``
     (each answer ``max_tokens`` tokens from the prompt's ids), and, with an ngram
     ``speculative_config``, request steps of 2 accepted drafts + 1 token counted in
-    Prometheus-like counters (vLLM's names)."""
+    Prometheus-like counters (vLLM's names). Like vLLM 0.24, it writes the target's model
+    config (not JSON) into the ``speculative_config`` dict it is given."""
 
     instances: ClassVar[list] = []
 
     def __init__(self, model, speculative_config=None, **kwargs):
-        self.model, self.speculative, self.kwargs = model, speculative_config, kwargs
+        self.model, self.speculative, self.kwargs = model, dict(speculative_config or {}), kwargs
+        if speculative_config is not None:
+            speculative_config["target_model_config"] = object()
+        else:
+            self.speculative = None
         self.counters = dict.fromkeys(vllm_speculative.SPEC_METRICS, 0)
         FakeVllm.instances.append(self)
 
@@ -178,10 +183,13 @@ def _vllm_run(tmp_path, *extra: str) -> dict:
 
 def test_vllm_speculative_runs_ngram_with_flashdec_settings(tmp_path):
     """Importing vllm_speculative does not import vLLM; one engine per mode, speculation as
-    FlashDec's defaults; acceptance and tokens per step from vLLM's counters."""
+    FlashDec's defaults; acceptance and tokens per step from vLLM's counters; the settings
+    recorded are the ones given, serialisable although vLLM wrote into its copy."""
     assert "vllm" not in sys.modules
     FakeVllm.instances.clear()
     result = _vllm_run(tmp_path)
+    json.dumps(result)
+    assert result["engine_args"]["ngram"]["speculative_config"]["method"] == "ngram"
     off, ngram = FakeVllm.instances
     assert off.speculative is None and off.model == str(tmp_path)
     defaults = SpeculativeConfig()
