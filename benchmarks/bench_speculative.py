@@ -5,9 +5,10 @@ Sections (``--sections``, all by default):
 - ``mechanism``: on the Llama-3-8B shape (random weights), a verification step of n = 2, 4, 8
   tokens per request at B = 1, 8, 64 against the one-token step of the same batch, each as
   ``flashdec.LLM`` runs it (benchmarks/spec_mechanism.py: the one-token step replays its CUDA
-  graph, the verification step runs eagerly; both aborted, contexts of ``--mechanism-context``
-  tokens); medians of CUDA-event timings. ``--mechanism-json F`` takes these rows from an
-  earlier run of this script instead (a device call of its own).
+  graph; the LLM speculates ``n = 4`` tokens a step (3 drafts), so that width's verification
+  step replays its graph too, the others run packed and eager; both aborted, contexts of
+  ``--mechanism-context`` tokens); medians of CUDA-event timings. ``--reuse-json F`` takes these
+  rows from an earlier run of this script instead (a device call of its own).
 - ``real``: ``--real-model`` (SmolLM2-135M-Instruct, bf16 on a GPU) on input-grounded chat
   prompts (rewrite, fix typos, continue a list, edit code): the answer copies its input, so
   prompt lookup hits;
@@ -49,7 +50,7 @@ from benchmarks._common import (
     sync,
     write_results,
 )
-from benchmarks.spec_mechanism import measure_mechanism, mechanism_target
+from benchmarks.spec_mechanism import TARGET_WIDTH, measure_mechanism, mechanism_target
 
 SECTIONS = ("mechanism", "real", "random")
 # issue 23, at B = 1: ngram tok/s >= 1.8x FlashDec's plain tok/s, and >= vLLM's ngram tok/s
@@ -216,6 +217,8 @@ def run_model(name: str, kind: str, args) -> list[dict]:
                 speculative=speculative,
             )
             result = _measure(llm, prompts, args, ignore_eos)
+            verify = llm._runner.verify_graphs  # read-only: how its verification steps ran
+            result["verify_graph_replays"] = 0 if verify is None else verify.replays
             outputs = result["outputs"]
             if plain is None:
                 plain = outputs
@@ -243,7 +246,8 @@ def run_model(name: str, kind: str, args) -> list[dict]:
 
 def run_mechanism(args) -> list[dict]:
     """The mechanism rows (spec_mechanism.py) on ``--mechanism-model``: one LLM sized for the
-    largest batch, graphs as ``flashdec.LLM`` decides (on a GPU: captured)."""
+    largest batch, graphs as ``flashdec.LLM`` decides (on a GPU: captured), speculating the
+    target's width (its verification graphs are of ``n = TARGET_WIDTH``)."""
     import flashdec
     from flashdec.models import resolve_model
 
@@ -256,6 +260,7 @@ def run_mechanism(args) -> list[dict]:
         max_batch_size=batch,
         max_model_len=longest,
         num_blocks=batch * (longest // 16 + 2) + 16,
+        speculative=flashdec.SpeculativeConfig(num_tokens=TARGET_WIDTH - 1),
     )
     rows = measure_mechanism(
         llm,
@@ -388,18 +393,20 @@ def _mechanism_lines(mechanism: list[dict]) -> list[str]:
             f"{r['verify_ms']:.3f}",
             f"{r['ratio']:.2f}x",
             "graph" if r["one_token_graph"] else "eager",
+            {True: "graph", False: "eager", None: "eager (before graphs)"}[r.get("verify_graph")],
         ]
         for r in mechanism
     ]
     columns = ["B", "n", "context", "one-token step (ms)", "verify step (ms)", "ratio"]
-    columns.append("one-token step ran")
+    columns += ["one-token step ran", "verify step ran"]
     reps = len(mechanism[0]["verify_ms_reps"])
     return [
         f"## Mechanism cost ({mechanism[0].get('model', '?')}, random weights)",
         "",
         f"A verification step of n tokens per request against the one-token step of the same "
-        f"batch, as flashdec.LLM runs each (the verification step eagerly, with logits for "
-        f"all B x n rows and their argmax read back); both aborted, nothing committed. "
+        f"batch, as flashdec.LLM runs each (the verification step of the LLM's own width "
+        f"replays its CUDA graph, other widths run packed and eager; logits for all B x n rows "
+        f"and their argmax read back); both aborted, nothing committed. "
         f"Medians of {reps} timings per step (CUDA events on a GPU), interleaved.",
         "",
         markdown_table(columns, table),
@@ -477,10 +484,11 @@ def report(
                 *_speculation_cells(r),
                 f"{r['tok_s'] / base['tok_s']:.2f}" if spec else "1.00",
                 "yes" if r["identical_to_off"] else "NO",
+                r.get("verify_graph_replays", "—") if spec else "—",
             ]
         )
     columns = ["model", "batch", "speculation", "tok/s (median)", "drafts", "accepted"]
-    columns += ["tokens/step", "vs off", "output = off"]
+    columns += ["tokens/step", "vs off", "output = off", "graphed verify steps"]
     goals = targets(rows, mechanism, vllm)
     lines = [
         "# Speculative decoding (ngram prompt lookup) vs plain decoding",
@@ -508,7 +516,10 @@ def report(
             f"- {args.real_model}: the built-in grounded chat prompts (cycled to the batch), up "
             f"to {args.new} new tokens, EOS ends a request; {args.random_model}: random prompts "
             f"of {args.random_prompt} tokens, {args.new} new tokens, EOS ignored",
-            "- verification steps run eagerly (no CUDA graph); plain steps replay graphs on a GPU",
+            "- plain steps replay decode graphs on a GPU; a verification step replays its graph "
+            "when every row may take the full draft count and no prompt chunk rides along "
+            "(`graphed verify steps`: replays over the warm-up and the timed runs), else runs "
+            "packed and eager",
             "",
             markdown_table(columns, table),
             "",

@@ -4,17 +4,20 @@ per request against the one-token step of the same batch, each the way ``flashde
 - One-token step: ``ModelRunner.decode``'s device part: ``begin_step`` padded to the graph
   bucket, the bucket's CUDA graph replayed (``runner.graphs.run``) when the LLM has graphs, else
   the eager forward; the greedy tokens.
-- Verification step: ``ModelRunner._run_verify``'s device part: ``begin_step(rids,
-  num_tokens=[n] * B)``, the ids uploaded (each request's last token gathered on the device from
-  ``runner.last_tokens``, then its ``n - 1`` drafts), ``adapter.decode`` over every row with
-  logits for all ``B * n`` rows (eager, as the runner runs it today), the argmax read back to
-  the host (the runner's one wait per verification step).
+- Verification step: ``ModelRunner._run_verify``'s device part. When the runner's verification
+  graphs are of this ``n`` (``n = K + 1`` of its speculative config): ``begin_step(rids,
+  num_tokens=[n] * B, pad_to=bucket)``, the drafts copied into the runner's draft buffer, the
+  bucket's graph replayed (``verify_graphs.run``). Otherwise packed and eager:
+  ``begin_step(rids, num_tokens=[n] * B)``, the ids uploaded (each request's last token gathered
+  on the device from ``runner.last_tokens``, then its ``n - 1`` drafts), ``adapter.decode``
+  with logits for all ``B * n`` rows. Either way the argmax is read back to the host (the
+  runner's one wait per verification step).
 
 Both steps are aborted (``abort_step``: nothing committed), so the contexts never drift; the
 commit's and the host bookkeeping's costs are left out of both. Runner internals are used
-read-only: ``LLM._runner``, its ``graphs`` (``bucket``, ``run``), ``_forward``, ``_attention``
-and ``last_tokens``; ``graphs.run`` counts its replays, which is how a row shows that the
-one-token step replayed a graph.
+read-only: ``LLM._runner``, its ``graphs`` and ``verify_graphs`` (``bucket``, ``run``),
+``_forward``, ``_attention``, ``_draft_buffer`` and ``last_tokens``; ``graph_replays`` counts the
+replays, which is how a row shows whether each step replayed a graph.
 
 Timing: each step alone on an idle device (synchronised before), CUDA events around the host's
 step call (its planning, uploads and launches included), medians over ``reps`` after ``warmup``
@@ -80,15 +83,33 @@ def one_token_step(runner, rids: Sequence) -> tuple[Callable, Callable]:
 
 def verify_step(runner, rids: Sequence, width: int) -> tuple[Callable, Callable]:
     """``(begin, run)`` of a verification step of ``width`` tokens per request (the last token
-    and ``width - 1`` drafts; ``ModelRunner._run_verify``'s device part). Draft values do not
+    and ``width - 1`` drafts), as ``ModelRunner._run_verify`` runs it: padded to the batch
+    bucket with its CUDA graph replayed (``_verify_padded``) when the runner has verification
+    graphs of this width, else packed and eager (``_verify_packed``). Draft values do not
     change the work: fixed small ids."""
     engine = runner.engine
     device = runner.spec.device
     batch = len(rids)
+    drafts = [[1 + (7 * i + j) % 97 for j in range(width - 1)] for i in range(batch)]
+    graphs = runner.verify_graphs
+    if graphs is not None and graphs.n == width:
+        bucket = graphs.bucket(batch)
+
+        def begin():
+            return engine.begin_step(list(rids), num_tokens=[width] * batch, pad_to=bucket)
+
+        def run(tx):
+            runner._draft_buffer()[:batch].copy_(upload(drafts, device))
+            max_len = max(engine.cache.seq_len(rid) for rid in rids) + width
+            logits = graphs.run(tx, engine.step_slots(tx), bucket, max_len)
+            return torch.argmax(logits[: batch * width], dim=-1).tolist()  # the one read
+
+        return begin, run
+
     flat, firsts = [], []
-    for i in range(batch):
+    for d in drafts:
         firsts.append(len(flat))
-        flat += [0, *(1 + (7 * i + j) % 97 for j in range(width - 1))]
+        flat += [0, *d]
     rows = list(range(batch * width))
 
     def begin():
@@ -149,13 +170,14 @@ def measure_mechanism(
             steps = {1: one_token_step(runner, sub)}
             steps.update({n: verify_step(runner, sub, n) for n in widths})
             times: dict[int, list[float]] = {n: [] for n in steps}
-            replays = runner.graph_replays
+            graphed = dict.fromkeys(steps, True)  # every timed step of n replayed a graph
             for rep in range(warmup + reps):
                 for n, (begin, run) in steps.items():
+                    replays = runner.graph_replays
                     ms = step_ms(engine, device, begin, run)
+                    graphed[n] &= runner.graph_replays == replays + 1
                     if rep >= warmup:
                         times[n].append(ms)
-            graphed = runner.graph_replays - replays == warmup + reps
             lengths = [engine.cache.seq_len(rid) for rid in sub]
             base = statistics.median(times[1])
             for n in widths:
@@ -169,7 +191,8 @@ def measure_mechanism(
                         "one_token_ms": base,
                         "verify_ms": verify,
                         "ratio": verify / base,
-                        "one_token_graph": graphed,
+                        "one_token_graph": graphed[1],
+                        "verify_graph": graphed[n],
                         "one_token_ms_reps": times[1],
                         "verify_ms_reps": times[n],
                     }

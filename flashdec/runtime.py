@@ -7,6 +7,7 @@ tests/conftest.py) call :func:`prepare_triton` early. Library code never sets it
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import platform
 import sys
@@ -14,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def triton_mode() -> str:
@@ -160,18 +163,27 @@ def upload(values: Sequence, device: torch.device, dtype: torch.dtype = torch.lo
 class KernelBuilds:
     """Counts the Triton kernels built in this process while active (compiled, or loaded from
     Triton's disk cache): each one stalls the step that needs it for 50 ms to seconds, so a
-    serving run after the warm start should count none. ``names``: builds per kernel."""
+    serving run after the warm start should count none. ``names``: builds per kernel;
+    ``signatures``: Triton's description of the first few builds (warps, stages, each argument's
+    specialisation), which says what the warm start missed; each build is logged too."""
+
+    KEPT_SIGNATURES = 8
 
     def __init__(self) -> None:
         self.count = 0
         self.names: dict[str, int] = {}
+        self.signatures: list[str] = []
         self._previous = None
 
     def _hook(self, **kwargs) -> None:
         self.count += 1
-        fn = kwargs.get("fn")
-        name = getattr(getattr(fn, "fn", fn), "__name__", "?")
+        fn = kwargs.get("fn")  # Triton 3.6: a JitFunctionInfo (module, name, jit_function)
+        name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__name__", "?")
         self.names[name] = self.names.get(name, 0) + 1
+        signature = str(kwargs.get("repr", name))
+        if len(self.signatures) < self.KEPT_SIGNATURES:
+            self.signatures.append(signature)
+        log.warning("Triton built a kernel: %s", signature)
         if self._previous is not None:
             self._previous(**kwargs)
 

@@ -119,8 +119,21 @@ def test_mechanism_steps_commit_nothing():
         assert not engine.has_open_step
     begin, run = spec_mechanism.verify_step(runner, rids, 3)
     tx = begin()
-    assert len(run(tx)) == 6  # B x n rows verified
+    packed = run(tx)
+    assert len(packed) == 6  # B x n rows verified
     engine.abort_step(tx)
+    # with verification graphs of this width: the padded step the graph would replay (on the
+    # CPU none is captured, so it runs eagerly through the same forward), same tokens
+    from flashdec.engine.verify_graphs import VerifyGraphs
+
+    runner.verify_graphs = VerifyGraphs(
+        engine, runner._verify_forward, max_batch_size=2, num_q_heads=runner.spec.num_q_heads, n=3
+    )
+    begin, run = spec_mechanism.verify_step(runner, rids, 3)
+    tx = begin()
+    assert run(tx) == packed and runner.verify_graphs.eager_steps == 1
+    engine.abort_step(tx)
+    assert [engine.cache.seq_len(r) for r in rids] == lengths
 
 
 class FakeTokenizer:

@@ -181,8 +181,12 @@ def test_gpu_serving_after_the_warm_start_compiles_no_kernel(max_batch):
     from flashdec.runtime import KernelBuilds
 
     model = _tiny("cuda", torch.bfloat16)
-    llm = flashdec.LLM(
-        model, max_batch_size=max_batch, max_model_len=512, max_num_batched_tokens=256
+    llm = flashdec.LLM(  # a pool that keeps the first round's blocks cached for the second
+        model,
+        max_batch_size=max_batch,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        num_blocks=1024,
     )
     vocab = model.config.vocab_size
     rounds = ([300], [5, 17, 33], [2, 255, 100, 64, 3, 31, 16, 1, 7, 480], [129] * 16) * 2
@@ -209,10 +213,17 @@ def test_kernel_builds_counts_through_tritons_hook_and_restores_it():
     try:
         with KernelBuilds() as builds:
             hook = runtime.jit_post_compile_hook
-            fn = type("JIT", (), {"fn": _tiny})()  # what Triton passes: the JITFunction
-            hook(fn=fn, key="k")
-            hook(fn=fn, key="k2")
+            # what Triton 3.6 passes: a JitFunctionInfo, and the build's description
+            from triton.runtime.jit import JitFunctionInfo
+
+            fn = JitFunctionInfo(None, "_tiny", None)
+            hook(fn=fn, key="k", repr="_tiny[num_warps=4](n: i32)")
+            hook(fn=fn, key="k2", repr="_tiny[num_warps=4](n: constexpr)")
         assert builds.count == 2 and builds.names == {"_tiny": 2}
+        assert builds.signatures == [
+            "_tiny[num_warps=4](n: i32)",
+            "_tiny[num_warps=4](n: constexpr)",
+        ]
         assert len(seen) == 2  # the earlier hook still ran
         assert runtime.jit_post_compile_hook is earlier  # restored on exit
     finally:

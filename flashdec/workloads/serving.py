@@ -37,6 +37,7 @@ class ServeBenchResult:
     mixed_step: LatencyStats | None = None
     kernel_builds: int = 0  # Triton kernels built during the pass (each one stalls a step)
     kernel_build_names: tuple[tuple[str, int], ...] = ()  # (kernel, builds) of those
+    kernel_build_signatures: tuple[str, ...] = ()  # Triton's description of the first few
 
     @property
     def output_tok_s(self) -> float:
@@ -91,6 +92,7 @@ class ServeBenchResult:
             "mixed_step": None if self.mixed_step is None else self.mixed_step.as_dict(),
             "kernel_builds": self.kernel_builds,
             "kernel_build_names": dict(self.kernel_build_names),
+            "kernel_build_signatures": list(self.kernel_build_signatures),
         }
 
 
@@ -214,4 +216,5 @@ def run_serve_benchmark(
         mixed_step=LatencyStats.from_seconds(step_s[True]),
         kernel_builds=0 if builds is None else builds.count,
         kernel_build_names=() if builds is None else tuple(sorted(builds.names.items())),
+        kernel_build_signatures=() if builds is None else tuple(builds.signatures),
     )
