@@ -220,3 +220,64 @@ def test_prefix_caching_with_cuda_graphs_equals_caching_off(name):
     assert on.generate(prompts[:1], NEW) + on.generate(prompts[1:], NEW) == expected
     assert on.prefix_cache_stats()["hit_tokens"] == 2 * 32
     on.engine.cache.validate_invariants()
+
+
+def _one_token_steps(llm) -> list:
+    """Spy: the prompt inputs of every decode step that carried one-token prompt chunks."""
+    runner, seen = llm._runner, []
+    decode = runner.decode
+
+    def spy(batch, *, prompt_inputs=None, sampled=None):
+        if prompt_inputs is not None:
+            seen.append((len(batch), prompt_inputs.shape[0], sampled))
+        return decode(batch, prompt_inputs=prompt_inputs, sampled=sampled)
+
+    runner.decode = spy
+    return seen
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_prompts_a_hit_leaves_one_token_ride_the_decode_step(name):
+    """A prompt one token past its cached full blocks brings that token alone: the step whose
+    prompt chunks are all one token is a decode step (on a GPU: a captured graph, not an eager
+    step of its own row count, which would build a kernel while serving). Output unchanged."""
+    model = _model(name)
+    vocab = model.config.vocab_size
+    prompts = [_tokens(vocab, 16 * k + 1, 40 + k) for k in (1, 2, 3)]  # 1 past a block
+    llm = flashdec.LLM(model, max_batch_size=4)
+    want = hf_greedy(model, prompts, NEW, ignore_eos=True)
+    assert llm.generate(prompts, NEW, ignore_eos=True) == want
+    seen = _one_token_steps(llm)
+    assert llm.generate(prompts, NEW, ignore_eos=True) == want  # every prompt hits
+    assert seen and all(sampled is None for _, _, sampled in seen)  # each ends its prompt
+    assert sum(chunks for _, chunks, _ in seen) == len(prompts)
+    llm.engine.cache.validate_invariants()
+
+
+def test_one_token_chunks_inside_a_prompt_get_no_token():
+    """A step budget that leaves one token for a prompt mid-way (3 decode rows + 1) runs the
+    step as a decode step too; only the rows that end a prompt (and the decode rows) get a
+    token, and sampled requests draw exactly as with a roomy budget (their own generators)."""
+    model = _model("tiny-llama")
+    vocab = model.config.vocab_size
+    prompts = [_tokens(vocab, n, 60 + n) for n in (5, 6, 7, 29)]
+    hot = flashdec.SamplingParams(temperature=1.2, seed=5)
+
+    def run(budget):
+        llm = flashdec.LLM(
+            model, max_batch_size=4, max_num_batched_tokens=budget, enable_prefix_caching=False
+        )
+        seen = _one_token_steps(llm)
+        rids = [
+            llm.add_request(p, NEW, ignore_eos=True, sampling=hot if i == 1 else None)
+            for i, p in enumerate(prompts)
+        ]
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.poll(r)[0] for r in rids], seen
+
+    tight, seen = run(4)
+    roomy, _ = run(64)
+    assert tight == roomy
+    assert tight[0] == hf_greedy(model, [prompts[0]], NEW, ignore_eos=True)[0]
+    assert any(sampled is not None for _, _, sampled in seen)  # a chunk inside a prompt

@@ -614,6 +614,17 @@ class ModelRunner(StepExecutor):
             for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
             if start + n == self.requests[rid].prompt.shape[0]
         ]
+        if all(n == 1 for _, n in chunks):  # e.g. prompts that a prefix-cache hit left one token
+            inputs = torch.cat(
+                [
+                    self.requests[rid].prompt[s : s + 1]
+                    for (rid, _), s in zip(chunks, starts, strict=True)
+                ]
+            )
+            every = len(sampled) == len(rids)
+            return set(), self.decode(
+                rids, prompt_inputs=inputs, sampled=None if every else sampled
+            )
         device = self.spec.device
         index = upload(sampled, device)
         last_rows = (upload(counts, device).cumsum(0) - 1).index_select(0, index)
@@ -643,8 +654,19 @@ class ModelRunner(StepExecutor):
         ended, self.ended = self.ended, set()
         return set(), ended
 
-    def decode(self, batch: Sequence) -> set:
-        """Launch one step for ``batch``, then collect the previous step's tokens."""
+    def decode(
+        self,
+        batch: Sequence,
+        *,
+        prompt_inputs: torch.Tensor | None = None,
+        sampled: Sequence[int] | None = None,
+    ) -> set:
+        """Launch one step of one token per request of ``batch``, then collect the previous
+        step's tokens. Its input is each request's last token, except for the last
+        ``len(prompt_inputs)`` rows: prompt tokens (one-token prompt chunks ride a decode step,
+        so they replay its CUDA graph: an eager step of any other row count would plan, and
+        build, a decode kernel of its own). Only the rows ``sampled`` (default: all) get a
+        token."""
         engine = self.engine
         batch = list(batch)
         rows = len(batch)
@@ -652,21 +674,38 @@ class ModelRunner(StepExecutor):
         tx = engine.begin_step(batch, pad_to=bucket if bucket != rows else None)
         try:
             slots = engine.cache.steps.transaction_slots(tx)
+            if prompt_inputs is not None:  # gathered by request slot, like the last tokens
+                first = rows - prompt_inputs.shape[0]
+                self.last_tokens.index_copy_(0, slots.request_slots[first:rows], prompt_inputs)
             if self.graphs is not None:
                 max_len = max(engine.cache.seq_len(rid) for rid in batch) + 1
                 logits, greedy_ids = self.graphs.run(tx, slots, bucket, max_len)
             else:
                 logits, greedy_ids = self._forward(tx, slots)
-            tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
+            if sampled is None:
+                index, chosen = None, batch
+                tokens = self._choose(logits[:rows], greedy_ids[:rows], batch)
+            else:
+                index = upload(sampled, self.spec.device)
+                chosen = [batch[i] for i in sampled]
+                logits, greedy_ids = (
+                    logits.index_select(0, index),
+                    greedy_ids.index_select(0, index),
+                )
+                tokens = self._choose(logits, greedy_ids, chosen)
             engine.commit_step(tx)
         except BaseException:  # nothing decoded: the inputs and the pending tokens stay
             if engine.has_open_step:
                 engine.abort_step(tx)
             raise
         # committed: only bookkeeping from here on (no model, no engine call that can fail)
-        self.last_tokens.index_copy_(0, slots.request_slots[:rows], tokens)
+        request_slots = slots.request_slots[:rows]
+        if index is not None:
+            request_slots = request_slots.index_select(0, index)
+        self.last_tokens.index_copy_(0, request_slots, tokens)
         self.collect()
-        self._hand_off(batch, tokens)
+        if chosen:
+            self._hand_off(chosen, tokens)
         ended, self.ended = self.ended, set()
         return ended
 
