@@ -4,10 +4,12 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
-#   launch e2e extendtests extend extendsweep http serve prefix spec
+#   launch e2e extendtests extend extendsweep http serve prefix spec gemm
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
-#   (extend, extendsweep)
+#   (extend, extendsweep), GEMM_ARGS
+#   gemm: the decode step's GEMMs (cuBLAS via F.linear) against the copy bandwidth at M = 1, 8,
+#     64 (~1 min, gemm.md; issue 25's first measurement);
 #   window: sliding-window decode time, bytes and blocks held, L = W..32W (~1.5 min,
 #     window_groups.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
@@ -111,6 +113,9 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     eager)
       python3 benchmarks/bench_eager.py --out-dir "$OUT" ${EAGER_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    gemm)
+      python3 benchmarks/bench_gemm.py --out-dir "$OUT" ${GEMM_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     launch)
       python3 benchmarks/bench_launch.py --out-dir "$OUT" ${LAUNCH_ARGS:-} 2>&1 | tee -a "$LOG"
