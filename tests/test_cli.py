@@ -802,7 +802,13 @@ def test_an_interrupt_a_library_swallows_still_ends_the_run(where, monkeypatch, 
 
     target = "prepare_triton" if where == "start-up" else "_dispatch"
     monkeypatch.setattr(runtime if where == "start-up" else cli, target, swallowed)
-    assert main(["env"]) == 130
+    # Python's own Ctrl-C handler, as in a shell (a pytest-xdist worker ignores SIGINT, and the
+    # CLI rightly keeps an ignored SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(["env"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert _assert_one_error_line(*capsys.readouterr()) == "flashdec: error: interrupted"
 
 
@@ -813,12 +819,19 @@ def test_the_command_module_imports_nothing_heavy():
     assert proc.stdout.strip() == "[]", proc.stderr
 
 
+def _interactive_sigint() -> None:
+    """A child's SIGINT as a shell gives it: a pytest-xdist worker ignores SIGINT, and an
+    ignored signal stays ignored across exec (Python then installs no Ctrl-C handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_start_up_as_a_user_sees_it():
     proc = subprocess.Popen(
         [sys.executable, "-m", "flashdec", "generate", "--max-new-tokens", "2000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interactive_sigint,
     )
     time.sleep(1.0)  # importing torch, or loading, or generating: each ends the same way
     proc.send_signal(signal.SIGINT)
