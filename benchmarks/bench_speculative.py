@@ -11,7 +11,8 @@ Sections (``--sections``, all by default):
   rows from an earlier run of this script instead (a device call of its own).
 - ``real``: ``--real-model`` (SmolLM2-135M-Instruct, bf16 on a GPU) on input-grounded chat
   prompts (rewrite, fix typos, continue a list, edit code): the answer copies its input, so
-  prompt lookup hits;
+  prompt lookup hits; at batch 1 every prompt runs alone, one ``generate`` call after another
+  (:func:`generate_calls`), at larger batches the prompts are cycled to the batch;
 - ``random``: the Llama-3-8B random shape on random prompts, EOS ignored: drafts almost never
   match, so this row is the cost of speculation when it does not pay (the adaptivity check).
 Per end-to-end row: generated tokens per second (median of ``--reps`` timed runs after one
@@ -164,28 +165,44 @@ def _prompts(loaded, batch: int, args) -> tuple[list[list[int]], bool]:
     return ids.tolist(), True
 
 
-def _measure(llm, prompts: list[list[int]], args, ignore_eos: bool) -> dict:
-    """One untimed warm-up, then ``--reps`` timed ``generate`` calls."""
+def generate_calls(prompts: list[list[int]], batch: int, real: bool) -> list[list[list[int]]]:
+    """The ``generate`` calls of one timed run: on the real model at batch 1, every grounded turn
+    alone, one after another (one chat answer alone is too short to time, and its prefill would
+    weigh in); otherwise one call of the ``batch`` prompts. vllm_speculative.py runs the same."""
+    if real and batch == 1:
+        return [[p] for p in prompts]
+    return [prompts]
+
+
+def _measure(llm, calls: list[list[list[int]]], args, ignore_eos: bool) -> dict:
+    """One untimed warm-up of every call, then ``--reps`` timed runs of them all; drafts,
+    acceptance and tokens per step from the runner's counters over the last run."""
     device = llm.adapter.spec.device
-    llm.generate(prompts, args.new, ignore_eos=ignore_eos)  # compiles, captures, caches
-    rates, stats, outputs = [], [], None
+    for prompts in calls:  # compiles, captures, caches
+        llm.generate(prompts, args.new, ignore_eos=ignore_eos)
+    counters = llm._runner.counters  # read-only: running totals of drafts and steps
+    rates, outputs, counts = [], [], {}
     for _ in range(args.reps):
+        before = dict(counters)
         sync(device)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, args.new, ignore_eos=ignore_eos)
+        outputs = [
+            o for prompts in calls for o in llm.generate(prompts, args.new, ignore_eos=ignore_eos)
+        ]
         sync(device)
         elapsed = time.perf_counter() - start
-        stats.append(llm.last_stats)
+        counts = {k: counters[k] - before[k] for k in counters}
         rates.append(sum(map(len, outputs)) / elapsed)
-    last = stats[-1]
+    drafts, accepted = counts["draft_tokens"], counts["accepted_tokens"]
     return {
         "tok_s": statistics.median(rates),
         "tok_s_reps": rates,
-        "generated_tokens": last.generated_tokens,
-        "draft_tokens": last.draft_tokens,
-        "accepted_tokens": last.accepted_tokens,
-        "acceptance_rate": last.acceptance_rate,
-        "tokens_per_step": last.tokens_per_step,
+        "generate_calls": len(calls),
+        "generated_tokens": sum(map(len, outputs)),
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafts if drafts else 0.0,
+        "tokens_per_step": counts["step_tokens"] / max(1, counts["request_steps"]),
         "outputs": [list(o) for o in outputs],
     }
 
@@ -201,7 +218,11 @@ def run_model(name: str, kind: str, args) -> list[dict]:
     rows = []
     batches = args.batch if loaded.tokenizer is None or not args.smoke else args.batch[:1]
     for batch in batches:
-        prompts, ignore_eos = _prompts(loaded, batch, args)
+        real = loaded.tokenizer is not None
+        prompts, ignore_eos = _prompts(
+            loaded, len(GROUNDED_PROMPTS) if real and batch == 1 else batch, args
+        )
+        calls = generate_calls(prompts, batch, real)
         longest = max(map(len, prompts)) + args.new
         plain = None
         for mode in ("off", "ngram"):
@@ -216,7 +237,7 @@ def run_model(name: str, kind: str, args) -> list[dict]:
                 num_blocks=batch * (longest // 16 + 2) + 16,
                 speculative=speculative,
             )
-            result = _measure(llm, prompts, args, ignore_eos)
+            result = _measure(llm, calls, args, ignore_eos)
             verify = llm._runner.verify_graphs  # read-only: how its verification steps ran
             result["verify_graph_replays"] = 0 if verify is None else verify.replays
             outputs = result["outputs"]
@@ -513,7 +534,9 @@ def report(
             f"- {args.num_tokens} drafts per request per step at most; greedy; one untimed "
             f"warm-up, then the median of {args.reps} timed `LLM.generate` calls "
             f"(CUDA-synchronised); {dtypes}",
-            f"- {args.real_model}: the built-in grounded chat prompts (cycled to the batch), up "
+            f"- {args.real_model}: the built-in grounded chat prompts (at batch 1 each of the "
+            f"{len(GROUNDED_PROMPTS)} alone, one `generate` call after another; at larger "
+            f"batches cycled to the batch, one call), up "
             f"to {args.new} new tokens, EOS ends a request; {args.random_model}: random prompts "
             f"of {args.random_prompt} tokens, {args.new} new tokens, EOS ignored",
             "- plain steps replay decode graphs on a GPU; a verification step replays its graph "

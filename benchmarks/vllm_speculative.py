@@ -102,17 +102,23 @@ def spec_counters(llm) -> dict[str, int]:
 
 
 def measure(
-    llm, prompts: list[list[int]], params, reps: int, sync: Callable[[], None] = lambda: None
+    llm,
+    calls: list[list[list[int]]],
+    params,
+    reps: int,
+    sync: Callable[[], None] = lambda: None,
 ) -> dict:
-    """One untimed warm-up, then ``reps`` timed ``generate`` calls; the counters of the last."""
-    requests = [{"prompt_token_ids": list(p)} for p in prompts]
-    llm.generate(requests, params, use_tqdm=False)
+    """One untimed warm-up of every ``generate`` call (a list of prompts each: bench_speculative's
+    ``generate_calls``), then ``reps`` timed runs of them all; the counters of the last run."""
+    requests = [[{"prompt_token_ids": list(p)} for p in prompts] for prompts in calls]
+    for call in requests:
+        llm.generate(call, params, use_tqdm=False)
     rates, outputs, counts = [], None, None
     for _ in range(reps):
         before = spec_counters(llm)
         sync()
         start = time.perf_counter()
-        results = llm.generate(requests, params, use_tqdm=False)
+        results = [r for call in requests for r in llm.generate(call, params, use_tqdm=False)]
         sync()
         elapsed = time.perf_counter() - start
         after = spec_counters(llm)
@@ -125,6 +131,7 @@ def measure(
     return {
         "tok_s": statistics.median(rates),
         "tok_s_reps": rates,
+        "generate_calls": len(calls),
         "generated_tokens": generated,
         "drafts": drafts,
         "draft_tokens": draft_tokens,
@@ -138,7 +145,7 @@ def measure(
 def run(args, llm_class=None, sampling_params=None, tokenizer=None) -> dict:
     """Every mode at every batch; one vLLM engine per mode (speculation is an engine setting).
     The classes are vLLM's unless given (stand-ins in the CPU tests)."""
-    from benchmarks.bench_speculative import grounded_prompts
+    from benchmarks.bench_speculative import GROUNDED_PROMPTS, generate_calls, grounded_prompts
 
     if llm_class is None:
         from vllm import LLM as llm_class
@@ -158,8 +165,9 @@ def run(args, llm_class=None, sampling_params=None, tokenizer=None) -> dict:
         llm = llm_class(model=args.model_dir, **copy.deepcopy(settings[mode]))
         params = sampling_params(temperature=0, max_tokens=args.new)
         for batch in args.batch:
-            prompts = grounded_prompts(tokenizer, batch)
-            result = measure(llm, prompts, params, args.reps, sync)
+            count = len(GROUNDED_PROMPTS) if batch == 1 else batch  # as bench_speculative
+            calls = generate_calls(grounded_prompts(tokenizer, count), batch, real=True)
+            result = measure(llm, calls, params, args.reps, sync)
             rows.append({"engine": "vllm", "batch": batch, "mode": mode, **result})
             print({k: v for k, v in rows[-1].items() if k != "outputs"}, flush=True)
         del llm

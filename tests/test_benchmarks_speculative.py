@@ -222,14 +222,18 @@ def test_vllm_speculative_runs_ngram_with_flashdec_settings(tmp_path):
     ]
     prompts = bench_speculative.grounded_prompts(FakeTokenizer(), 2)
     assert rows[1]["outputs"] == [[(sum(p) + i) % 50 for i in range(8)] for p in prompts]
+    turns = len(bench_speculative.GROUNDED_PROMPTS)
     for r in rows:
+        # batch 1: every grounded turn alone, one generate call after another; else one call
+        requests = turns if r["batch"] == 1 else r["batch"]
+        assert r["generate_calls"] == (turns if r["batch"] == 1 else 1)
         assert r["tok_s"] > 0 and len(r["tok_s_reps"]) == 2
-        assert r["generated_tokens"] == 8 * r["batch"]
+        assert r["generated_tokens"] == 8 * requests and len(r["outputs"]) == requests
         if r["mode"] == "off":
             assert r["draft_tokens"] == 0 and r["tokens_per_step"] == 1.0
         else:  # per request: 7 decode tokens in 3 steps, 4 of 12 drafts accepted
-            b = r["batch"]
-            assert (r["drafts"], r["draft_tokens"], r["accepted_tokens"]) == (3 * b, 12 * b, 4 * b)
+            counts = (r["drafts"], r["draft_tokens"], r["accepted_tokens"])
+            assert counts == (3 * requests, 12 * requests, 4 * requests)
             assert r["acceptance_rate"] == pytest.approx(1 / 3)
             assert r["tokens_per_step"] == pytest.approx(7 / 3)
 
@@ -287,5 +291,32 @@ def test_vllm_json_is_checked_merged_and_reported(tmp_path):
         r["outputs"] = vllm["rows"][0]["outputs"]
     markdown = bench_speculative.report(args, environment(), rows, [], vllm)
     assert "## vLLM None on the same prompts and weights" in markdown
-    assert "| 1 | ngram |" in markdown and "| 1/1 |" in markdown
+    assert (
+        "| 1 | ngram |" in markdown and "| 8/8 |" in markdown  # 8 turns
+    )
     assert "| B = 1: ngram tok/s >= vLLM's ngram tok/s | MISSED |" in markdown
+
+
+def test_batch_one_on_the_real_model_runs_every_turn_alone_and_sums_them():
+    """``generate_calls``: batch 1 on the real model is each prompt alone, in turn; otherwise
+    one call. ``_measure`` times all calls as one run and takes drafts and steps from the
+    runner's counters over it."""
+    import flashdec
+    from flashdec.models import resolve_model
+
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 9, 7, 8, 9], [1, 2, 1, 2, 1, 2, 1]]
+    assert bench_speculative.generate_calls(prompts, 1, real=True) == [[p] for p in prompts]
+    assert bench_speculative.generate_calls(prompts, 1, real=False) == [prompts]
+    assert bench_speculative.generate_calls(prompts, 3, real=True) == [prompts]
+    loaded = resolve_model("tiny", dtype=torch.float32, device="cpu")
+    llm = flashdec.LLM(
+        loaded.model, max_batch_size=1, speculative=flashdec.SpeculativeConfig(num_tokens=3)
+    )
+    args = bench_speculative.parse_args(["--new", "12", "--reps", "2"])
+    calls = bench_speculative.generate_calls(prompts, 1, real=True)
+    result = bench_speculative._measure(llm, calls, args, ignore_eos=True)
+    alone = [llm.generate([p], 12, ignore_eos=True)[0] for p in prompts]
+    assert result["outputs"] == alone and result["generate_calls"] == 3
+    assert result["generated_tokens"] == 36 and len(result["tok_s_reps"]) == 2
+    assert 1.0 <= result["tokens_per_step"] <= 4.0
+    assert result["accepted_tokens"] <= result["draft_tokens"]
