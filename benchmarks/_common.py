@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flashdec.runtime import own_blas_workspace
+from flashdec.runtime import capture_cuda_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -270,7 +270,7 @@ def cuda_graph_of(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with own_blas_workspace(), torch.cuda.graph(graph):
+    with capture_cuda_graph(graph):
         fn()
     return graph
 
@@ -427,7 +427,7 @@ def cuda_graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGra
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with own_blas_workspace(), torch.cuda.graph(graph):
+    with capture_cuda_graph(graph):
         for _ in range(calls):
             fn()
     return graph

@@ -7,6 +7,7 @@ tests/conftest.py) call :func:`prepare_triton` early. Library code never sets it
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import platform
@@ -128,25 +129,37 @@ def environment_report() -> EnvironmentReport:
 
 
 @contextlib.contextmanager
-def own_blas_workspace() -> Iterator[None]:
-    """Wrap a CUDA graph capture so the cuBLAS workspace its GEMMs use lives in its own pool.
+def capture_cuda_graph(graph: torch.cuda.CUDAGraph, pool: object = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with two guards every FlashDec capture needs.
 
-    PyTorch keeps one cuBLAS workspace per (handle, stream) and a captured GEMM bakes in its
-    address. Captured with a workspace allocated elsewhere (an earlier graph's pool, or eager
-    memory), the graph is left pointing at freed memory as soon as anything clears the
-    workspaces — torch.compile's CUDA graph trees do, around every warm-up and recording — and
-    its replays then scribble on reused memory or fault on unmapped memory (seen on the H200:
-    an illegal memory access replaying a decode graph after transformers' compiled generate).
-    Clearing before the capture makes the capture allocate a fresh workspace inside the
-    graph's private pool (kept while the graph lives); clearing after keeps later work out of
-    that pool. The same as torch._inductor's ``clear_cublas_manager``.
+    - **The cuBLAS workspace lives in the graph's pool.** PyTorch keeps one cuBLAS workspace per
+      (handle, stream) and a captured GEMM bakes in its address. Captured with a workspace
+      allocated elsewhere (an earlier graph's pool, or eager memory), the graph is left pointing
+      at freed memory as soon as anything clears the workspaces — torch.compile's CUDA graph
+      trees do, around every warm-up and recording — and its replays then scribble on reused
+      memory or fault on unmapped memory (seen on the H200: an illegal memory access replaying
+      a decode graph after transformers' compiled generate). Clearing before the capture makes
+      the capture allocate a fresh workspace inside the graph's private pool (kept while the
+      graph lives); clearing after keeps later work out of that pool. The same as
+      torch._inductor's ``clear_cublas_manager``.
+    - **Python's garbage collector waits.** torch no longer collects before a capture, so a
+      collection that the capture's own allocations trigger can free an unrelated dead CUDA
+      graph (an earlier ``LLM``'s, held in a reference cycle); destroying a graph while a stream
+      captures is not permitted and invalidates the capture (seen on the H200: a warm start
+      failed with cudaErrorStreamCaptureInvalidated at its first kernel, after "operation not
+      permitted when stream is capturing (function reset)" warnings). Collections resume after.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        yield
+        with torch.cuda.graph(graph, pool=pool):
+            yield
     finally:
+        if collecting:
+            gc.enable()
         if clear is not None:
             clear()
 

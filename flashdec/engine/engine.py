@@ -43,7 +43,7 @@ from flashdec.engine.states import EngineRequestState
 from flashdec.engine.step import CapturedStep, OpenStep, StepResult
 from flashdec.engine.submissions import SubmissionQueue
 from flashdec.kernels import triton_runs_on
-from flashdec.runtime import own_blas_workspace, upload
+from flashdec.runtime import capture_cuda_graph, upload
 from flashdec.scheduler import (
     BlockAwareScheduler,
     RequestSpec,
@@ -476,7 +476,7 @@ class DecodeEngine(RequestLifecycle):
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
-            with own_blas_workspace(), torch.cuda.graph(graph, pool=pool):
+            with capture_cuda_graph(graph, pool):
                 output = body()
             written = self.cache.steps.layers_written(step.transaction_id)
             if written != self.cache.num_layers:

@@ -1,9 +1,13 @@
 """CUDA-graph capture and replay of a step's layers (GPU), and the API's refusals (CPU)."""
 
+import contextlib
+import gc
+
 import pytest
 import torch
 
 from flashdec import DecodeEngine, PagedKVCache, apply_rope, paged_decode_attention_ref
+from flashdec.runtime import capture_cuda_graph
 from tests.cache.helpers import decode_inputs
 from tests.engine.conftest import graphed_step, make_engine, run_step
 
@@ -181,3 +185,57 @@ def test_abort_after_a_replay_or_a_failed_capture_leaves_storage_bit_identical()
     torch.cuda.synchronize()
     assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1])
     cache.validate_invariants()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_capture_pauses_automatic_garbage_collection(monkeypatch, fails):
+    """Inside a capture no automatic collection runs (it could free a dead graph mid-capture);
+    collections resume after it, when the capture fails too, and a disabled collector stays
+    disabled."""
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):  # stands in for torch.cuda.graph on the CPU
+        seen.append((graph, pool, gc.isenabled()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with contextlib.suppress(ValueError), capture_cuda_graph("g", "p"):
+        if fails:
+            raise ValueError("the body failed")
+    assert seen == [("g", "p", False)] and gc.isenabled()
+    gc.disable()
+    try:
+        with capture_cuda_graph("g"):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_survives_a_collection_that_frees_a_dead_graph():
+    """A dead CUDA graph in a reference cycle (an earlier LLM's, say) is freed only by a
+    collection; one that the capture's allocations trigger would destroy it mid-capture, which
+    invalidates the capture (cudaErrorStreamCaptureInvalidated: seen in a warm start)."""
+    x = torch.zeros(4, device="cuda")
+    dead = torch.cuda.CUDAGraph()
+    with capture_cuda_graph(dead):
+        x.add_(5)
+    cycle = [dead]
+    cycle.append(cycle)
+    del dead, cycle
+    graph = torch.cuda.CUDAGraph()
+    with capture_cuda_graph(graph):
+        thresholds = gc.get_threshold()
+        gc.set_threshold(1, 1, 1)  # an automatic collection at almost every allocation
+        try:
+            junk = [[i] for i in range(1000)]
+        finally:
+            gc.set_threshold(*thresholds)
+        x.add_(len(junk))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1000.0] * 4
+    gc.collect()  # the dead graph goes now, outside any capture
