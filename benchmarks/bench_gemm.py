@@ -24,9 +24,11 @@ Writes gemm.md, gemm.json and gemm.png (per-shape share of the copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +65,29 @@ class GemmShape:
     per_step: int  # how many times one decode step runs it (layers, or 1 for the LM head)
 
 
+# Qwen2-7B's projections (28/4/128 heads, hidden 3584, MLP 18944): shapes no issue lists
+QWEN2_7B = [
+    GemmShape("qwen2-7b qkv", 4608, 3584, 28),
+    GemmShape("qwen2-7b o", 3584, 3584, 28),
+    GemmShape("qwen2-7b down", 3584, 18944, 28),
+]
+
+
+QWEN = {shape.name for shape in QWEN2_7B}
+
+
+def sweep_configs():
+    from flashdec.kernels.gemv import GemvConfig
+
+    return [
+        GemvConfig(block_n, block_k, split_k, warps)
+        for block_n in (4, 8, 16)
+        for block_k in (256, 512, 1024)
+        for split_k in (1, 2, 4, 8)
+        for warps in ((4, 8) if block_k == 1024 else (4,))
+    ]
+
+
 def model_shapes(config) -> list[GemmShape]:
     """The GEMMs of one decode step of a Llama-like ``config`` (q/k/v and gate/up fused, as the
     decoder runs them on a GPU)."""
@@ -86,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="rows M per GEMM")
     p.add_argument("--copies", type=int, default=None, help="weights per graph (default: auto)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument(
+        "--gemv",
+        action="store_true",
+        help="also time FlashDec's GEMV (flashdec.kernels.gemv) at every M it takes: its "
+        "default launch, and at M = 1 a sweep of launches (--sweep)",
+    )
+    p.add_argument("--sweep", action="store_true", help="with --gemv: the launch sweep at M = 1")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", default="gemm")
     p.add_argument("--smoke", action="store_true", help="tiny shape, wall clock (CPU check)")
@@ -110,8 +142,17 @@ def _copies(shape: GemmShape, itemsize: int, requested: int | None) -> int:
     return max(2, min(64, -(-L2_MULTIPLE * l2 // weight)))
 
 
-def time_gemm(shape: GemmShape, m: int, dtype: torch.dtype, device: str, copies: int) -> float:
-    """Microseconds of one ``F.linear`` of ``shape`` at ``m`` rows (see the module doc)."""
+def time_gemm(
+    shape: GemmShape,
+    m: int,
+    dtype: torch.dtype,
+    device: str,
+    copies: int,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    **bench: float,
+) -> float:
+    """Microseconds of one ``linear`` (default ``F.linear``) of ``shape`` at ``m`` rows (see
+    the module doc); ``bench``: do_bench's warmup_ms / rep_ms."""
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [
         torch.randn(shape.out_features, shape.in_features, generator=gen, device=device).to(dtype)
@@ -121,12 +162,12 @@ def time_gemm(shape: GemmShape, m: int, dtype: torch.dtype, device: str, copies:
 
     def calls() -> None:
         for w in weights:
-            F.linear(x, w)
+            linear(x, w)
 
     if device == "cuda":
         graph = cuda_graph_of_calls(calls, 1)
         try:
-            return bench_us(graph.replay) / copies
+            return bench_us(graph.replay, **bench) / copies
         finally:
             del graph
     calls()  # warm-up; then the median of a few wall-clock rounds
@@ -175,6 +216,102 @@ def measure(args) -> tuple[list[dict], dict]:
     return rows, {"device": device, "dtype": str(dtype).removeprefix("torch."), **ceilings}
 
 
+def measure_gemv(args, rows: list[dict], measured: dict) -> list[dict]:
+    """FlashDec's GEMV beside each cuBLAS row it could replace (M <= its MAX_ROWS), plus
+    Qwen2-7B's shapes: the default launch, and at M = 1 with ``--sweep`` the best of
+    :func:`sweep_configs`. ``used``: whether the decoder takes it (``gemv_wins``)."""
+    from flashdec.kernels.gemv import MAX_ROWS, gemv, gemv_wins
+
+    device, dtype = measured["device"], getattr(torch, measured["dtype"])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    copy = measured["copy_tbs"]
+    cublas = {(r["name"], r["m"]): r["us"] for r in rows}
+    shapes = {
+        r["name"]: GemmShape(r["name"], r["out_features"], r["in_features"], r["per_step"])
+        for r in rows
+    }
+    for extra in QWEN2_7B if device == "cuda" else []:  # too large for the interpreter
+        shapes.setdefault(extra.name, extra)
+    quick = {"warmup_ms": 5, "rep_ms": 20}
+    out = []
+    for shape in shapes.values():
+        copies = _copies(shape, itemsize, args.copies)
+        weight = torch.empty(shape.out_features, shape.in_features, dtype=dtype, device=device)
+        for m in [m for m in args.batch if m <= MAX_ROWS]:
+            if (shape.name, m) not in cublas:
+                cublas[shape.name, m] = time_gemm(shape, m, dtype, device, copies)
+            default_us = time_gemm(shape, m, dtype, device, copies, gemv)
+            best_us, best = default_us, "default"
+            used = gemv_wins(m, weight) if weight.is_cuda else False
+            if args.sweep and m == 1 and device == "cuda" and (used or shape.name in QWEN):
+                for cfg in sweep_configs():
+                    us = time_gemm(
+                        shape,
+                        m,
+                        dtype,
+                        device,
+                        copies,
+                        functools.partial(gemv, config=cfg),
+                        **quick,
+                    )
+                    if us < best_us:
+                        best_us, best = us, cfg
+            nbytes = itemsize * (
+                shape.out_features * shape.in_features
+                + m * (shape.in_features + shape.out_features)
+            )
+            row = {
+                "name": shape.name,
+                "m": m,
+                "cublas_us": cublas[shape.name, m],
+                "gemv_us": default_us,
+                "best_us": best_us,
+                "best_config": best if best == "default" else asdict(best),
+                "gemv_of_copy": nbytes / (default_us * 1e-6) / 1e12 / copy if copy else None,
+                "best_of_copy": nbytes / (best_us * 1e-6) / 1e12 / copy if copy else None,
+                "used": used,
+            }
+            out.append(row)
+            print(row, flush=True)
+        del weight
+    return out
+
+
+def gemv_table(gemv_rows: list[dict]) -> str:
+    body = [
+        [
+            r["name"],
+            r["m"],
+            f"{r['cublas_us']:.1f}",
+            f"{r['gemv_us']:.1f}",
+            _share(r["gemv_of_copy"]),
+            f"{r['gemv_us'] / r['cublas_us']:.2f}x",
+            f"{r['best_us']:.1f}",
+            _share(r["best_of_copy"]),
+            "default"
+            if r["best_config"] == "default"
+            else "{block_n}/{block_k}/{split_k}/{num_warps}".format(**r["best_config"]),
+            "yes" if r["used"] else "",
+        ]
+        for r in gemv_rows
+    ]
+    return markdown_table(
+        [
+            "GEMM",
+            "M",
+            "cuBLAS us",
+            "GEMV us",
+            "of copy",
+            "GEMV / cuBLAS",
+            "best us",
+            "best of copy",
+            "best launch (n/k/split/warps)",
+            "decoder uses it",
+        ],
+        body,
+    )
+
+
 def step_totals(rows: list[dict]) -> list[dict]:
     """Per M: the GEMM time and bytes of one decode step (each shape times its count)."""
     totals = []
@@ -190,7 +327,14 @@ def _share(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.0f}%"
 
 
-def report(args, rows: list[dict], totals: list[dict], env: dict, measured: dict) -> str:
+def report(
+    args,
+    rows: list[dict],
+    totals: list[dict],
+    env: dict,
+    measured: dict,
+    gemv_rows: list[dict] | None = None,
+) -> str:
     copy = measured["copy_tbs"]
     table = [
         [
@@ -254,6 +398,21 @@ def report(args, rows: list[dict], totals: list[dict], env: dict, measured: dict
                 ["M", "ms", "GiB moved", "TB/s", "of copy", "copy-bound floor (ms)"], step
             ),
             "",
+            *(
+                [
+                    "## FlashDec's GEMV (flashdec.kernels.gemv) against cuBLAS",
+                    "",
+                    "Same method per row. `GEMV us`: its default launch (what the decoder "
+                    "runs); `best`: the fastest of the launch sweep at M = 1 (`--sweep`; "
+                    "do_bench 5/20 ms per launch). `decoder uses it`: `gemv_wins` takes this "
+                    "weight at this M.",
+                    "",
+                    gemv_table(gemv_rows),
+                    "",
+                ]
+                if gemv_rows
+                else []
+            ),
         ]
     )
 
@@ -262,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows, measured = measure(args)
     totals = step_totals(rows)
+    gemv_rows = measure_gemv(args, rows, measured) if args.gemv else None
     env = environment()
-    markdown = report(args, rows, totals, env, measured)
+    markdown = report(args, rows, totals, env, measured, gemv_rows)
     payload = {"environment": env, "args": vars(args), "ceilings": measured, "rows": rows}
     payload["step_totals"] = totals
+    payload["gemv_rows"] = gemv_rows
     md, _ = write_results(args.name, markdown, payload, args.out_dir)
     labels = [f"{r['name']} M={r['m']}" for r in rows]
     if measured["copy_tbs"]:

@@ -52,3 +52,18 @@ def test_bad_arguments_are_one_error(argv, capsys, tmp_path):
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_smoke_run_with_the_gemv_rows(tmp_path):
+    assert (
+        bench_gemm.main(
+            ["--smoke", "--gemv", "--batch", "1", "--copies", "1", "--out-dir", str(tmp_path)]
+        )
+        == 0
+    )
+    result = json.loads((tmp_path / "gemm.json").read_text())
+    assert [r["name"] for r in result["gemv_rows"]] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    for r in result["gemv_rows"]:
+        assert r["gemv_us"] > 0 and r["cublas_us"] > 0 and r["used"] is False  # a CPU weight
+        assert r["best_config"] == "default"
+    assert "FlashDec's GEMV" in (tmp_path / "gemm.md").read_text()

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from flashdec._checks import check_int_tensor, check_shape, check_tensor
 from flashdec.kernels.activation import silu_and_mul
+from flashdec.kernels.gemv import small_batch_linear
 from flashdec.kernels.norm import rms_norm
 from flashdec.models.spec import ModelSpec, model_spec
 from flashdec.reference import apply_rope_inv_freq
@@ -109,10 +110,6 @@ def _sliding_window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
     return (offset >= 0) & (offset < window)
 
 
-def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-    return F.linear(x, proj.weight, proj.bias)
-
-
 class DecoderAdapter:
     """Prefill and per-token decode of a supported transformers model (see :mod:`.spec`).
 
@@ -173,6 +170,18 @@ class DecoderAdapter:
             x = residual + x
         return norm(x), x
 
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``F.linear``; the fused path streams small-batch weights through FlashDec's GEMV
+        where it beats cuBLAS (:func:`small_batch_linear`)."""
+        if self.fused_kernels:
+            return small_batch_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def _proj(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+        return self._linear(x, proj.weight, proj.bias)
+
     def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.fused_kernels:
             return rms_norm(x, norm.weight, norm.variance_epsilon)
@@ -186,14 +195,14 @@ class DecoderAdapter:
         spec, n = self.spec, x.shape[0]
         hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
         if layer.qkv_weight is not None:  # one GEMM; q, k, v are strided views of its output
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias)
             q = qkv[:, : hq * d].view(n, hq, d)
             k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
             v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         else:
-            q = _linear(x, layer.q_proj).view(n, hq, d)
-            k = _linear(x, layer.k_proj).view(n, hkv, d)
-            v = _linear(x, layer.v_proj).view(n, hkv, d)
+            q = self._proj(x, layer.q_proj).view(n, hq, d)
+            k = self._proj(x, layer.k_proj).view(n, hkv, d)
+            v = self._proj(x, layer.v_proj).view(n, hkv, d)
         if layer.q_norm is not None:
             q = self._head_norm(layer.q_norm, q)
             k = self._head_norm(layer.k_norm, k)
@@ -204,10 +213,10 @@ class DecoderAdapter:
             return layer.mlp(x)
         mlp = layer.mlp
         if layer.gate_up_weight is not None:
-            act = silu_and_mul(F.linear(x, layer.gate_up_weight))
+            act = silu_and_mul(self._linear(x, layer.gate_up_weight))
         else:
-            act = silu_and_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj))
-        return _linear(act, mlp.down_proj)
+            act = silu_and_mul(self._proj(x, mlp.gate_proj), self._proj(x, mlp.up_proj))
+        return self._proj(act, mlp.down_proj)
 
     def _layers_forward(
         self,
@@ -223,7 +232,7 @@ class DecoderAdapter:
             q, k, v = self._qkv(layer, x)
             out = attend(i, q, k, v)  # [N, Hq, D]
             x, residual = self._norm(
-                layer.post_norm, _linear(out.reshape(n, -1), layer.o_proj), residual
+                layer.post_norm, self._proj(out.reshape(n, -1), layer.o_proj), residual
             )
             next_norm = (
                 self._layers[i + 1].input_norm if i + 1 < len(self._layers) else self._final_norm
@@ -288,7 +297,7 @@ class DecoderAdapter:
             return out[0].transpose(0, 1)  # [T, Hq, D]
 
         hidden = self._layers_forward(ids, attend)
-        return _linear(hidden[-1:], self._lm_head)[0].float()
+        return self._proj(hidden[-1:], self._lm_head)[0].float()
 
     @torch.no_grad()
     def decode(
@@ -326,4 +335,4 @@ class DecoderAdapter:
         hidden = self._layers_forward(ids, attend)
         if logits_rows is not None:
             hidden = hidden.index_select(0, logits_rows)
-        return _linear(hidden, self._lm_head)
+        return self._proj(hidden, self._lm_head)
