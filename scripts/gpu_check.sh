@@ -9,7 +9,8 @@
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
 #   (extend, extendsweep), GEMM_ARGS
 #   gemm: the decode step's GEMMs (cuBLAS via F.linear) against the copy bandwidth at M = 1, 8,
-#     64 (~1 min, gemm.md; issue 25's first measurement);
+#     64 (~1 min, gemm.md; issue 25); GEMM_ARGS="--gemv --sweep --batch 1 4" adds FlashDec's
+#     small-batch GEMV and its launch sweep (~2 min);
 #   window: sliding-window decode time, bytes and blocks held, L = W..32W (~1.5 min,
 #     window_groups.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
