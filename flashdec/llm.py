@@ -57,11 +57,13 @@ class GenerationStats:
     tpot_s: tuple[float, ...]  # per request: mean time per output token after the first
     decode_steps: int
     graph_replays: int
-    # speculative decoding (0 without it): drafts verified and accepted, and the mean tokens a
-    # request got per step that decoded it (1.0 without speculation)
+    # speculative decoding (0 without it): drafts verified and accepted, the mean tokens a
+    # request got per step that decoded it (1.0 without speculation), and the steps run plain
+    # because verification measured slower there (SpeculativeConfig.min_speedup)
     draft_tokens: int = 0
     accepted_tokens: int = 0
     tokens_per_step: float = 1.0
+    held_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -443,9 +445,10 @@ class LLM:
     def speculative_counters(self) -> dict[str, int]:
         """Running totals since the LLM was made (SPEC §8.8): ``draft_tokens`` (drafts
         verified), ``accepted_tokens``, ``request_steps`` (a request decoded in a step) and
-        ``step_tokens`` (the tokens those gave); the difference of two readings covers what
-        ran between them. Without speculation the drafts stay 0 and every request step gives
-        one token."""
+        ``step_tokens`` (the tokens those gave), ``held_steps`` (steps run plain because
+        verification measured slower: ``SpeculativeConfig.min_speedup``); the difference of two
+        readings covers what ran between them. Without speculation the drafts stay 0 and every
+        request step gives one token."""
         return dict(self._runner.counters)
 
     def has_unfinished(self) -> bool:
@@ -572,6 +575,7 @@ class LLM:
             draft_tokens=counts["draft_tokens"],
             accepted_tokens=counts["accepted_tokens"],
             tokens_per_step=counts["step_tokens"] / max(1, counts["request_steps"]),
+            held_steps=counts["held_steps"],
         )
         return [r.tokens for r in requests]
 

@@ -12,11 +12,12 @@
 #
 #  call  command                                      carry
 #  1     bash scripts/gpu_spec_lease.sh 1             .gpu/smollm2/c1
-#        (machine start 2-3 min, then ~3-4 min, Triton's first compiles included: the
-#        mechanism cost on the Llama-3-8B shape; the GGUF's first part waits in /tmp/carry)
+#        (machine start 2-3 min, then ~5-6 min, Triton's first compiles included: the
+#        mechanism cost and off / ngram / ngram-always end to end on the Llama-3-8B random
+#        shape; the GGUF's first part waits in /tmp/carry)
 #  2     bash scripts/gpu_spec_lease.sh 2             .gpu/smollm2/c2 .gpu/smollm2/c3 + 3 wheels
 #        (~5-6 min: GGUF joined and checked, exported to /tmp/smollm2-bf16 (~30 s), FlashDec
-#        off vs ngram at B = 1 and 16 on SmolLM2 bf16, then on the Llama-3-8B random shape)
+#        off / ngram / ngram-always at B = 1 and 16 on SmolLM2 bf16)
 #  3-5   bash .vllm/recv.sh .vllm/cN  (N = 1, 2, 3)   .vllm/cN .vllm/recv.sh        (< 5 s each)
 #  6     bash scripts/gpu_spec_lease.sh 6             .vllm/c4 .vllm/install.sh
 #        (~5-6 min: vLLM unpacked, vllm_speculative.py off and ngram (one process each), then
@@ -98,7 +99,7 @@ flashdec_env() {
 call1() {
   flashdec_env
   bash scripts/carry_parts.sh recv "$PARTS/c1"
-  "$PY" benchmarks/bench_speculative.py --sections mechanism --name spec_part1 \
+  "$PY" benchmarks/bench_speculative.py --sections mechanism random --name spec_part1 \
     --out-dir "$OUT" $EXTRA
   cp "$OUT/spec_part1.json" "$KEEP/"
 }
@@ -112,7 +113,7 @@ call2() {
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/specsite "${WHEELS[@]}"
   export PYTHONPATH=$PYTHONPATH:/tmp/specsite
   [ -f "$MODEL_DIR/config.json" ] || "$PY" benchmarks/export_real_model.py "$gguf" "$MODEL_DIR"
-  "$PY" benchmarks/bench_speculative.py --sections real random --real-model "$MODEL_DIR" \
+  "$PY" benchmarks/bench_speculative.py --sections real --real-model "$MODEL_DIR" \
     --name spec_part2 --out-dir "$OUT" $EXTRA
   cp "$OUT/spec_part2.json" "$KEEP/"
 }

@@ -25,7 +25,7 @@ def _run(tmp_path, *extra: str) -> tuple[list[dict], str]:
 
 def _check(rows: list[dict], markdown: str) -> None:
     assert all(r["identical_to_off"] for r in rows)
-    assert {r["mode"] for r in rows} == {"off", "ngram"}
+    assert {r["mode"] for r in rows} == {"off", "ngram", "ngram-always"}
     for r in rows:
         assert r["tok_s"] > 0 and 1.0 <= r["tokens_per_step"] <= 5.0
         assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
@@ -37,7 +37,7 @@ def _check(rows: list[dict], markdown: str) -> None:
 
 def test_smoke_on_the_tiny_shape(tmp_path):
     rows, markdown = _run(tmp_path, "--real-model", "tiny")
-    modes = [(b, m) for b in (1, 2) for m in ("off", "ngram")]
+    modes = [(b, m) for b in (1, 2) for m in ("off", "ngram", "ngram-always")]
     assert [(r["batch"], r["mode"]) for r in rows] == modes * 2
     _check(rows, markdown)
 
@@ -49,8 +49,9 @@ def test_smoke_on_smollm2_grounded_prompts_accepts_drafts(tmp_path):
     assert [(r["model"], r["batch"], r["mode"]) for r in chat] == [
         ("smollm2", 1, "off"),
         ("smollm2", 1, "ngram"),
+        ("smollm2", 1, "ngram-always"),
     ]
-    assert chat[1]["accepted_tokens"] > 0  # the answer copies its input: lookups hit
+    assert chat[2]["accepted_tokens"] > 0  # the answer copies its input: lookups hit
     _check(rows, markdown)
 
 

@@ -17,7 +17,9 @@ from tests.test_llm import FAMILIES, _model, _prompts
 from tests.test_llm_failures import _instrument, _llm, _run, _uninterrupted
 
 NEW = 20
-SPEC = flashdec.SpeculativeConfig(num_tokens=4)
+# speculation whenever drafts are found: these tests check the mechanism, not whether it pays
+# on the CPU (the measured gate is tested on its own below)
+SPEC = flashdec.SpeculativeConfig(num_tokens=4, min_speedup=None)
 
 
 @functools.cache
@@ -105,6 +107,35 @@ def test_ngram_drafts_are_accepted_when_the_model_repeats_its_context():
     assert stats.decode_steps <= 24 // 4 + 2
 
 
+def test_speculation_measured_slower_than_plain_decoding_is_held_off():
+    """With the default config (``min_speedup=1.0``) the runner times its steps: where
+    verification gives fewer tokens per second than plain steps, it runs plain (here a fake
+    clock makes every verification step cost 10 plain ones). The output stays plain greedy's
+    and ``last_stats.held_steps`` counts the held steps."""
+    model = _copying_model()
+    start = hf_greedy(model, [[7]], 300)[0]
+    prompts = [[7, *start]]
+    expected = hf_greedy(model, prompts, 60)
+    llm = flashdec.LLM(model, max_batch_size=1, speculative=flashdec.SpeculativeConfig())
+    runner, ticks = llm._runner, [0.0]
+    runner.gate.clock = lambda: ticks[0]
+
+    def timed(run, cost):
+        def wrapper(*args, **kwargs):
+            ticks[0] += cost
+            return run(*args, **kwargs)
+
+        return wrapper
+
+    runner._run_verify = timed(runner._run_verify, 10.0)
+    runner._run_plain = timed(runner._run_plain, 1.0)
+    assert llm.generate(prompts, 60) == expected
+    stats = llm.last_stats
+    assert stats.draft_tokens > 0  # it tried...
+    assert stats.held_steps > 20  # ...then ran plain
+    assert stats.tokens_per_step < 2
+
+
 def test_max_new_tokens_and_eos_are_respected():
     """Drafts never carry a request past max_new_tokens; the first EOS among accepted tokens
     ends it."""
@@ -182,6 +213,11 @@ def test_a_failure_anywhere_in_a_verification_step_changes_no_later_token(monkey
         ({"min_ngram": 0}, ValueError),
         ({"min_ngram": 3, "max_ngram": 2}, ValueError),
         ({"max_ngram": True}, TypeError),
+        ({"min_speedup": 0.0}, ValueError),
+        ({"min_speedup": float("nan")}, ValueError),
+        ({"min_speedup": 5.0}, ValueError),
+        ({"min_speedup": "1"}, TypeError),
+        ({"min_speedup": True}, TypeError),
     ],
 )
 def test_bad_configs_are_rejected(kwargs, exc):
@@ -204,7 +240,9 @@ def test_bad_draft_configs_are_rejected(kwargs, exc, match):
 
 
 def _draft_llm(model, draft, **kwargs):
-    spec = flashdec.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4)
+    spec = flashdec.SpeculativeConfig(
+        method="draft", draft_model=draft, num_tokens=4, min_speedup=None
+    )
     return flashdec.LLM(model, max_batch_size=4, speculative=spec, **kwargs)
 
 
@@ -476,6 +514,7 @@ def test_a_failure_anywhere_in_a_draft_model_round_changes_no_later_token(monkey
         method="draft",
         draft_model=build_random_model("tiny", dtype=torch.float32, device="cpu", seed=3),
         num_tokens=3,
+        min_speedup=None,
     )
     llm = _llm(speculative=spec)
     assert llm.model is tiny()
@@ -523,6 +562,7 @@ def test_the_config_repr_names_a_draft_model_without_printing_it():
         "draft_model=<LlamaForCausalLM>)"
     )
     assert repr(flashdec.SpeculativeConfig()).endswith("max_ngram=4)")
+    assert repr(flashdec.SpeculativeConfig(min_speedup=None)).endswith("min_speedup=None)")
     assert "draft_model='smollm2'" in repr(
         flashdec.SpeculativeConfig(method="draft", draft_model="smollm2")
     )

@@ -39,6 +39,7 @@ from flashdec.speculative import (
     Drafter,
     DraftRequest,
     NgramDrafter,
+    SpeculationGate,
     SpeculativeConfig,
     accept_greedy,
     accept_sampled,
@@ -119,13 +120,15 @@ class ModelRunner(StepExecutor):
                 raise ValueError("SpeculativeConfig(method='draft') needs its drafter")
             self.drafter = drafter or NgramDrafter(speculative.min_ngram, speculative.max_ngram)
             self.controller = DraftController(speculative.num_tokens)
+            speedup = speculative.min_speedup
+            self.gate = None if speedup is None else SpeculationGate(speedup)
         self._served: dict = {}  # request -> tokens the last run gave it (absent: one)
         self._accepted: dict = {}  # request -> drafts the last run accepted
         self._caps: dict = {}  # request -> most drafts this run's step may take for it
         # running totals: drafts proposed and accepted; (request, step) pairs that decoded and
-        # the tokens they produced
+        # the tokens they produced; steps the gate kept plain (speculation did not pay there)
         self.counters = dict.fromkeys(
-            ("draft_tokens", "accepted_tokens", "request_steps", "step_tokens"), 0
+            ("draft_tokens", "accepted_tokens", "request_steps", "step_tokens", "held_steps"), 0
         )
 
     def _ensure_slots(self) -> None:
@@ -317,6 +320,9 @@ class ModelRunner(StepExecutor):
         return done
 
     def _speculate(self, batch: Sequence, chunks: Sequence[tuple[object, int]]) -> tuple[set, set]:
+        gate, counters = self.gate, self.counters
+        if gate is not None:
+            gate.started()
         if not batch:
             return self._plain(batch, chunks)
         ctl = self.controller
@@ -324,11 +330,19 @@ class ModelRunner(StepExecutor):
         budgets = {rid: ctl.budget(rid) for rid in batch}
         drafts, skipped = {}, set()
         if ctl.speculates(len(batch)) and any(budgets.values()):
-            drafts, skipped = self._drafts(batch, budgets, chunks)
-        if any(drafts.values()):
+            if gate is None or gate.allows(len(batch)):
+                drafts, skipped = self._drafts(batch, budgets, chunks)
+            else:
+                counters["held_steps"] += 1
+        before = counters["request_steps"], counters["step_tokens"]
+        verified = any(drafts.values())
+        if verified:
             done = self._run_verify(batch, chunks, drafts, skipped)
         else:
             done = self._plain(batch, chunks)
+        if gate is not None:  # a step with prompt chunks costs mostly theirs: not measured
+            requests = 0 if chunks else counters["request_steps"] - before[0]
+            gate.finished(requests, counters["step_tokens"] - before[1], verified)
         # the step is committed: the controller learns from it
         for rid in batch:
             if not budgets[rid]:

@@ -7,7 +7,7 @@ accept rules and the per-request adaptivity (the draft-model drafter runs an eng
 :mod:`flashdec.engine.draft_model`).
 """
 
-from flashdec.speculative.adaptive import DraftController
+from flashdec.speculative.adaptive import DraftController, SpeculationGate
 from flashdec.speculative.config import SPECULATIVE_METHODS, SpeculativeConfig
 from flashdec.speculative.drafts import Drafter, DraftRequest
 from flashdec.speculative.ngram import NgramDrafter, propose_ngram
@@ -19,6 +19,7 @@ __all__ = [
     "DraftRequest",
     "Drafter",
     "NgramDrafter",
+    "SpeculationGate",
     "SpeculativeConfig",
     "accept_greedy",
     "accept_sampled",

@@ -10,6 +10,8 @@ Rules (all host-side and deterministic, so they are testable without a GPU):
 - When ``ema`` falls below ``off_below`` the request stops drafting for ``cooldown * 2**s``
   steps (``s``: how many times in a row it was switched off, at most ``max_backoff``), then
   tries again from ``ema = retry_ema``. An accepted draft resets ``s``.
+- Whatever the acceptance, a batch size whose verification steps give fewer tokens per second
+  than plain steps (measured: :class:`SpeculationGate`) stops speculating for a cooldown.
 
 A step where no request of the batch drafts is a plain decode step (CUDA graphs, tokens read a
 step late): a request that never matches costs, after its first few steps, only its rare
@@ -18,11 +20,16 @@ retries.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from flashdec._checks import check_positive_int
 
 
 class DraftController:
-    """Per-request draft budgets for a speculative runner (see the module's rules)."""
+    """Per-request draft budgets for a speculative runner (see the module's first three
+    rules)."""
 
     def __init__(
         self,
@@ -83,3 +90,123 @@ class DraftController:
 
     def forget(self, rid) -> None:
         self._state.pop(rid, None)
+
+
+@dataclass
+class _BucketCosts:
+    """Measured seconds per token a request gets, for the steps of one batch-size bucket."""
+
+    plain: float = 0.0  # moving average over plain steps (0 samples: not measured)
+    verify: float = 0.0  # moving average over verification steps
+    plain_samples: int = 0
+    verify_samples: int = 0
+    off: int = 0  # steps left with speculation held off
+    backoff: int = 0  # times in a row it was held off
+    since_plain: int = 0  # verification steps since the last plain sample
+
+
+class SpeculationGate:
+    """Whether speculating pays, by measurement: speculation is held off, per batch-size
+    bucket (powers of two), while its tokens per second fall below ``min_speedup`` times plain
+    decoding's.
+
+    Why measured: a verification round waits for its acceptance on the host before the next
+    step launches, while plain decoding overlaps the host with the GPU. On a small model (a
+    short step) that wait can cost more than the accepted drafts save, whatever the acceptance
+    rate, so acceptance alone (:class:`DraftController`) cannot tell.
+
+    - Each step's cost is its wall time, from its start to the next step's start (the whole
+      loop's cycle: plain steps are pipelined, so a plain step's own call is not its cost),
+      per token a request got: ``elapsed * requests / tokens``. The first step after a switch
+      between plain and verification is not counted (it pays for, or skips, the other kind's
+      wait), nor is a step more than ``max_outlier`` times its kind's average (a pause
+      between calls).
+    - After ``min_samples`` verification steps of a bucket without a plain measurement, the
+      gate runs ``min_samples + 1`` plain steps to take one; every ``refresh`` verification
+      steps it takes one again (batch composition drifts).
+    - With both measured, verification costing more than plain / ``min_speedup`` holds
+      speculation off for ``cooldown * 2**s`` steps (``s``: times in a row, at most
+      ``max_backoff``); then it is measured afresh. A verification measurement that wins
+      resets ``s``.
+
+    ``clock`` is injectable so that the rules are testable without timing anything.
+    """
+
+    def __init__(
+        self,
+        min_speedup: float = 1.0,
+        *,
+        alpha: float = 0.25,
+        min_samples: int = 3,
+        cooldown: int = 32,
+        max_backoff: int = 4,
+        refresh: int = 256,
+        max_outlier: float = 4.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.min_speedup = min_speedup
+        self.alpha = alpha
+        self.min_samples = check_positive_int("min_samples", min_samples)
+        self.cooldown = check_positive_int("cooldown", cooldown)
+        self.max_backoff = max_backoff
+        self.refresh = check_positive_int("refresh", refresh)
+        self.max_outlier = max_outlier
+        self.clock = clock
+        self._buckets: dict[int, _BucketCosts] = {}
+        self._start = 0.0  # when the current step started
+        self._open: tuple[float, int, int, bool] | None = None  # (start, requests, tokens, kind)
+        self._kind: bool | None = None  # the kind of the step before the open one
+
+    def _bucket(self, requests: int) -> _BucketCosts:
+        key = max(1, requests).bit_length()
+        costs = self._buckets.get(key)
+        if costs is None:
+            costs = self._buckets[key] = _BucketCosts()
+        return costs
+
+    def allows(self, requests: int) -> bool:
+        """Whether a step of ``requests`` decoding requests may verify drafts (call once per
+        step that could: a False uses up one step of the bucket's hold)."""
+        c = self._bucket(requests)
+        if c.off == 0 and c.verify_samples >= self.min_samples:
+            if c.plain_samples < self.min_samples or c.since_plain >= self.refresh:
+                c.plain_samples, c.since_plain = 0, 0  # measure plain decoding (again)
+                c.off = self.min_samples + 1
+            elif c.verify * self.min_speedup > c.plain:
+                c.off = self.cooldown << min(c.backoff, self.max_backoff)
+                c.backoff += 1
+                c.verify_samples = 0  # measured afresh when it comes back
+            else:
+                c.backoff = 0
+        if c.off:
+            c.off -= 1
+            return False
+        return True
+
+    def started(self) -> None:
+        """A step starts: the previous one's wall time is complete."""
+        start = self._start = self.clock()
+        if self._open is None:
+            return
+        began, requests, tokens, verified = self._open
+        self._open = None
+        switched, self._kind = self._kind is not verified, verified
+        if switched or requests <= 0 or tokens <= 0:
+            return
+        cost = (start - began) * requests / tokens
+        c = self._bucket(requests)
+        average = c.verify if verified else c.plain
+        samples = c.verify_samples if verified else c.plain_samples
+        if samples and cost > self.max_outlier * average:
+            return
+        average = cost if samples == 0 else average + self.alpha * (cost - average)
+        if verified:
+            c.verify, c.verify_samples = average, samples + 1
+            c.since_plain += 1
+        else:
+            c.plain, c.plain_samples, c.since_plain = average, samples + 1, 0
+
+    def finished(self, requests: int, tokens: int, verified: bool) -> None:
+        """The step that :meth:`started` last gave ``tokens`` to ``requests`` decoding
+        requests, by verification or plainly (``requests = 0``: a step not to measure)."""
+        self._open = (self._start, requests, tokens, verified)

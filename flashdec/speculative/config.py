@@ -11,6 +11,7 @@ from flashdec._checks import check_choice, check_positive_int, type_name
 
 SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 64  # drafts per request per step at most (a verification step's width)
+MAX_MIN_SPEEDUP = 4.0  # beyond this the gate would hold nearly every speculation off
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class SpeculativeConfig:
     transformers model, a local model directory or a built-in name, as ``flashdec.LLM``
     takes) — proposes ``num_tokens`` tokens greedily, from its own paged KV cache on the
     target's device and in its dtype.
+
+    ``min_speedup``: speculation is held off, per batch size, while its measured tokens per
+    second fall below this many times plain decoding's (see
+    :class:`~flashdec.speculative.adaptive.SpeculationGate`); ``None`` always speculates
+    (tests, and measuring the mechanism itself).
     """
 
     method: str = "ngram"
@@ -32,6 +38,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     max_ngram: int = 4
     draft_model: torch.nn.Module | str | os.PathLike | None = None
+    min_speedup: float | None = 1.0
 
     def __repr__(self) -> str:  # a module's own repr would print its whole architecture
         draft = self.draft_model
@@ -40,6 +47,8 @@ class SpeculativeConfig:
         elif draft is not None:
             draft = repr(draft)
         shown = "" if draft is None else f", draft_model={draft}"
+        if self.min_speedup != 1.0:
+            shown += f", min_speedup={self.min_speedup!r}"
         return (
             f"SpeculativeConfig(method={self.method!r}, num_tokens={self.num_tokens}, "
             f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}{shown})"
@@ -56,6 +65,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
+        speedup = self.min_speedup
+        if speedup is not None:
+            if isinstance(speedup, bool) or not isinstance(speedup, (int, float)):
+                raise TypeError(f"min_speedup must be a number or None, got {type_name(speedup)}")
+            if not 0.0 < speedup <= MAX_MIN_SPEEDUP:
+                raise ValueError(f"min_speedup must be in (0, {MAX_MIN_SPEEDUP}], got {speedup!r}")
         draft = self.draft_model
         if self.method == "draft":
             if draft is None:

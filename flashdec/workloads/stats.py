@@ -104,6 +104,7 @@ class SpeculationStats:
     accepted_tokens: int
     acceptance_rate: float  # accepted / drafted (0.0 when nothing was drafted)
     tokens_per_step: float
+    held_steps: int = 0  # steps run plain: verification measured slower there
 
     @classmethod
     def between(cls, method: str, before: dict, after: dict) -> SpeculationStats:
@@ -115,6 +116,7 @@ class SpeculationStats:
             accepted_tokens=d["accepted_tokens"],
             acceptance_rate=d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
             tokens_per_step=d["step_tokens"] / d["request_steps"] if d["request_steps"] else 1.0,
+            held_steps=d.get("held_steps", 0),
         )
 
     def rows(self) -> list[tuple[str, str]]:
@@ -123,4 +125,5 @@ class SpeculationStats:
             ("draft tokens / accepted", f"{self.draft_tokens:,} / {self.accepted_tokens:,}"),
             ("acceptance rate", f"{100 * self.acceptance_rate:.1f}%"),
             ("tokens per step (per request)", f"{self.tokens_per_step:.2f}"),
+            ("steps held plain (verification slower)", f"{self.held_steps:,}"),
         ]
