@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flashdec._checks import check_positive_int
 
@@ -93,13 +93,36 @@ class DraftController:
 
 
 @dataclass
-class _BucketCosts:
-    """Measured seconds per token a request gets, for the steps of one batch-size bucket."""
+class _Rate:
+    """Moving averages of one kind of step's wall time and of the tokens a request got from
+    it. Its cost per token is their ratio: the average of per-step ratios would overstate a
+    kind whose tokens per step vary (1/x is convex: steps of 1 and 5 tokens average 0.6 of
+    a step per token, not 1/3)."""
 
-    plain: float = 0.0  # moving average over plain steps (0 samples: not measured)
-    verify: float = 0.0  # moving average over verification steps
-    plain_samples: int = 0
-    verify_samples: int = 0
+    seconds: float = 0.0
+    tokens: float = 0.0  # per request
+    samples: int = 0
+
+    @property
+    def cost(self) -> float:
+        """Seconds per token a request gets."""
+        return self.seconds / self.tokens
+
+    def add(self, seconds: float, tokens: float, alpha: float) -> None:
+        if self.samples == 0:
+            self.seconds, self.tokens = seconds, tokens
+        else:
+            self.seconds += alpha * (seconds - self.seconds)
+            self.tokens += alpha * (tokens - self.tokens)
+        self.samples += 1
+
+
+@dataclass
+class _BucketCosts:
+    """What the gate knows of one batch-size bucket."""
+
+    plain: _Rate = field(default_factory=_Rate)
+    verify: _Rate = field(default_factory=_Rate)
     off: int = 0  # steps left with speculation held off
     backoff: int = 0  # times in a row it was held off
     since_plain: int = 0  # verification steps since the last plain sample
@@ -115,12 +138,13 @@ class SpeculationGate:
     short step) that wait can cost more than the accepted drafts save, whatever the acceptance
     rate, so acceptance alone (:class:`DraftController`) cannot tell.
 
-    - Each step's cost is its wall time, from its start to the next step's start (the whole
-      loop's cycle: plain steps are pipelined, so a plain step's own call is not its cost),
-      per token a request got: ``elapsed * requests / tokens``. The first step after a switch
-      between plain and verification is not counted (it pays for, or skips, the other kind's
-      wait), nor is a step more than ``max_outlier`` times its kind's average (a pause
-      between calls).
+    - A step's wall time runs from its start to the next step's start (the whole loop's
+      cycle: plain steps are pipelined, so a plain step's own call is not its cost). Each kind
+      keeps moving averages of that time and of the tokens a request got; its cost is seconds
+      per token, their ratio. The first step after a switch between plain and verification is
+      not counted (it pays for, or skips, the other kind's wait), nor is a step that took more
+      than ``max_outlier`` times its kind's average (a pause between calls), nor a step that
+      carried prompt chunks (the runner reports it with ``requests = 0``).
     - After ``min_samples`` verification steps of a bucket without a plain measurement, the
       gate runs ``min_samples + 1`` plain steps to take one; every ``refresh`` verification
       steps it takes one again (batch composition drifts).
@@ -137,7 +161,7 @@ class SpeculationGate:
         min_speedup: float = 1.0,
         *,
         alpha: float = 0.25,
-        min_samples: int = 3,
+        min_samples: int = 6,
         cooldown: int = 32,
         max_backoff: int = 4,
         refresh: int = 256,
@@ -168,14 +192,14 @@ class SpeculationGate:
         """Whether a step of ``requests`` decoding requests may verify drafts (call once per
         step that could: a False uses up one step of the bucket's hold)."""
         c = self._bucket(requests)
-        if c.off == 0 and c.verify_samples >= self.min_samples:
-            if c.plain_samples < self.min_samples or c.since_plain >= self.refresh:
-                c.plain_samples, c.since_plain = 0, 0  # measure plain decoding (again)
+        if c.off == 0 and c.verify.samples >= self.min_samples:
+            if c.plain.samples < self.min_samples or c.since_plain >= self.refresh:
+                c.plain, c.since_plain = _Rate(), 0  # measure plain decoding (again)
                 c.off = self.min_samples + 1
-            elif c.verify * self.min_speedup > c.plain:
+            elif c.verify.cost * self.min_speedup > c.plain.cost:
                 c.off = self.cooldown << min(c.backoff, self.max_backoff)
                 c.backoff += 1
-                c.verify_samples = 0  # measured afresh when it comes back
+                c.verify = _Rate()  # measured afresh when it comes back
             else:
                 c.backoff = 0
         if c.off:
@@ -193,18 +217,16 @@ class SpeculationGate:
         switched, self._kind = self._kind is not verified, verified
         if switched or requests <= 0 or tokens <= 0:
             return
-        cost = (start - began) * requests / tokens
         c = self._bucket(requests)
-        average = c.verify if verified else c.plain
-        samples = c.verify_samples if verified else c.plain_samples
-        if samples and cost > self.max_outlier * average:
+        rate = c.verify if verified else c.plain
+        elapsed = start - began
+        if rate.samples and elapsed > self.max_outlier * rate.seconds:
             return
-        average = cost if samples == 0 else average + self.alpha * (cost - average)
+        rate.add(elapsed, tokens / requests, self.alpha)
         if verified:
-            c.verify, c.verify_samples = average, samples + 1
             c.since_plain += 1
         else:
-            c.plain, c.plain_samples, c.since_plain = average, samples + 1, 0
+            c.since_plain = 0
 
     def finished(self, requests: int, tokens: int, verified: bool) -> None:
         """The step that :meth:`started` last gave ``tokens`` to ``requests`` decoding

@@ -5,6 +5,8 @@ they pay is not."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from flashdec.speculative import DraftController, SpeculationGate
@@ -60,20 +62,23 @@ def test_bad_budgets_are_rejected(bad):
 
 class _Loop:
     """Drives a gate the way the runner does, on a fake clock: a verification step takes
-    ``verify_s`` and gives ``tokens`` per request, a plain step ``plain_s`` and one token."""
+    ``verify_s`` and gives ``tokens`` per request (a number, or a sequence cycled over the
+    verification steps), a plain step ``plain_s`` and one token. Three samples decide."""
 
     def __init__(self, gate_kwargs=None, *, verify_s=2.0, plain_s=1.0, tokens=3, requests=1):
         self.t = 0.0
-        self.gate = SpeculationGate(clock=lambda: self.t, **(gate_kwargs or {}))
+        kwargs = {"min_samples": 3, **(gate_kwargs or {})}
+        self.gate = SpeculationGate(clock=lambda: self.t, **kwargs)
         self.verify_s, self.plain_s = verify_s, plain_s
-        self.tokens, self.requests = tokens, requests
+        self.tokens = itertools.cycle(tokens if isinstance(tokens, (list, tuple)) else [tokens])
+        self.requests = requests
         self.kinds: list[bool] = []
 
     def step(self, pause: float = 0.0) -> bool:
         self.gate.started()
         verified = self.gate.allows(self.requests)
         self.t += (self.verify_s if verified else self.plain_s) + pause
-        tokens = self.tokens if verified else 1
+        tokens = next(self.tokens) if verified else 1
         self.gate.finished(self.requests, tokens * self.requests, verified)
         self.kinds.append(verified)
         return verified
@@ -112,6 +117,14 @@ def test_min_speedup_sets_how_much_verification_must_win():
     # verification 1.2x plain's rate: it passes at min_speedup 1.0, not at 1.5
     assert _Loop({"min_speedup": 1.0}, verify_s=2.5).run(40).count(False) == 4
     assert _Loop({"min_speedup": 1.5}, verify_s=2.5).run(40).count(False) > 20
+
+
+def test_the_cost_is_time_over_tokens_not_the_mean_of_per_step_ratios():
+    """Verification steps of 2 s giving 1 or 5 tokens in turn: 3 tokens per 2 s on average,
+    1.5x plain decoding's rate, so it keeps running (the mean of the per-step costs, 1.2 s a
+    token, would have held it off)."""
+    loop = _Loop({"alpha": 0.5}, verify_s=2.0, tokens=[1, 5])
+    assert loop.run(60).count(False) == 4  # the plain probe only
 
 
 def test_a_pause_between_steps_is_not_taken_for_their_cost():
