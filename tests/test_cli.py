@@ -165,7 +165,13 @@ BAD_COMMANDS = [
     (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1"),
     (["generate", "--speculative", "draft"], "--speculative draft needs --draft-model"),
     (["generate", "--draft-model", "tiny"], "--draft-model needs --speculative draft"),
-    (["generate", "--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
+    (["generate", "--speculative", "eagle"], "speculative must be one of 'off', 'ngram', 'draft'"),
+    (["generate", "--speculative", "ngram:x"], "K must be a whole number"),
+    (["generate", "--speculative", "ngram:0"], "num_tokens must be >= 1, got 0"),
+    (
+        ["generate", "--speculative", "ngram:3", "--num-speculative-tokens", "5"],
+        "give the drafts per step once",
+    ),
     (["generate", "--num-speculative-tokens", "8"], "needs --speculative ngram"),
     (["bench-serve", "--ngram-max", "2"], "--ngram-max needs --speculative ngram"),
     (
@@ -495,7 +501,7 @@ def test_bench_serve_reports_speculation_and_stays_exact(tmp_path, capsys):
     path = tmp_path / "s.json"
     argv = ["bench-serve", "--num-requests", "4", "--request-rate", "200"]
     argv += ["--max-prompt-len", "20", "--max-new-tokens", "6", "--compare"]
-    argv += ["--speculative", "ngram", "--num-speculative-tokens", "3", "--json", str(path)]
+    argv += ["--speculative", "ngram:3", "--json", str(path)]  # the drafts per step in one flag
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "4/4 requests identical" in out

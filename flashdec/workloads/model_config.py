@@ -28,6 +28,7 @@ from flashdec.workloads.knobs import (
 CUDA_GRAPHS = ("auto", "on", "off")
 SPECULATIVE_CHOICES = ("off", *SPECULATIVE_METHODS)
 KV_CACHE_DTYPES = ("auto", "fp8")  # flashdec.LLM's kv_cache_dtype
+_DEFAULT_SPECULATIVE_TOKENS = SpeculativeConfig.num_tokens
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ class ModelRunConfig:
     )
     speculative: str = knob(
         "off",
-        "speculative decoding (ngram: prompt lookup drafts; draft: a smaller model's "
-        "drafts, --draft-model; verified in one step, greedy output is unchanged)",
-        choices=SPECULATIVE_CHOICES,
+        "speculative decoding: off, ngram (prompt lookup drafts) or draft (a smaller model's "
+        "drafts, --draft-model), optionally with the drafts per step as ngram:K / draft:K; "
+        "verified in one step, greedy output is unchanged",
     )
     draft_model: str = knob(
         "",
@@ -76,7 +77,7 @@ class ModelRunConfig:
         "directory of the target's tokenizer",
     )
     num_speculative_tokens: int = knob(
-        4,
+        _DEFAULT_SPECULATIVE_TOKENS,
         "drafts per request per step at most (with --speculative ngram)",
         minimum=1,
         maximum=MAX_SPECULATIVE_TOKENS,
@@ -116,12 +117,33 @@ class ModelRunConfig:
 
     _SPECULATIVE_KNOBS = ("num_speculative_tokens", "ngram_min", "ngram_max")
 
+    def speculation(self) -> tuple[str, int]:
+        """``(method, drafts per step)`` of ``speculative`` (``METHOD[:K]``; without ``:K``,
+        ``num_speculative_tokens``)."""
+        method, colon, count = self.speculative.partition(":")
+        if method not in SPECULATIVE_CHOICES or (colon and method == "off"):
+            raise ValueError(
+                "speculative must be one of 'off', 'ngram', 'draft' (or 'ngram:K', 'draft:K': "
+                f"K drafts per step), got {self.speculative!r}"
+            )
+        if not colon:
+            return method, self.num_speculative_tokens
+        if not count.isdigit():
+            raise ValueError(f"speculative {self.speculative!r}: K must be a whole number")
+        if self.num_speculative_tokens != _DEFAULT_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"give the drafts per step once: --speculative {self.speculative} or "
+                "--num-speculative-tokens"
+            )
+        return method, int(count)
+
     def _check_speculative(self) -> None:
-        if self.draft_model and self.speculative != "draft":
+        method, _ = self.speculation()
+        if self.draft_model and method != "draft":
             raise ValueError("--draft-model needs --speculative draft")
-        if self.speculative == "draft" and not self.draft_model:
+        if method == "draft" and not self.draft_model:
             raise ValueError("--speculative draft needs --draft-model (a smaller model)")
-        if self.speculative == "off":
+        if method == "off":
             defaults = {f.name: f.default for f in fields(ModelRunConfig)}
             given = [n for n in self._SPECULATIVE_KNOBS if getattr(self, n) != defaults[n]]
             if given:
@@ -133,11 +155,12 @@ class ModelRunConfig:
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """What ``flashdec.LLM(speculative=...)`` gets (None: speculation off)."""
-        if self.speculative == "off":
+        method, num_tokens = self.speculation()
+        if method == "off":
             return None
         return SpeculativeConfig(
-            method=self.speculative,
-            num_tokens=self.num_speculative_tokens,
+            method=method,
+            num_tokens=num_tokens,
             min_ngram=self.ngram_min,
             max_ngram=self.ngram_max,
             draft_model=self.draft_model or None,

@@ -260,6 +260,9 @@ def test_fp8_kv_cache_reads_a_directory_checkpoint_dtype(tmp_path):
         ({"prompt": "hi", "prompt_len": 8}, "a text prompt sets its own length"),
         ({"model": ""}, "neither a built-in shape"),
         ({"speculative": "eagle"}, "speculative must be one of 'off', 'ngram', 'draft'"),
+        ({"speculative": "off:3"}, "speculative must be one of"),
+        ({"speculative": "ngram:two"}, "K must be a whole number"),
+        ({"speculative": "ngram:65"}, "num_tokens must be <= 64"),
         ({"speculative": "draft"}, "--speculative draft needs --draft-model"),
         ({"draft_model": "tiny"}, "--draft-model needs --speculative draft"),
         (
@@ -313,6 +316,8 @@ def test_speculative_knobs_make_the_llm_config():
         2,
         3,
     )
+    # METHOD:K gives the drafts per step in one flag
+    assert GenerateConfig(speculative="ngram:7").speculative_config().num_tokens == 7
 
 
 def test_a_draft_model_adds_its_weights_and_pool_to_the_memory_estimate():
