@@ -22,8 +22,9 @@ requests and ``total_q`` rows, whatever their lengths, and programs past the las
 
 Split-KV (few tiles over long contexts: a verification step at batch 1, a short chunk over 32k
 tokens) reuses decode's heuristic, counted in tiles instead of requests: the work is cut so that
-about ``programs_per_sm`` programs land on every SM, never below a minimum split length. The
-last split of a tile to finish merges the partial results by log-sum-exp in the same launch.
+about ``programs_per_sm`` programs land on every SM, never below a minimum split length, and
+never into more than :data:`MAX_MERGE_ROWS` partial rows per tile. The last split of a tile to
+finish merges the partial results by log-sum-exp in the same launch.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ MIN_BLOCK_B = 64
 PREFILL_TILE_BYTES = 32 * 1024
 # A split of a 128-row tile writes and merges 128 partial rows: longer splits than decode's.
 PREFILL_MIN_TOKENS_PER_SPLIT = 512
+# Partial rows one tile's merge reads at most (an automatic split count stops there): a single
+# program merges them, so a 64-row tile cut 65 ways (a verification step at batch 1 over 32k
+# tokens) spends longer merging than reading its keys.
+MAX_MERGE_ROWS = 1024
 
 
 def default_block_m(max_query_len: int, group: int, head_dim: int) -> int:
@@ -306,6 +311,7 @@ def plan_extend(
         check_positive_int("tokens_per_split", tokens_per_split)
     target = None
     if num_splits is None and tokens_per_split is None:
+        merge_bound = math.ceil(read_len / max(1, MAX_MERGE_ROWS // block_m))
         target = target_tokens_per_split(
             expected_tiles,
             expected_tiles * read_len,
@@ -313,7 +319,7 @@ def plan_extend(
             num_kv_heads,
             num_sms,
             programs_per_sm=programs_per_sm,
-            min_tokens_per_split=min_tokens_per_split,
+            min_tokens_per_split=max(min_tokens_per_split, merge_bound),
         )
         will_split = split_count(read_len, target) > 1
     elif num_splits is not None:

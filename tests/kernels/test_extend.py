@@ -25,7 +25,12 @@ from flashdec.kernels import (
     plan_extend,
 )
 from flashdec.kernels import paged_extend as extend_module
-from flashdec.kernels.extend_plan import allocate_partials, extend_plan_variants, max_tiles
+from flashdec.kernels.extend_plan import (
+    MAX_MERGE_ROWS,
+    allocate_partials,
+    extend_plan_variants,
+    max_tiles,
+)
 from tests.helpers import TOLERANCES, device_syncs, make_paged_kv
 from tests.kernels.test_fp8 import FP8, fp8_paged_kv
 
@@ -74,6 +79,7 @@ CASES = [
     (torch.bfloat16, (8, 2), 32, 16, [54, 5], [17, 3], None, "token_major", None),
     (torch.bfloat16, (7, 1), 32, 8, [97, 0], [2, 5], 20, "token_major", {"num_splits": 2}),
     (torch.float16, (4, 2), 48, 8, [5, 97, 0], [1, 3, 2], None, "token_major", {"block_n": 16}),
+    (torch.float32, (8, 2), 32, 8, [150, 3], [3, 2], None, "token_major", {"num_splits": 7}),
 ]
 
 
@@ -280,6 +286,10 @@ def test_plan_tiles_follow_the_queries_and_split_long_contexts():
     # a window bounds what a tile reads: no split over a 32k context with a 256 window
     windowed = plan_extend(1, 4, 32, 8, 128, 16, 32768, bf16, "cpu", window=256, max_query_len=4)
     assert windowed.num_splits < verify.num_splits
+    # a tile's automatic splits stop at 1,024 partial rows (one program merges them)
+    wide = plan_extend(1, 8, 28, 4, 128, 16, 32768, bf16, "cpu", max_query_len=8)
+    assert wide.block_m == 64 and wide.num_splits * wide.block_m <= MAX_MERGE_ROWS
+    assert wide.num_splits == MAX_MERGE_ROWS // 64
 
 
 def test_max_tiles_bounds_every_split_of_the_rows():
