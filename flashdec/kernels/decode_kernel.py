@@ -479,15 +479,20 @@ def _merge_splits_kernel(
     window,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    D_CHUNKS: tl.constexpr,  # programs per (request, query head), each MERGE_D dims
+    MERGE_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the decode kernel's tile: a window's range starts on a multiple
     WINDOWED: tl.constexpr,
 ):
-    # stage 2 of 2: out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M), M = max_s lse_s
+    # stage 2 of 2: out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M), M = max_s lse_s.
+    # One program per (request, query head, slice of MERGE_D dims): a split launch is used
+    # where few (request, head) pairs merge many splits (MQA or small KV at batch 1), so the
+    # head dimension is cut too, and one wide load usually covers every split.
     pid = tl.program_id(0)
-    b = pid // NUM_Q_HEADS
-    h = pid % NUM_Q_HEADS
+    d_chunk = pid % D_CHUNKS
+    b = pid // (D_CHUNKS * NUM_Q_HEADS)
+    h = pid // D_CHUNKS % NUM_Q_HEADS
     seq_len = tl.load(seq_lens_ptr + b)
     read_len = seq_len  # stage 1's split count, from the same range
     if WINDOWED:
@@ -497,7 +502,7 @@ def _merge_splits_kernel(
     num_valid = tl.where(num_valid > 1, num_valid, 0)
 
     offs_s0 = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d_chunk * MERGE_D + tl.arange(0, MERGE_D)
     mask_d = offs_d < HEAD_DIM
     lse_base = part_lse_ptr + b * stride_plb + h * stride_plh
     po_base = part_out_ptr + b * stride_pob + h * stride_poh
@@ -505,7 +510,7 @@ def _merge_splits_kernel(
     # one pass with a running maximum: chunks of BLOCK_S splits, rescaled as the max grows
     m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
     denom = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([MERGE_D], dtype=tl.float32)
     for s0 in range(0, num_valid, BLOCK_S):
         offs_s = s0 + offs_s0
         mask_s = offs_s < num_valid

@@ -46,13 +46,15 @@ MAX_PROGRAMS_PER_SM = 16
 DEFAULT_MIN_TOKENS_PER_SPLIT = 128
 # Upper bound on splits per request (keeps the merge loop and the workspace small).
 MAX_SPLITS = 1024
-# Splits merged per loop step of the log-sum-exp merge kernel.
-MERGE_BLOCK_S = 32
+# Merge launch: head dims per program. It runs where few (request, query head) pairs merge many
+# splits (MQA, small KV at batch 1), so the head dimension is cut too: 32 float32 dims are one
+# 128-byte line of each partial row, and head_dim 128 gives four times the programs.
+MERGE_BLOCK_D = 32
 # In-kernel merge ("the last split merges"): the last stage-1 program of a (request, KV head) to
 # finish merges its G query heads' partials, saving the merge launch (~10 us of host time, 2-3 us
 # of device gap even in a CUDA graph). One program then reads G x splits partial rows, a few
-# chunks of up to MERGE_TILE_ELEMS floats; past this many rows a separate merge launch, one
-# program per (request, query head), is faster (MQA with hundreds of splits).
+# chunks of up to MERGE_TILE_ELEMS floats; past this many rows a separate merge launch (one
+# program per request x query head x MERGE_BLOCK_D dims) is faster (MQA with hundreds of splits).
 FUSED_MERGE_MAX_ROWS = 256
 MERGE_TILE_ELEMS = 8192
 # K+V bytes one loop iteration gathers. A wide tile keeps more bytes in flight per program, which
@@ -153,7 +155,8 @@ class DecodePlan:
     block_n: int
     num_warps: int
     num_stages: int
-    merge_block_s: int
+    merge_block_s: int  # merge launch: splits per loop step
+    merge_block_d: int  # merge launch: head dims per program
     sm_count: int
     num_programs: int  # split path: stage-1 programs (each takes work items round-robin)
     block_b: int  # split path: requests scanned for the work list (power of two >= batch)
@@ -433,6 +436,11 @@ def plan_decode(
     if total_tokens is not None:
         items = min(items, num_kv_heads * (batch + math.ceil(total_tokens / per_split)))
     num_programs = max(1, min(items, num_sms * MAX_PROGRAMS_PER_SM))
+    # merge launch: one [splits, dims] tile of up to MERGE_TILE_ELEMS floats per loop step, so
+    # up to 256 splits of 32 dims merge in one wide load
+    block_d = max(16, next_power_of_2(head_dim))
+    merge_block_d = min(block_d, MERGE_BLOCK_D)
+    merge_block_s = min(next_power_of_2(splits), MERGE_TILE_ELEMS // merge_block_d)
 
     return DecodePlan(
         batch=batch,
@@ -448,11 +456,12 @@ def plan_decode(
         num_splits=splits,
         tokens_per_split=per_split,
         block_g=max(16, next_power_of_2(group)),
-        block_d=max(16, next_power_of_2(head_dim)),
+        block_d=block_d,
         block_n=bn,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        merge_block_s=MERGE_BLOCK_S,
+        merge_block_s=merge_block_s,
+        merge_block_d=merge_block_d,
         sm_count=num_sms,
         num_programs=num_programs,
         block_b=next_power_of_2(batch),

@@ -131,7 +131,8 @@ class _PlanConstants:
         self.merge = (
             plan.num_q_heads,
             plan.head_dim,
-            plan.block_d,
+            plan.block_d // plan.merge_block_d,
+            plan.merge_block_d,
             plan.merge_block_s,
             plan.block_n,
             plan.window is not None,
@@ -243,7 +244,7 @@ def _decode_launches(
     merge_args = None
     if splits > 1 and not fused:
         merge_args = (
-            batch * plan.num_q_heads,
+            batch * plan.num_q_heads * (plan.block_d // plan.merge_block_d),
             (partial_out, partial_lse, seq_lens, out),
             (
                 plan.tokens_per_split,

@@ -59,6 +59,13 @@ class TestPlan:
             assert g * s * plan.block_d <= max(MERGE_TILE_ELEMS, g * plan.block_d)
             assert s <= max(1, 2 * plan.num_splits)
 
+    def test_merge_launch_tile_fits(self):
+        for hq, hkv, d in ((32, 1, 128), (28, 4, 128), (16, 4, 256), (14, 2, 64), (8, 1, 80)):
+            plan = plan_decode(1, hq, hkv, d, 16, 32768, torch.float16, "cpu", fused_merge=False)
+            s, dims = plan.merge_block_s, plan.merge_block_d
+            assert plan.block_d % dims == 0 and s & (s - 1) == 0
+            assert s * dims <= MERGE_TILE_ELEMS and s <= 2 * plan.num_splits
+
     def test_rejects_a_non_bool(self):
         with pytest.raises(TypeError, match="fused_merge"):
             plan_decode(1, 4, 2, 64, 16, 10, torch.float16, "cpu", fused_merge=1)  # type: ignore[arg-type]
@@ -200,6 +207,24 @@ def test_work_list_loop_and_chunked_merge(device):
         paged_decode_attention_ref(q, k, v, tables, lens),
     )
     assert not ws.counters.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_merge_launch_slices_head_dims_over_several_steps(dtype, device):
+    """The merge launch cuts head_dim 80 into 32-dim slices (the last one all padding) and, with
+    a small split step, merges each slice over several loop steps."""
+    seq_lens = [150, 7, 0, 97]
+    k, v, tables, lens, _, _ = make_paged_kv(seq_lens, 2, 80, 8, dtype, device)
+    q = _q(4, 8, 80, dtype, device) * 3.0  # peaky softmax: the split maxima differ a lot
+    plan = _split_plan(4, 8, 2, 80, 8, 150, dtype, device, fused_merge=False)
+    assert plan.block_d // plan.merge_block_d == 4 and plan.num_splits == 10
+    plan = dataclasses.replace(plan, merge_block_s=4)
+    ws = plan.allocate_workspace()
+    ws.out.fill_(float("nan"))
+    _assert_close(
+        decode(q, k, v, tables, lens, workspace=ws),
+        paged_decode_attention_ref(q, k, v, tables, lens),
+    )
 
 
 def test_window(device):
