@@ -1,0 +1,232 @@
+"""What CUDA graphs could still save on a mixed step (decode rows + a prompt chunk), measured.
+
+The serving loop runs a step that carries prompt chunks eagerly; only decode-only steps replay
+CUDA graphs (issue 21 asks which is better: eager mixed steps, or a small set of mixed-step
+graphs captured up front). A graph removes the host's launch work and the gaps between kernels,
+not the kernels: so per mixed step, wall time minus the GPU's busy time (the sum of its kernel
+and copy durations) bounds what any mixed-step graph can save.
+
+For each (running decode requests D, prompt chunk C), on ``flashdec.LLM``: D requests are
+brought to decoding, then one request with a C-token prompt is added and the next ``step()``
+(one mixed step: D decode rows + the chunk) is timed, synchronised before and after:
+- wall: median over ``--reps`` (without the profiler);
+- GPU busy: the profiler's device time of that step's kernels and copies, median over reps;
+- the decode-only step of the same D beside it (graph replay), timed the same way.
+The chunk's request is aborted after each rep (its blocks return), so every rep is alike.
+
+    PYTHONPATH=. python3 benchmarks/bench_mixed_step.py            # Llama-3-8B shape, GPU
+    PYTHONPATH=. python3 benchmarks/bench_mixed_step.py --smoke    # tiny model, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (
+    RESULTS_DIR,
+    environment,
+    environment_markdown,
+    fmt,
+    markdown_table,
+    write_results,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama3-8b-shape", help="a built-in shape")
+    p.add_argument("--decode-rows", type=int, nargs="+", default=[1, 16, 63])
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256, 1024, 1984])
+    p.add_argument("--context", type=int, default=512, help="prompt tokens of the decode rows")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.add_argument("--name", default="mixed_step")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.decode_rows, args.chunks, args.context, args.reps = (
+            "tiny",
+            [1, 3],
+            [8, 24],
+            16,
+            2,
+        )
+    return args
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_step(llm, device: str, profile: bool) -> tuple[float, Any]:
+    """One synchronised step: its seconds (wall, or with ``profile`` the device seconds of its
+    kernels and copies) and the loop's record of it."""
+    _sync(device)
+    if not profile:
+        start = time.perf_counter()
+        record = llm.step()
+        _sync(device)
+        return time.perf_counter() - start, record
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        record = llm.step()
+        _sync(device)
+    busy_us = sum(
+        getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        for e in prof.key_averages()
+    )
+    return busy_us * 1e-6, record
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import flashdec
+    from flashdec.models import build_random_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    modes = (False, True) if device == "cuda" else (False,)  # busy time: CUDA profiler only
+    model = build_random_model(args.model, device=device, seed=0)
+    max_batch = max(args.decode_rows) + 1
+    # the decode rows keep decoding through every timed step (a few per chunk and rep)
+    decode_tokens = 2 * args.reps * (1 + len(args.chunks)) + 2 * len(args.chunks) + 16
+    longest = max(args.context + decode_tokens, max(args.chunks) + 2)
+    start = time.perf_counter()
+    llm = flashdec.LLM(
+        model,
+        max_batch_size=max_batch,
+        num_blocks=max_batch * (longest // 16 + 2) + 64,
+        max_model_len=longest + 64,
+        enable_prefix_caching=False,
+    )
+    built = {"seconds": time.perf_counter() - start, "budget": llm.max_num_batched_tokens}
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    rows = []
+    for d in args.decode_rows:
+        running = [
+            llm.add_request(
+                torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
+                max_new_tokens=decode_tokens,
+                ignore_eos=True,
+            )
+            for _ in range(d)
+        ]
+        while any(not llm.output(r) for r in running):  # every prompt imported
+            llm.step()
+        decode_wall, decode_busy = (
+            statistics.median(_timed_step(llm, device, profile)[0] for _ in range(args.reps))
+            if profile in modes
+            else float("nan")
+            for profile in (False, True)
+        )
+        for c in args.chunks:
+            prompt = torch.randint(0, vocab, (c,), generator=gen).tolist()
+            walls, busies = [], []
+            for rep in range(args.reps + 1):  # rep 0 warms up (not counted)
+                for profile in modes:
+                    rid = llm.add_request(prompt, max_new_tokens=2, ignore_eos=True)
+                    seconds, record = _timed_step(llm, device, profile)
+                    llm.abort_request(rid)
+                    if rid not in record.prefilled:
+                        raise RuntimeError(f"the step did not carry the {c}-token prompt")
+                    if rep:
+                        (busies if profile else walls).append(seconds)
+            chunk_tokens = min(c, llm.max_num_batched_tokens - d)
+            wall = statistics.median(walls)
+            busy = statistics.median(busies) if busies else float("nan")
+            row = {
+                "decode_rows": d,
+                "chunk": c,
+                "chunk_tokens": chunk_tokens,
+                "wall_ms": wall * 1e3,
+                "gpu_busy_ms": busy * 1e3,
+                "headroom_ms": (wall - busy) * 1e3,
+                "headroom_pct": 100 * (wall - busy) / wall,
+                "decode_wall_ms": decode_wall * 1e3,
+                "decode_gpu_busy_ms": decode_busy * 1e3,
+            }
+            rows.append(row)
+            print(
+                f"D={d:<3} C={c:<5} wall {row['wall_ms']:7.2f} ms  GPU busy "
+                f"{row['gpu_busy_ms']:7.2f} ms  headroom {row['headroom_pct']:5.1f}%  "
+                f"(decode-only {row['decode_wall_ms']:.2f} / {row['decode_gpu_busy_ms']:.2f} ms)",
+                flush=True,
+            )
+        for rid in running:
+            llm.abort_request(rid)
+    return rows, built
+
+
+def render(payload: dict[str, Any]) -> str:
+    built = payload["built"]
+    lines = [
+        "# Mixed steps: eager wall time against the GPU's busy time (what a graph could save)",
+        "",
+        environment_markdown(payload["environment"]),
+        f"- model: {payload['model']} (random weights); decode rows over {payload['context']}-"
+        f"token prompts; step token budget {built['budget']}; `flashdec.LLM(...)` "
+        f"{built['seconds']:.1f} s",
+        f"- method: one synchronised `LLM.step()` carrying D decode rows and one C-token prompt "
+        f"chunk; wall = median of {payload['reps']} reps; GPU busy = the profiler's device time "
+        "of the step's kernels and copies (median of as many profiled reps); headroom = wall - "
+        "busy, the most a CUDA graph of that step could save. Decode-only: the D rows' own "
+        "step (CUDA graph replay), timed the same way.",
+        "",
+    ]
+    lines.append(
+        markdown_table(
+            [
+                "D",
+                "chunk tokens",
+                "wall ms",
+                "GPU busy ms",
+                "headroom ms",
+                "headroom %",
+                "decode-only wall / busy ms",
+            ],
+            [
+                [
+                    r["decode_rows"],
+                    r["chunk_tokens"],
+                    fmt(r["wall_ms"], 2),
+                    fmt(r["gpu_busy_ms"], 2),
+                    fmt(r["headroom_ms"], 2),
+                    fmt(r["headroom_pct"]),
+                    f"{fmt(r['decode_wall_ms'], 2)} / {fmt(r['decode_gpu_busy_ms'], 2)}",
+                ]
+                for r in payload["rows"]
+            ],
+        )
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows, built = measure(args)
+    payload = {
+        "environment": environment(),
+        "model": args.model,
+        "context": args.context,
+        "reps": args.reps,
+        "built": built,
+        "rows": rows,
+    }
+    md, _ = write_results(args.name, render(payload), payload, args.out_dir)
+    print(f"wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
