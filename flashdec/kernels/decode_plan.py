@@ -50,6 +50,8 @@ MAX_SPLITS = 1024
 # splits (MQA, small KV at batch 1), so the head dimension is cut too: 32 float32 dims are one
 # 128-byte line of each partial row, and head_dim 128 gives four times the programs.
 MERGE_BLOCK_D = 32
+# Merge launch without slices (enough (request, query head) pairs): splits per loop step.
+MERGE_BLOCK_S = 32
 # In-kernel merge ("the last split merges"): the last stage-1 program of a (request, KV head) to
 # finish merges its G query heads' partials, saving the merge launch (~10 us of host time, 2-3 us
 # of device gap even in a CUDA graph). One program then reads G x splits partial rows, a few
@@ -436,11 +438,17 @@ def plan_decode(
     if total_tokens is not None:
         items = min(items, num_kv_heads * (batch + math.ceil(total_tokens / per_split)))
     num_programs = max(1, min(items, num_sms * MAX_PROGRAMS_PER_SM))
-    # merge launch: one [splits, dims] tile of up to MERGE_TILE_ELEMS floats per loop step, so
-    # up to 256 splits of 32 dims merge in one wide load
+    # merge launch: with fewer (request, query head) pairs than SMs, each pair's head dims are
+    # cut in MERGE_BLOCK_D slices and a loop step loads a [splits, dims] tile of up to
+    # MERGE_TILE_ELEMS floats (256 splits at once); a batch with enough pairs keeps one program
+    # per pair and MERGE_BLOCK_S splits per step (four times the programs, most of them merging
+    # a few splits, cost a skewed MQA batch 37 -> 47 us on the H200)
     block_d = max(16, next_power_of_2(head_dim))
-    merge_block_d = min(block_d, MERGE_BLOCK_D)
-    merge_block_s = min(next_power_of_2(splits), MERGE_TILE_ELEMS // merge_block_d)
+    if batch * num_q_heads < num_sms:
+        merge_block_d = min(block_d, MERGE_BLOCK_D)
+        merge_block_s = min(next_power_of_2(splits), MERGE_TILE_ELEMS // merge_block_d)
+    else:
+        merge_block_d, merge_block_s = block_d, min(next_power_of_2(splits), MERGE_BLOCK_S)
 
     return DecodePlan(
         batch=batch,

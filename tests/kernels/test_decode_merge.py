@@ -66,6 +66,17 @@ class TestPlan:
             assert plan.block_d % dims == 0 and s & (s - 1) == 0
             assert s * dims <= MERGE_TILE_ELEMS and s <= 2 * plan.num_splits
 
+    def test_merge_launch_slices_head_dims_only_for_few_pairs(self):
+        """Fewer (request, query head) pairs than SMs: 32-dim slices; a batch with enough pairs
+        keeps one program per pair (slices would multiply short programs)."""
+        one = plan_decode(1, 32, 1, 128, 16, 32768, torch.bfloat16, "cpu")
+        assert not one.fused_merge and (one.merge_block_d, one.merge_block_s) == (32, 256)
+        skewed = plan_decode(
+            64, 32, 1, 128, 16, 32768, torch.bfloat16, "cpu", total_tokens=32768 + 63 * 1024
+        )
+        assert not skewed.fused_merge and skewed.merge_block_d == skewed.block_d == 128
+        assert skewed.merge_block_s == 32
+
     def test_rejects_a_non_bool(self):
         with pytest.raises(TypeError, match="fused_merge"):
             plan_decode(1, 4, 2, 64, 16, 10, torch.float16, "cpu", fused_merge=1)  # type: ignore[arg-type]
@@ -209,16 +220,19 @@ def test_work_list_loop_and_chunked_merge(device):
     assert not ws.counters.any()
 
 
+@pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_merge_launch_slices_head_dims_over_several_steps(dtype, device):
-    """The merge launch cuts head_dim 80 into 32-dim slices (the last one all padding) and, with
-    a small split step, merges each slice over several loop steps."""
+def test_merge_launch_over_several_steps(dtype, sliced, device):
+    """The merge launch, its head_dim 80 cut into 32-dim slices (the last one all padding) or
+    whole (a batch of many pairs), with a small split step: several loop steps per program."""
     seq_lens = [150, 7, 0, 97]
     k, v, tables, lens, _, _ = make_paged_kv(seq_lens, 2, 80, 8, dtype, device)
     q = _q(4, 8, 80, dtype, device) * 3.0  # peaky softmax: the split maxima differ a lot
     plan = _split_plan(4, 8, 2, 80, 8, 150, dtype, device, fused_merge=False)
     assert plan.block_d // plan.merge_block_d == 4 and plan.num_splits == 10
     plan = dataclasses.replace(plan, merge_block_s=4)
+    if not sliced:
+        plan = dataclasses.replace(plan, merge_block_d=plan.block_d)
     ws = plan.allocate_workspace()
     ws.out.fill_(float("nan"))
     _assert_close(
