@@ -48,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256, 1024, 1984])
     p.add_argument("--context", type=int, default=512, help="prompt tokens of the decode rows")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        nargs=2,
+        metavar=("D", "C"),
+        help="also profile the host side (cProfile) of that mixed step: where its wall time goes",
+    )
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="mixed_step")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -163,9 +170,41 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
                 f"(decode-only {row['decode_wall_ms']:.2f} / {row['decode_gpu_busy_ms']:.2f} ms)",
                 flush=True,
             )
+        if args.host_profile and args.host_profile[0] == d:
+            built["host_profile"] = host_profile(llm, args.host_profile[1], vocab, gen, args.reps)
         for rid in running:
             llm.abort_request(rid)
     return rows, built
+
+
+def host_profile(llm, chunk: int, vocab: int, gen, reps: int) -> dict[str, Any]:
+    """cProfile over ``reps`` mixed steps carrying a ``chunk``-token prompt: the functions with
+    the most own time, per step."""
+    import cProfile
+    import pstats
+
+    prompt = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
+    profiler = cProfile.Profile()
+    for _ in range(reps):
+        rid = llm.add_request(prompt, max_new_tokens=2, ignore_eos=True)
+        profiler.enable()
+        llm.step()
+        profiler.disable()
+        llm.abort_request(rid)
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        rows.append(
+            {
+                "function": f"{Path(path).name}:{line}({name})",
+                "calls_per_step": calls / reps,
+                "own_ms_per_step": 1e3 * own / reps,
+                "cumulative_ms_per_step": 1e3 * cumulative / reps,
+            }
+        )
+    rows.sort(key=lambda r: -r["own_ms_per_step"])
+    total = sum(r["own_ms_per_step"] for r in rows)
+    return {"chunk": chunk, "reps": reps, "total_ms_per_step": total, "top": rows[:40]}
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -209,6 +248,27 @@ def render(payload: dict[str, Any]) -> str:
             ],
         )
     )
+    profile = built.get("host_profile")
+    if profile:
+        lines += [
+            "",
+            f"## Host profile of a mixed step (cProfile, chunk {profile['chunk']}, "
+            f"{profile['reps']} steps; {fmt(profile['total_ms_per_step'], 2)} ms per step "
+            "under the profiler)",
+            "",
+            markdown_table(
+                ["function", "calls per step", "own ms per step", "cumulative ms per step"],
+                [
+                    [
+                        f"`{r['function']}`",
+                        fmt(r["calls_per_step"], 0),
+                        fmt(r["own_ms_per_step"], 3),
+                        fmt(r["cumulative_ms_per_step"], 3),
+                    ]
+                    for r in profile["top"]
+                ],
+            ),
+        ]
     return "\n".join(lines)
 
 
