@@ -22,6 +22,7 @@ output error against the bf16 result. Without FlashInfer the benchmark still run
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick                  # every class, ~4 min
     PYTHONPATH=. python3 benchmarks/bench_decode.py                          # the full matrix
     PYTHONPATH=. python3 benchmarks/bench_decode.py --heads 28/4/128 --kinds ragged skewed
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --issue25 --fp8 --name decode_issue25
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --fp8 --name decode_fp8
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --merge separate --name decode_sep
     python3 benchmarks/bench_decode.py --from-json benchmarks/results/decode.json   # re-render
@@ -84,6 +85,7 @@ HEAD_CONFIGS = {
     "32/8/64": "group 4, head_dim 64: Llama-3.2-1B",
     "14/2/64": "group 7, head_dim 64: Qwen2.5-0.5B",
     "32/4/64": "group 8, head_dim 64",
+    "32/4/128": "group 8, small KV: Yi-6B",
 }
 PRIMARY = "32/8/128"
 # the head configs that get every page size of --pages by default (others get the first only)
@@ -115,6 +117,27 @@ QUICK = {
     "budget_s": 210.0,
 }
 QUICK_EXTRA_PAGE_SHAPES = ["B=1 L=32768", "B=32 L=4096"]
+# --issue25: the rows of issue 25's kernel table (its exact shapes and head configs) and the
+# byte-bound shapes its FP8 row names, in one run (about 4 min on an H200)
+ISSUE25 = {
+    "heads": ["32/8/128", "28/4/128", "32/4/128", "16/8/256", "32/1/128"],
+    "pages": [16, 32],
+    "page_heads": ["32/8/128"],
+    "shapes": [
+        "B=1 L=32768",
+        "ragged 4x[12345,777,4097,1]x8",
+        "B=48 L=3000",
+        "B=512 L=33",
+        "B=1024 L=17",
+        "skewed 1x32768+63x1024",
+        "B=16 L=16384",
+        "B=32 L=4096",
+    ],
+    "extra_page_shapes": ["B=1 L=32768"],
+    "warmup": 5.0,
+    "rep": 20.0,
+    "budget_s": 300.0,
+}
 # the full matrix measures these shapes at the page sizes after the first
 EXTRA_PAGE_SHAPES = [
     "B=1 L=32768",
@@ -165,6 +188,12 @@ def ragged_shape(batch: int, hi: int, lo: int = 1, seed: int = 0) -> Shape:
     return Shape(f"ragged {batch}x{lo}..{hi}", "ragged", lens)
 
 
+def pattern_shape(pattern: tuple[int, ...], times: int) -> Shape:
+    """A ragged batch of ``pattern`` repeated ``times`` times (issue 25's exact batch)."""
+    label = f"ragged {len(pattern)}x[{','.join(map(str, pattern))}]x{times}"
+    return Shape(label, "ragged", pattern * times)
+
+
 def skew_pair(long: int, short: int, num_short: int) -> tuple[Shape, Shape]:
     """One ``long`` request among ``num_short`` short ones, and the uniform batch of the same
     size and the same number of tokens (so the same KV bytes)."""
@@ -190,6 +219,7 @@ def all_shapes(seed: int = 0) -> list[Shape]:
         (8, 8192),
         (16, 16384),
         (32, 4096),
+        (48, 3000),
         (64, 2048),
         (128, 1024),
         (256, 512),
@@ -197,11 +227,12 @@ def all_shapes(seed: int = 0) -> list[Shape]:
     ]
     shapes = [uniform_shape(b, n) for b, n in uniform]
     shapes += [uniform_shape(1024, n, "short") for n in (1, 8, 17, 33, 64)]
-    shapes += [uniform_shape(256, 17, "short")]
+    shapes += [uniform_shape(256, 17, "short"), uniform_shape(512, 33, "short")]
     shapes += [
         ragged_shape(b, hi, seed=seed)
         for b, hi in ((48, 12345), (8, 131072), (128, 4096), (1024, 64))
     ]
+    shapes += [pattern_shape((12345, 777, 4097, 1), 8)]
     for long, short, n in ((32768, 1024, 63), (131072, 512, 255)):
         shapes += list(skew_pair(long, short, n))
     return shapes
@@ -278,7 +309,11 @@ MERGE_MODES = {"auto": {}, "fused": {"fused_merge": True}, "separate": {"fused_m
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="every class, about 4 minutes (H200)")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="every class, about 4 minutes (H200)")
+    preset.add_argument(
+        "--issue25", action="store_true", help="issue 25's kernel-table rows, about 4 minutes"
+    )
     p.add_argument("--heads", nargs="+", default=None, help="q/kv/head_dim configs")
     p.add_argument(
         "--more-heads",
@@ -334,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill what the user left unset from the ``--quick`` preset or the full-matrix defaults,
     and check the head configs."""
-    preset = QUICK if args.quick else {}
+    preset = QUICK if args.quick else ISSUE25 if args.issue25 else {}
     defaults = {
         "heads": list(HEAD_CONFIGS),
         "more_heads": [],
@@ -350,7 +385,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, value))
     if args.extra_page_shapes is None:
-        args.extra_page_shapes = QUICK_EXTRA_PAGE_SHAPES if args.quick else EXTRA_PAGE_SHAPES
+        quick = QUICK_EXTRA_PAGE_SHAPES if args.quick else EXTRA_PAGE_SHAPES
+        args.extra_page_shapes = preset.get("extra_page_shapes", quick)
     for head in args.heads + args.more_heads:
         parse_heads(head)
     if args.calls < 1:
@@ -1104,6 +1140,7 @@ def plot_rows(rows: list[dict[str, Any]], ceilings: dict[str, float], path: Path
 
 ARG_KEYS = (
     "quick",
+    "issue25",
     "heads",
     "more_heads",
     "more_shapes",

@@ -3,7 +3,7 @@
 # Full results and the log go to $OUT (the device tool's output folder) or /tmp/flashdec_gpu.
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
-#   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 window append engine eager
+#   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 decode25 window append engine eager
 #   launch e2e extendtests extend extendsweep http serve prefix spec gemm
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
@@ -15,6 +15,7 @@
 #     window_groups.md);
 #   decodequick: the review method on every class of the decode matrix (~4 min, decode.md);
 #   decodefp8: FP8 e4m3 KV against bf16 and FlashInfer's FP8 decode (~3 min, decode_fp8.md);
+#   decode25: every row of issue 25's kernel table, FP8 beside bf16 (~5 min, decode_issue25.md);
 #   tune: the launch-parameter sweep on issue 10's weak shapes (<= 4 min, decode_tuning.md);
 #   tunefp8: the same sweep over FP8 KV (<= 4 min, decode_tuning_fp8.md)
 #   extendtests: the extend kernel's tests only (tests/kernels/test_extend.py, CPU cases too);
@@ -95,6 +96,10 @@ for phase in $PHASES; do
     decodequick)
       python3 benchmarks/bench_decode.py --quick --out-dir "$OUT" ${DECODE_ARGS:-} 2>&1 \
         | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    decode25)
+      python3 benchmarks/bench_decode.py --issue25 --fp8 --name decode_issue25 --out-dir "$OUT" \
+        ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     decodefp8)
       python3 benchmarks/bench_decode.py --fp8 --name decode_fp8 --out-dir "$OUT" \

@@ -117,6 +117,32 @@ class TestMatrix:
         assert {bd.parse_heads(c.heads)[2] for c in cases} == {64, 128, 256}
         assert len(keys) == len(cases) <= 52  # about four minutes on an H200
 
+    def test_issue25_preset_has_every_row_of_the_issue(self):
+        """Issue 25's kernel table in one run: its exact shapes on its head configs."""
+        args = bd.parse_args(["--issue25"])
+        cases, too_big = bd.build_matrix(args)
+        assert not too_big
+        keys = {(c.heads, c.page, c.shape.label) for c in cases}
+        for want in [
+            ("32/8/128", 16, "B=1 L=32768"),
+            ("32/8/128", 32, "B=1 L=32768"),
+            ("32/4/128", 16, "B=1 L=32768"),
+            ("28/4/128", 16, "B=1 L=32768"),
+            ("28/4/128", 16, "ragged 4x[12345,777,4097,1]x8"),
+            ("28/4/128", 16, "B=48 L=3000"),
+            ("16/8/256", 16, "B=512 L=33"),
+            ("16/8/256", 16, "B=1024 L=17"),
+            ("32/1/128", 16, "B=1 L=32768"),
+            ("32/4/128", 16, "skewed 1x32768+63x1024"),
+            ("32/4/128", 16, "uniform 64x1520"),
+            ("32/8/128", 16, "B=16 L=16384"),
+        ]:
+            assert want in keys
+        ragged = next(c.shape for c in cases if c.shape.label.startswith("ragged 4x"))
+        assert ragged.lens == (12345, 777, 4097, 1) * 8
+        with pytest.raises(SystemExit):
+            bd.parse_args(["--issue25", "--quick"])
+
     def test_full_matrix_classes_pages_and_size_cap(self):
         args = bd.parse_args(["--max-kv-gib", "1"])
         cases, too_big = bd.build_matrix(args)
