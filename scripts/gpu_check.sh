@@ -4,7 +4,7 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 decode25 window append engine eager
-#   launch e2e extendtests extend extendsweep http serve prefix spec gemm
+#   launch e2e extendtests extend extendsweep http mixed serve prefix spec gemm
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
 #   (extend, extendsweep), GEMM_ARGS
@@ -21,6 +21,8 @@
 #   extendtests: the extend kernel's tests only (tests/kernels/test_extend.py, CPU cases too);
 #   extend: extend attention vs FlashInfer's best prefill path, issue 20's matrix (<= 8 min
 #     budget, extend.md); extendsweep: its launch-configuration sweep (extend_sweep.md)
+#   mixed: a mixed step's eager wall time against its GPU busy time (~2 min, mixed_step.md;
+#     MIXED_ARGS="--host-profile 16 64" adds its host profile);
 #   http: the HTTP layer's cost (bench_http.py; the server wheels carried in .whl); serve:
 #     serve_trace.py's method at 4/16/64 req/s (serve.md; SERVE_ARGS="--vllm-json F" adds vLLM);
 #     prefix: caching on vs off (prefix_cache.md; PREFIX_ARGS="--vllm-json F" adds vLLM's rows
@@ -143,6 +145,9 @@ for phase in $PHASES; do
     http)  # needs the server wheels in .whl (fastapi, uvicorn, uvloop, httptools, aiohttp, deps)
       python3 benchmarks/bench_http.py --rate 4 16 64 --json "$OUT/bench_http.json" \
         ${HTTP_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    mixed)
+      python3 benchmarks/bench_mixed_step.py --out-dir "$OUT" ${MIXED_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     serve)
       python3 benchmarks/bench_serve.py --out-dir "$OUT" ${SERVE_ARGS:-} 2>&1 | tee -a "$LOG"
