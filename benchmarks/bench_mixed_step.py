@@ -1,17 +1,20 @@
-"""What CUDA graphs could still save on a mixed step (decode rows + a prompt chunk), measured.
+"""Mixed steps (decode rows + a prompt chunk): eager against piecewise CUDA graphs, measured.
 
-The serving loop runs a step that carries prompt chunks eagerly; only decode-only steps replay
-CUDA graphs (issue 21 asks which is better: eager mixed steps, or a small set of mixed-step
-graphs captured up front). A graph removes the host's launch work and the gaps between kernels,
-not the kernels: so per mixed step, wall time minus the GPU's busy time (the sum of its kernel
-and copy durations) bounds what any mixed-step graph can save.
+A step that carries prompt chunks has no fixed attention shape; issue 21 asks which is better:
+eager mixed steps, or graphs captured up front. A graph removes the host's launch work and the
+gaps between kernels, not the kernels: so per mixed step, the eager wall time minus the GPU's
+busy time (the sum of its kernel and copy durations) bounds what any mixed-step graph can save.
+``flashdec.LLM`` captures piecewise graphs (the dense work per token bucket, attention eager
+between them: ``flashdec.engine.piecewise_graphs``); each step is timed both ways in the same
+process, on the same LLM (its pieces switched off for the eager reps).
 
 For each (running decode requests D, prompt chunk C), on ``flashdec.LLM``: D requests are
 brought to decoding, then one request with a C-token prompt is added and the next ``step()``
 (one mixed step: D decode rows + the chunk) is timed, synchronised before and after:
 - wall: median over ``--reps`` (without the profiler);
 - GPU busy: the profiler's device time of that step's kernels and copies, median over reps;
-- the decode-only step of the same D beside it (graph replay), timed the same way.
+- the decode-only step of the same D beside it (graph replay), timed the same way;
+- each of those twice: eager dense work, and on the piecewise graphs (GPU only).
 The chunk's request is aborted after each rep (its blocks return), so every rep is alike.
 
     PYTHONPATH=. python3 benchmarks/bench_mixed_step.py            # Llama-3-8B shape, GPU
@@ -97,12 +100,17 @@ def _timed_step(llm, device: str, profile: bool) -> tuple[float, Any]:
     return busy_us * 1e-6, record
 
 
+def _median(times: dict, mode: str, profile: bool) -> float:
+    samples = times.get((mode, profile))
+    return statistics.median(samples) if samples else float("nan")
+
+
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import flashdec
     from flashdec.models import build_random_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    modes = (False, True) if device == "cuda" else (False,)  # busy time: CUDA profiler only
+    profiles = (False, True) if device == "cuda" else (False,)  # busy: CUDA profiler only
     model = build_random_model(args.model, device=device, seed=0)
     max_batch = max(args.decode_rows) + 1
     # the decode rows keep decoding through every timed step (a few per chunk and rep)
@@ -117,6 +125,14 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
         enable_prefix_caching=False,
     )
     built = {"seconds": time.perf_counter() - start, "budget": llm.max_num_batched_tokens}
+    pieces = llm._runner.mixed_graphs  # None without CUDA graphs
+    if pieces is not None:
+        built["pieces"] = {
+            "graphs": pieces.warm_start.graphs,
+            "buckets": list(pieces.buckets),
+            "seconds": pieces.warm_start.seconds,
+        }
+    modes = {"eager": None} if pieces is None else {"eager": None, "pieces": pieces}
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     rows = []
@@ -133,25 +149,27 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
             llm.step()
         decode_wall, decode_busy = (
             statistics.median(_timed_step(llm, device, profile)[0] for _ in range(args.reps))
-            if profile in modes
+            if profile in profiles
             else float("nan")
             for profile in (False, True)
         )
         for c in args.chunks:
             prompt = torch.randint(0, vocab, (c,), generator=gen).tolist()
-            walls, busies = [], []
+            times = {(mode, p): [] for mode in modes for p in profiles}
             for rep in range(args.reps + 1):  # rep 0 warms up (not counted)
-                for profile in modes:
+                for (mode, profile), samples in times.items():
+                    llm._runner.mixed_graphs = modes[mode]
                     rid = llm.add_request(prompt, max_new_tokens=2, ignore_eos=True)
                     seconds, record = _timed_step(llm, device, profile)
                     llm.abort_request(rid)
                     if rid not in record.prefilled:
                         raise RuntimeError(f"the step did not carry the {c}-token prompt")
                     if rep:
-                        (busies if profile else walls).append(seconds)
+                        samples.append(seconds)
+            llm._runner.mixed_graphs = pieces
             chunk_tokens = min(c, llm.max_num_batched_tokens - d)
-            wall = statistics.median(walls)
-            busy = statistics.median(busies) if busies else float("nan")
+
+            wall, busy = _median(times, "eager", False), _median(times, "eager", True)
             row = {
                 "decode_rows": d,
                 "chunk": c,
@@ -162,12 +180,17 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
                 "headroom_pct": 100 * (wall - busy) / wall,
                 "decode_wall_ms": decode_wall * 1e3,
                 "decode_gpu_busy_ms": decode_busy * 1e3,
+                "pieces_wall_ms": _median(times, "pieces", False) * 1e3,
+                "pieces_gpu_busy_ms": _median(times, "pieces", True) * 1e3,
+                "pieces_fit": pieces is not None and pieces.fits(d + chunk_tokens),
             }
+            row["eager_over_pieces"] = row["wall_ms"] / row["pieces_wall_ms"]
             rows.append(row)
             print(
                 f"D={d:<3} C={c:<5} wall {row['wall_ms']:7.2f} ms  GPU busy "
                 f"{row['gpu_busy_ms']:7.2f} ms  headroom {row['headroom_pct']:5.1f}%  "
-                f"(decode-only {row['decode_wall_ms']:.2f} / {row['decode_gpu_busy_ms']:.2f} ms)",
+                f"(decode-only {row['decode_wall_ms']:.2f} / {row['decode_gpu_busy_ms']:.2f} ms)"
+                f"  pieces {row['pieces_wall_ms']:7.2f} / {row['pieces_gpu_busy_ms']:7.2f} ms",
                 flush=True,
             )
         if args.host_profile and args.host_profile[0] == d:
@@ -210,7 +233,7 @@ def host_profile(llm, chunk: int, vocab: int, gen, reps: int) -> dict[str, Any]:
 def render(payload: dict[str, Any]) -> str:
     built = payload["built"]
     lines = [
-        "# Mixed steps: eager wall time against the GPU's busy time (what a graph could save)",
+        "# Mixed steps: eager against piecewise CUDA graphs, and the GPU's busy time",
         "",
         environment_markdown(payload["environment"]),
         f"- model: {payload['model']} (random weights); decode rows over {payload['context']}-"
@@ -220,9 +243,19 @@ def render(payload: dict[str, Any]) -> str:
         f"chunk; wall = median of {payload['reps']} reps; GPU busy = the profiler's device time "
         "of the step's kernels and copies (median of as many profiled reps); headroom = wall - "
         "busy, the most a CUDA graph of that step could save. Decode-only: the D rows' own "
-        "step (CUDA graph replay), timed the same way.",
-        "",
+        "step (CUDA graph replay), timed the same way. Pieces: the same step with its dense "
+        "work on the piecewise graphs of its token bucket (attention eager), same LLM, reps "
+        "interleaved with the eager ones; 'eager / pieces' = wall over wall ('—': the step "
+        "exceeds the largest bucket and runs eagerly either way).",
     ]
+    if "pieces" in built:
+        info = built["pieces"]
+        lines.append(
+            f"- piecewise graphs: {info['graphs']} over token buckets {info['buckets'][0]}.."
+            f"{info['buckets'][-1]} ({len(info['buckets'])}), captured in "
+            f"{info['seconds']:.1f} s of the warm start"
+        )
+    lines.append("")
     lines.append(
         markdown_table(
             [
@@ -233,6 +266,9 @@ def render(payload: dict[str, Any]) -> str:
                 "headroom ms",
                 "headroom %",
                 "decode-only wall / busy ms",
+                "pieces wall ms",
+                "pieces GPU busy ms",
+                "eager / pieces",
             ],
             [
                 [
@@ -243,6 +279,9 @@ def render(payload: dict[str, Any]) -> str:
                     fmt(r["headroom_ms"], 2),
                     fmt(r["headroom_pct"]),
                     f"{fmt(r['decode_wall_ms'], 2)} / {fmt(r['decode_gpu_busy_ms'], 2)}",
+                    fmt(r["pieces_wall_ms"], 2),
+                    fmt(r["pieces_gpu_busy_ms"], 2),
+                    fmt(r["eager_over_pieces"], 2) if r["pieces_fit"] else "—",
                 ]
                 for r in payload["rows"]
             ],

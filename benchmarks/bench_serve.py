@@ -99,6 +99,9 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
     built = {"seconds": time.perf_counter() - start, "budget": llm.max_num_batched_tokens}
     if llm.warm_start is not None:
         built["warm_start"] = dataclasses.asdict(llm.warm_start)
+    pieces = llm._runner.mixed_graphs
+    if pieces is not None:
+        built["mixed_graphs"] = dataclasses.asdict(pieces.warm_start)
     rows = []
     for rate in args.rate:
         config = ServeConfig(
@@ -232,10 +235,18 @@ def _warm(built: dict) -> str:
     warm = built.get("warm_start")
     if warm is None:
         return " (no CUDA graphs)"
-    return (
+    text = (
         f", of which the warm start {warm['seconds']:.1f} s: {warm['graphs']} decode graphs "
         f"for batch buckets {', '.join(map(str, warm['buckets']))}"
     )
+    pieces = built.get("mixed_graphs")
+    if pieces is not None:
+        buckets = pieces["buckets"]
+        text += (
+            f", and {pieces['graphs']} piecewise graphs of mixed steps for {len(buckets)} token "
+            f"buckets {buckets[0]}..{buckets[-1]} in {pieces['seconds']:.1f} s"
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,8 +121,13 @@ class LLM:
             commits the accepted ones plus the target's next token (rejected drafts roll back
             bit-identically). Greedy output is unchanged token for token; sampling keeps the
             model's distribution. Requests that keep missing stop drafting for a while, and a
-            batch of more than 32 decoding requests does not speculate. Verification steps run
-            eagerly (no CUDA graph) and wait for the device (see ``ModelRunner``).
+            batch of more than 32 decoding requests does not speculate. With CUDA graphs, a
+            verification step whose rows all bring K drafts (no prompt chunk) replays a graph
+            captured at the warm start; others run eagerly (see ``ModelRunner``).
+        mixed_step_graphs: run the dense work of steps that carry prompt chunks (embedding,
+            norms, projections, MLP) on CUDA graphs captured per token bucket at the warm start,
+            attention eager between them (:mod:`flashdec.engine.piecewise_graphs`); steps of
+            more than 1,024 tokens stay eager. Default: with ``cuda_graphs``.
 
     Raises TypeError/ValueError for bad arguments; ValueError naming any unsupported
     architecture or feature of the model.
@@ -148,7 +153,12 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
+        mixed_step_graphs: bool | None = None,
     ) -> None:
+        if mixed_step_graphs is not None and not isinstance(mixed_step_graphs, bool):
+            raise TypeError(
+                f"mixed_step_graphs must be a bool or None, got {type_name(mixed_step_graphs)}"
+            )
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise TypeError(
                 f"speculative must be a SpeculativeConfig or None, got {type_name(speculative)}"
@@ -211,6 +221,8 @@ class LLM:
             )
         if cuda_graphs and spec.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        if mixed_step_graphs and not cuda_graphs:
+            raise ValueError("mixed_step_graphs=True needs cuda_graphs=True")
         self.cuda_graphs = cuda_graphs
         if self.max_model_len > spec.max_position_embeddings:
             raise ValueError(
@@ -251,6 +263,7 @@ class LLM:
             cuda_graphs=self.cuda_graphs,
             speculative=speculative,
             max_step_tokens=self.max_num_batched_tokens,
+            mixed_step_graphs=mixed_step_graphs,
             drafter=None
             if draft is None
             else DraftModelDrafter(

@@ -28,7 +28,7 @@ from flashdec.engine.layer_ops import (
 )
 from flashdec.engine.step import OpenStep
 from flashdec.engine.verify_state import VerifySlots, verify_plan
-from flashdec.kernels import ExtendWorkspace, extend
+from flashdec.kernels import ExtendWorkspace, extend, launch_extend
 from flashdec.kernels.extend_plan import extend_plan_variants
 
 
@@ -91,9 +91,10 @@ class StepAttention:
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         return self._decode(step, layer_idx, g, q_rot)
 
-    def check_inputs(self, step: OpenStep, g: int, q, k, v) -> None:
-        """Checks of a layer's inputs in its group ``g`` (its Hkv, D); after the group's first
-        layer only a comparison with that layer's shapes, dtype and device."""
+    def check_inputs(self, step: OpenStep, g: int, q, k, v, rows: int | None = None) -> None:
+        """Checks of a layer's inputs in its group ``g`` (its Hkv, D; ``rows`` of them, default
+        the step's rows); after the group's first layer only a comparison with that layer's
+        shapes, dtype and device."""
         seen = step.shapes[g]
         try:  # the common case: the shapes, dtype and device of the group's first layer
             device = self._device_index
@@ -112,7 +113,8 @@ class StepAttention:
                 return
         except AttributeError:  # not tensors: the full check says what is wrong
             pass
-        q, k, v = check_step_inputs(self.cache, step.num_rows, q, k, v, g, self.dtype)
+        rows = step.num_rows if rows is None else rows
+        q, k, v = check_step_inputs(self.cache, rows, q, k, v, g, self.dtype)
         if seen is not None and q.shape != seen[0]:
             where = "this step" if self._num_groups == 1 else f"KV group {g} in this step"
             raise ValueError(
@@ -209,15 +211,39 @@ class StepAttention:
     # ------------------------------------------------------------------ extend (n tokens)
     def extend_layer(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """RoPE + append of every new token of the layer, then each new token attends to its
-        request's context and the new tokens up to itself."""
-        q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self.dtype)
+        request's context and the new tokens up to itself.
+
+        The group's first layer in the step is checked in full (its inputs, and the extend
+        call's arguments by the public ``extend``); later layers read the same metadata, plan
+        and geometry, so they compare their inputs with the first layer's and launch the
+        trusted extend (as decode's bound launch does): a mixed step's host time is per layer.
+        """
         if step.tokens_per_row:  # a fixed-shape step: its metadata sits in fixed buffers
+            q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self.dtype)
             return self._fixed_extend_layer(step, layer_idx, g, q, k, v)
+        self.check_inputs(step, g, q, k, v, rows=step.num_tokens)
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
         workspace = step.extend[g]
-        if workspace is None and self.decode_backend == "triton":
+        if workspace is not None:  # a later layer of the group (the first one was checked)
+            return launch_extend(
+                q_rot,
+                k_layer,
+                v_layer,
+                slots.block_tables,
+                slots.seq_lens_after,
+                step.query_lens,
+                self.sm_scales[g],
+                workspace.plan,
+                torch.empty_like(q_rot),  # each layer's output outlives the shared workspace
+                workspace.partial_out,
+                workspace.partial_lse,
+                workspace.counters,
+                step.query_lens.shape[0],
+                *self.scales[g],
+            )
+        if self.decode_backend == "triton":
             # planned once per step and group from the lengths the host knows: no read-back
             counts = [a - s for a, s in zip(step.seq_lens_after, step.positions, strict=True)]
             workspace = step.extend[g] = extend_workspace(

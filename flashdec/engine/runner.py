@@ -25,6 +25,7 @@ from flashdec.engine.decode_graphs import (
 from flashdec.engine.decode_state import max_table_tokens
 from flashdec.engine.engine import DecodeEngine
 from flashdec.engine.loop import StepExecutor
+from flashdec.engine.piecewise_graphs import TOKEN_BUCKETS, PiecewiseGraphs
 from flashdec.engine.request import Request, now
 from flashdec.engine.sampling import (
     SamplingParams,
@@ -68,6 +69,7 @@ class ModelRunner(StepExecutor):
         speculative: SpeculativeConfig | None = None,
         max_step_tokens: int | None = None,
         drafter: Drafter | None = None,
+        mixed_step_graphs: bool | None = None,
     ) -> None:
         # adapter: a flashdec.models.DecoderAdapter (models sit above the engine: not imported)
         self.engine = engine
@@ -103,6 +105,17 @@ class ModelRunner(StepExecutor):
             else None
         )
         self._draft_ids: torch.Tensor | None = None  # [max_batch_size, K]: what a graph reads
+        # mixed steps' dense work per token bucket, attention eager between (default: with
+        # the decode graphs)
+        if mixed_step_graphs is None:
+            mixed_step_graphs = cuda_graphs
+        if mixed_step_graphs and not cuda_graphs:
+            raise ValueError("mixed_step_graphs=True needs cuda_graphs=True")
+        self.mixed_graphs = (
+            PiecewiseGraphs(adapter, max_tokens=max_step_tokens or TOKEN_BUCKETS[-1])
+            if mixed_step_graphs
+            else None
+        )
         self._ensure_slots()
         # the step whose tokens are still on their way to the host: (batch, host view, event)
         self.pending: tuple[list, torch.Tensor, torch.cuda.Event | None] | None = None
@@ -150,9 +163,10 @@ class ModelRunner(StepExecutor):
 
     def warm_start(self) -> WarmStart:
         """Before the first request (the engine idle): capture every decode graph (and, with
-        speculation, every verification graph, in the same memory pool), then compile the
-        mixed steps' kernels, all on placeholder requests. Returns the decode graphs' report
-        (the verification graphs' is ``verify_graphs.warm_start``)."""
+        speculation, every verification graph, in the same memory pool) and the mixed steps'
+        piecewise graphs, then compile the mixed steps' kernels, all on placeholder requests.
+        Returns the decode graphs' report (the others' are ``verify_graphs.warm_start`` and
+        ``mixed_graphs.warm_start``)."""
         engine = self.engine
         # two at least: the mixed warm-up pairs a long context with a chunk (max_batch_size=1)
         rows = min(max(self.graphs.buckets[-1], 2), free_rows(engine))
@@ -161,6 +175,8 @@ class ModelRunner(StepExecutor):
             report = self.graphs.capture_all(rids)
             if self.verify_graphs is not None:
                 self.verify_graphs.capture_all(rids, pool=self.graphs.pool)
+            if self.mixed_graphs is not None:
+                self.mixed_graphs.capture_all()
             self._compile_mixed_steps(rids)
         return report
 
@@ -198,7 +214,7 @@ class ModelRunner(StepExecutor):
         try:
             ids = torch.zeros(sum(counts), dtype=torch.long, device=device)
             last_rows = upload(counts, device).cumsum(0) - 1
-            self.adapter.decode(ids, self._attention(tx), logits_rows=last_rows)
+            self._mixed_forward(ids, tx, last_rows)
             if commit:
                 engine.commit_step(tx)
         finally:
@@ -540,11 +556,7 @@ class ModelRunner(StepExecutor):
                 self.requests[rid].prompt[start : start + n]
                 for (rid, n), start in zip(chunks, starts, strict=True)
             ]
-            logits = self.adapter.decode(
-                torch.cat(pieces),
-                self._attention(tx),
-                logits_rows=upload(rows, device),
-            )
+            logits = self._mixed_forward(torch.cat(pieces), tx, upload(rows, device))
             first_rids = [chunks[i][0] for i in ending]
             emitted, accepted = self._verify(logits, live, drafted, first_rids)
             accept = [len(e) for e in emitted[: len(live)]] + counts[len(live) :]
@@ -650,9 +662,7 @@ class ModelRunner(StepExecutor):
                 self.requests[rid].prompt[start : start + n]
                 for (rid, n), start in zip(chunks, starts, strict=True)
             ]
-            logits = self.adapter.decode(
-                torch.cat(pieces), self._attention(tx), logits_rows=last_rows
-            )
+            logits = self._mixed_forward(torch.cat(pieces), tx, last_rows)
             sampled_rids = [rids[i] for i in sampled]
             tokens = self._choose(logits, batch=sampled_rids) if sampled else None
             engine.commit_step(tx)
@@ -722,6 +732,13 @@ class ModelRunner(StepExecutor):
             self._hand_off(chosen, tokens)
         ended, self.ended = self.ended, set()
         return ended
+
+    def _mixed_forward(self, ids: torch.Tensor, tx, logits_rows: torch.Tensor) -> torch.Tensor:
+        """The logits of ``logits_rows`` of the open mixed step ``tx`` over ``ids``: its dense
+        work on the piecewise graphs of its token bucket when one fits, else eager."""
+        graphs = self.mixed_graphs
+        layers = graphs if graphs is not None and graphs.fits(ids.shape[0]) else None
+        return self.adapter.decode(ids, self._attention(tx), logits_rows=logits_rows, layers=layers)
 
     def _attention(self, tx):
         engine = self.engine

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,12 @@ from flashdec.reference import apply_rope_inv_freq
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]
 # attention(layer_idx, q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D]) -> out [B, Hq, D]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LayersForward(Protocol):
+    """What runs a decoder's layers: ``layers_forward(input_ids [N], attend) -> [N, hidden]``."""
+
+    def layers_forward(self, input_ids: torch.Tensor, attend: Attention) -> torch.Tensor: ...
 
 
 def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,27 +225,44 @@ class DecoderAdapter:
             act = silu_and_mul(self._proj(x, mlp.gate_proj), self._proj(x, mlp.up_proj))
         return self._proj(act, mlp.down_proj)
 
-    def _layers_forward(
-        self,
-        input_ids: torch.Tensor,
-        attend: Attention,
-    ) -> torch.Tensor:
-        """Embedding, every layer (attention by ``attend``) and the final norm: ``[N, hidden]``."""
-        n = input_ids.shape[0]
+    # -- the layers' dense work, in the pieces a piecewise CUDA graph captures --------------
+
+    def begin_layers(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding and the first layer's input norm: ``(x, residual)``, each ``[N, hidden]``."""
+        return self._norm(self._layers[0].input_norm, F.embedding(input_ids, self._embed.weight))
+
+    def project_qkv(
+        self, layer_idx: int, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s q, k, v of its normed input ``x`` (not rotated)."""
+        return self._qkv(self._layers[layer_idx], x)
+
+    def finish_layer(
+        self, layer_idx: int, out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything of layer ``layer_idx`` after its attention ``out [N, Hq, D]``: o_proj,
+        residual, MLP, residual, and the next layer's input norm (the final norm after the last
+        layer): ``(x, residual)``."""
+        layers = self._layers
+        layer = layers[layer_idx]
         x, residual = self._norm(
-            self._layers[0].input_norm, F.embedding(input_ids, self._embed.weight)
+            layer.post_norm, self._proj(out.reshape(out.shape[0], -1), layer.o_proj), residual
         )
-        for i, layer in enumerate(self._layers):
-            q, k, v = self._qkv(layer, x)
-            out = attend(i, q, k, v)  # [N, Hq, D]
-            x, residual = self._norm(
-                layer.post_norm, self._proj(out.reshape(n, -1), layer.o_proj), residual
-            )
-            next_norm = (
-                self._layers[i + 1].input_norm if i + 1 < len(self._layers) else self._final_norm
-            )
-            x, residual = self._norm(next_norm, self._mlp(layer, x), residual)
+        last = layer_idx + 1 == len(layers)
+        next_norm = self._final_norm if last else layers[layer_idx + 1].input_norm
+        return self._norm(next_norm, self._mlp(layer, x), residual)
+
+    def layers_forward(self, input_ids: torch.Tensor, attend: Attention) -> torch.Tensor:
+        """Embedding, every layer (attention by ``attend``) and the final norm: ``[N, hidden]``."""
+        x, residual = self.begin_layers(input_ids)
+        for i in range(len(self._layers)):
+            out = attend(i, *self.project_qkv(i, x))  # [N, Hq, D]
+            x, residual = self.finish_layer(i, out, residual)
         return x
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
 
     def _check_ids(self, input_ids: object) -> torch.Tensor:
         ids = check_int_tensor("input_ids", input_ids, ndim=1, device=self.spec.device)
@@ -296,7 +320,7 @@ class DecoderAdapter:
             )
             return out[0].transpose(0, 1)  # [T, Hq, D]
 
-        hidden = self._layers_forward(ids, attend)
+        hidden = self.layers_forward(ids, attend)
         return self._proj(hidden[-1:], self._lm_head)[0].float()
 
     @torch.no_grad()
@@ -306,6 +330,7 @@ class DecoderAdapter:
         attention: Attention,
         *,
         logits_rows: torch.Tensor | None = None,
+        layers: LayersForward | None = None,
     ) -> torch.Tensor:
         """One step for ``input_ids [N]``: a new token per running request, or the tokens of
         several requests packed request by request (prompt chunks; the attention callback
@@ -315,7 +340,9 @@ class DecoderAdapter:
         ``out = attention(layer_idx, q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D])`` with q and k
         NOT rotated (the callback rotates them at each request's position), o_proj, residual,
         MLP, residual. Returns logits ``[N, V]`` in the model's dtype, or only those of
-        ``logits_rows`` (int64 row indices: the lm_head runs on those rows alone).
+        ``logits_rows`` (int64 row indices: the lm_head runs on those rows alone). ``layers``
+        runs the layers instead of :meth:`layers_forward` (the same numbers: e.g. the runner's
+        piecewise CUDA graphs, attention still by the callback).
 
         CUDA-graph capturable: no host sync, no data-dependent control flow. Checks are on
         metadata only (ids are not range-checked: they come from the previous argmax).
@@ -332,7 +359,7 @@ class DecoderAdapter:
             check_shape("attention output", out, expected)
             return out
 
-        hidden = self._layers_forward(ids, attend)
+        hidden = (layers or self).layers_forward(ids, attend)
         if logits_rows is not None:
             hidden = hidden.index_select(0, logits_rows)
         return self._proj(hidden, self._lm_head)
