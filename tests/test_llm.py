@@ -421,8 +421,12 @@ config = BUILTIN_SHAPES["llama3-8b-shape"].make_config()
 config.num_hidden_layers = 2  # the 8B GEMM shapes (cuBLAS picks workspace kernels) at 2 layers
 model = random_model(config, dtype=torch.bfloat16, device="cuda", seed=0)
 gen = torch.Generator().manual_seed(5)
-prompts = [torch.randint(0, 1000, (40 + i,), generator=gen).tolist() for i in range(2)]
-graphed = flashdec.LLM(model, max_batch_size=4, max_model_len=256)  # captures every graph
+# 48 + 48 tokens: mixed steps of exactly a piecewise bucket (48, 96), so their GEMMs have the
+# eager LLM's shapes (a padded step's cuBLAS kernel may round differently); no prefix cache:
+# the second round takes the first one's path
+prompts = [torch.randint(0, 1000, (48,), generator=gen).tolist() for i in range(2)]
+options = dict(max_batch_size=4, max_model_len=256, enable_prefix_caching=False)
+graphed = flashdec.LLM(model, **options)  # captures every graph
 graphed.generate(prompts[:1], 8, ignore_eos=True)  # replays bucket 1
 before = graphed.generate(prompts, 8, ignore_eos=True)  # bucket 2's graphs
 graphs = graphed._runner.graphs
@@ -432,9 +436,10 @@ torch._C._cuda_clearCublasWorkspaces()  # as torch.compile's CUDA graph trees do
 torch.cuda.empty_cache()
 again = graphed.generate(prompts, 8, ignore_eos=True)  # replays bucket 2's graphs
 torch.cuda.synchronize()
-eager = flashdec.LLM(model, max_batch_size=4, max_model_len=256, cuda_graphs=False)
-assert again == before == eager.generate(prompts, 8, ignore_eos=True), (again, before)
-assert graphed._runner.graph_replays > 0
+eager = flashdec.LLM(model, **options, cuda_graphs=False)
+want = eager.generate(prompts, 8, ignore_eos=True)
+assert again == before == want, (again, before, want)
+assert graphed._runner.graph_replays > 0 and graphed._runner.mixed_graphs.replays > 0
 print("OK")
 """
 

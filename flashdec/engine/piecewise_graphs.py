@@ -73,7 +73,10 @@ class PiecewiseGraphs:
         self.adapter = adapter
         spec = adapter.spec
         self.num_layers = adapter.num_layers
-        self.buckets = tuple(b for b in TOKEN_BUCKETS if b <= max_tokens)
+        # every bucket below the step budget and the first that holds it (a step never exceeds
+        # the budget: larger buckets would be captured for nothing)
+        fits = [b for b in TOKEN_BUCKETS if b >= max_tokens][:1]
+        self.buckets = tuple(b for b in TOKEN_BUCKETS if b < max_tokens) + tuple(fits)
         self.capture = capture
         self._attention_shape = (spec.num_q_heads, spec.head_dim)
         self._states: dict[int, _BucketState] = {}

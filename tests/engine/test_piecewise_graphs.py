@@ -47,7 +47,7 @@ def test_padded_pieces_give_the_eager_layers_numbers(name):
     model = build_random_model(name, dtype=torch.float32, device="cpu", seed=0)
     adapter = DecoderAdapter(model)
     graphs = PiecewiseGraphs(adapter, max_tokens=64, capture=False)
-    assert graphs.buckets == (16, 32, 48, 64)
+    assert graphs.buckets == (16, 32, 48, 64)  # 64 holds the budget: nothing above it
     attend = _causal(adapter.spec)
     gen = torch.Generator().manual_seed(1)
     for num_tokens in (40, 17, 1, 16, 7, 33, 64):
@@ -62,12 +62,14 @@ def test_padded_pieces_give_the_eager_layers_numbers(name):
 def test_a_step_above_the_largest_bucket_does_not_fit_and_is_refused():
     adapter = DecoderAdapter(build_random_model("tiny-llama", device="cpu", seed=0))
     graphs = PiecewiseGraphs(adapter, max_tokens=40, capture=False)
-    assert graphs.buckets == (16, 32)  # a bucket never exceeds the step budget
-    assert graphs.fits(32) and not graphs.fits(33)
-    with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
-        graphs.layers_forward(torch.zeros(33, dtype=torch.long), _causal(adapter.spec))
+    assert graphs.buckets == (16, 32, 48)  # up to the first bucket that holds the budget
+    assert graphs.fits(48) and not graphs.fits(49)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 48"):
+        graphs.layers_forward(torch.zeros(49, dtype=torch.long), _causal(adapter.spec))
     captured = PiecewiseGraphs(adapter, max_tokens=40)  # nothing captured yet
     assert not captured.fits(16)
+    assert PiecewiseGraphs(adapter, max_tokens=10).buckets == (16,)  # a budget below 16
+    assert PiecewiseGraphs(adapter, max_tokens=5000).buckets == TOKEN_BUCKETS
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-swa", "tiny-qwen3"])
