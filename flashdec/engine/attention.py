@@ -225,14 +225,11 @@ class StepAttention:
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
+        tensors = (q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after)
         workspace = step.extend[g]
         if workspace is not None:  # a later layer of the group (the first one was checked)
             return launch_extend(
-                q_rot,
-                k_layer,
-                v_layer,
-                slots.block_tables,
-                slots.seq_lens_after,
+                *tensors,
                 step.query_lens,
                 self.sm_scales[g],
                 workspace.plan,
@@ -251,11 +248,7 @@ class StepAttention:
             )
         return extend_attention(
             self.decode_backend,
-            q_rot,
-            k_layer,
-            v_layer,
-            slots.block_tables,
-            slots.seq_lens_after,
+            *tensors,
             step.query_lens,
             self.sm_scales[g],
             self.windows[g],

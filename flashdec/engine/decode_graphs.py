@@ -40,7 +40,9 @@ _PLACEHOLDER = "flashdec-warm-start-{}"  # str ids: LLM's own request ids are in
 
 @dataclass(frozen=True)
 class WarmStart:
-    """What :meth:`DecodeGraphs.capture_all` did: graphs captured, and the wall time."""
+    """What a warm start's capture did (:meth:`DecodeGraphs.capture_all`,
+    :meth:`~flashdec.engine.piecewise_graphs.PiecewiseGraphs.capture_all`): graphs captured, for
+    which buckets, and the wall time."""
 
     graphs: int
     buckets: tuple[int, ...]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdec.engine.decode_graphs import WarmStart
 from flashdec.runtime import capture_cuda_graph
 
 log = logging.getLogger(__name__)
@@ -51,15 +52,6 @@ class _BucketState:
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class PiecewiseWarmStart:
-    """What :meth:`PiecewiseGraphs.capture_all` did."""
-
-    graphs: int
-    buckets: tuple[int, ...]
-    seconds: float
-
-
 class PiecewiseGraphs:
     """The piecewise graphs of one model, per token bucket up to ``max_tokens``.
 
@@ -82,7 +74,7 @@ class PiecewiseGraphs:
         self._states: dict[int, _BucketState] = {}
         self.pool = None
         self.replays = 0  # steps that ran on the graphs
-        self.warm_start: PiecewiseWarmStart | None = None
+        self.warm_start: WarmStart | None = None
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` tokens has a bucket (a captured one, with
@@ -148,7 +140,7 @@ class PiecewiseGraphs:
         state.outputs = [()] * (self.num_layers + 1)
         return state
 
-    def capture_all(self) -> PiecewiseWarmStart:
+    def capture_all(self) -> WarmStart:
         """Capture every bucket's graphs (largest first, one pool), each bucket's kernels run
         once eagerly before its capture. Nothing touches the cache."""
         start = time.perf_counter()
@@ -173,7 +165,7 @@ class PiecewiseGraphs:
                     state.graphs.append(graph)
                 self._states[bucket] = state
         torch.cuda.synchronize()
-        self.warm_start = PiecewiseWarmStart(
+        self.warm_start = WarmStart(
             len(self.buckets) * (self.num_layers + 1), self.buckets, time.perf_counter() - start
         )
         log.info(
