@@ -59,6 +59,28 @@ def test_padded_pieces_give_the_eager_layers_numbers(name):
     assert graphs.replays == 0  # nothing captured on the CPU
 
 
+def test_padding_rows_never_reach_the_real_rows():
+    """Every dense op is row-wise: NaN in the padding rows' attention and ids of another token
+    leave the real rows' logits as they are."""
+    adapter = DecoderAdapter(build_random_model("tiny-llama", device="cpu", seed=0))
+    graphs = PiecewiseGraphs(adapter, max_tokens=32, capture=False)
+    attend = _causal(adapter.spec)
+    ids = torch.arange(1, 21)
+    rows = torch.arange(20)
+    want = adapter.decode(ids, attend, logits_rows=rows, layers=graphs)
+    state = graphs._states[32]
+    state.ids[20:].fill_(adapter.spec.vocab_size - 1)
+
+    def poisoned(layer, q, k, v):  # every layer's padding rows NaN once attention is in
+        out = attend(layer, q, k, v)
+        state.attention[20:].fill_(float("nan"))
+        return out
+
+    got = adapter.decode(ids, poisoned, logits_rows=rows, layers=graphs)
+    assert torch.equal(got, want)
+    assert state.outputs[-1][0][20:].isnan().any()  # the padding did carry NaN through
+
+
 def test_a_step_above_the_largest_bucket_does_not_fit_and_is_refused():
     adapter = DecoderAdapter(build_random_model("tiny-llama", device="cpu", seed=0))
     graphs = PiecewiseGraphs(adapter, max_tokens=40, capture=False)
