@@ -28,7 +28,8 @@ from flashdec.engine.layer_ops import (
 )
 from flashdec.engine.step import OpenStep
 from flashdec.engine.verify_state import VerifySlots, verify_plan
-from flashdec.kernels import ExtendWorkspace, extend, launch_extend
+from flashdec.kernels import BoundExtend, ExtendWorkspace, extend
+from flashdec.kernels.append import BoundFusedRopeKVAppend
 from flashdec.kernels.extend_plan import extend_plan_variants
 
 
@@ -222,39 +223,84 @@ class StepAttention:
             q, k, v = check_step_inputs(self.cache, step.num_tokens, q, k, v, g, self.dtype)
             return self._fixed_extend_layer(step, layer_idx, g, q, k, v)
         self.check_inputs(step, g, q, k, v, rows=step.num_tokens)
+        strides = (q.stride(), k.stride(), v.stride())
+        bound = step.bound[g]
+        if bound is not None and bound[0] == strides:  # a later layer of the group
+            _, append, attend, q_rot = bound
+            k_layer, v_layer = self._layer_views[layer_idx]
+            self.cache.write_token_layer_with(
+                step.transaction_id, layer_idx, lambda *_: append(q, k, v, k_layer, v_layer, q_rot)
+            )
+            # each layer's output outlives the step's shared buffers
+            return attend(q_rot, k_layer, v_layer, torch.empty_like(q_rot))
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
-        tensors = (q_rot, k_layer, v_layer, slots.block_tables, slots.seq_lens_after)
         workspace = step.extend[g]
-        if workspace is not None:  # a later layer of the group (the first one was checked)
-            return launch_extend(
-                *tensors,
-                step.query_lens,
-                self.sm_scales[g],
-                workspace.plan,
-                torch.empty_like(q_rot),  # each layer's output outlives the shared workspace
-                workspace.partial_out,
-                workspace.partial_lse,
-                workspace.counters,
-                step.query_lens.shape[0],
-                *self.scales[g],
-            )
-        if self.decode_backend == "triton":
+        if workspace is None and self.decode_backend == "triton":
             # planned once per step and group from the lengths the host knows: no read-back
             counts = [a - s for a, s in zip(step.seq_lens_after, step.positions, strict=True)]
             workspace = step.extend[g] = extend_workspace(
                 self.cache, g, q_rot.shape[1], q_rot.dtype, counts, step.max_len_after
             )
-        return extend_attention(
+        out = extend_attention(  # the public call checks every argument
             self.decode_backend,
-            *tensors,
+            q_rot,
+            k_layer,
+            v_layer,
+            slots.block_tables,
+            slots.seq_lens_after,
             step.query_lens,
             self.sm_scales[g],
             self.windows[g],
             *self.scales[g],
             workspace,
         )
+        if self.fused_triton:  # later layers: the same metadata, plan and geometry, bound once
+            step.bound[g] = (strides, *self._bind_extend(step, g, q, k, v, q_rot, out))
+        return out
+
+    def _bind_extend(self, step: OpenStep, g: int, q, k, v, q_rot, out) -> tuple:
+        """Group ``g``'s bound fused append and extend for the step's later layers (bound over
+        its first layer's views, which the calls replace), and the rotated-q buffer they
+        share (one layer's q is attended before the next layer's append rewrites it)."""
+        slots, rope, workspace = step.group_slots[g], self.ropes[g], step.extend[g]
+        k0, v0 = self._group_views[g][0]
+        k_scale, v_scale = self.scales[g]
+        append = BoundFusedRopeKVAppend(
+            q,
+            k,
+            v,
+            k0,
+            v0,
+            slots.block_ids,
+            slots.offsets,
+            slots.positions,
+            rope.rotary_dim,
+            rope.base,
+            q_rot,
+            rope.inv_freq,
+            k_scale,
+            v_scale,
+        )
+        attend = BoundExtend(
+            q_rot,
+            k0,
+            v0,
+            slots.block_tables,
+            slots.seq_lens_after,
+            step.query_lens,
+            self.sm_scales[g],
+            workspace.plan,
+            out,
+            workspace.partial_out,
+            workspace.partial_lse,
+            workspace.counters,
+            step.query_lens.shape[0],
+            k_scale,
+            v_scale,
+        )
+        return append, attend, q_rot
 
     def fixed_slots(self, g: int, num_rows: int, n: int) -> VerifySlots:
         """Group ``g``'s fixed metadata for steps of ``num_rows`` rows x ``n`` tokens (made once,

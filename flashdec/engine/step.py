@@ -82,6 +82,8 @@ class OpenStep:
         # per group: where the fused append saves the slots' old bytes (None: the cache did)
         self.backups: tuple[torch.Tensor | None, ...] = ()
         # per group: the fast path's launch, the q, k, v strides it was bound to, the outputs
+        # (a decode step); the strides, bound append and extend and their rotated-q buffer
+        # (an extend step)
         self.bound: list[tuple | None] = [None] * count
         self.query_lens: torch.Tensor | None = None  # an extend step's new tokens per request
         # tokens of every row: 1 for a decode step, n for a fixed-shape extend step (its

@@ -17,11 +17,17 @@ from flashdec.kernels.paged_decode import (
     launch_decode,
     paged_decode_attention,
 )
-from flashdec.kernels.paged_extend import extend, launch_extend, paged_extend_attention
+from flashdec.kernels.paged_extend import (
+    BoundExtend,
+    extend,
+    launch_extend,
+    paged_extend_attention,
+)
 from flashdec.kernels.validation import clear_validation_cache
 
 __all__ = [
     "BoundDecode",
+    "BoundExtend",
     "BoundFusedRopeKVAppend",
     "BoundLayerAttention",
     "DecodePlan",

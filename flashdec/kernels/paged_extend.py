@@ -191,6 +191,62 @@ def extend_launch_arguments(
     )
 
 
+class BoundExtend:
+    """:func:`launch_extend` bound to one step's metadata, plan and workspace (as
+    :class:`~flashdec.kernels.paged_decode.BoundDecode` is decode's): a call takes the layer's
+    ``q, k_cache, v_cache, out`` with the dtypes and strides of the ones it was bound with and
+    launches with no per-call argument building."""
+
+    __slots__ = ("launch", "single")
+
+    def __init__(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_lens,
+        sm_scale,
+        plan,
+        out,
+        partial_out,
+        partial_lse,
+        counters,
+        batch,
+        k_scale=None,
+        v_scale=None,
+    ) -> None:
+        args = extend_launch_arguments(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_lens,
+            sm_scale,
+            plan,
+            out,
+            partial_out,
+            partial_lse,
+            counters,
+            batch,
+            k_scale,
+            v_scale,
+        )
+        self.single = not plan.uses_split  # out also stands in for the two partial buffers
+        self.launch = _EXTEND.bind(
+            *args, dynamic=(0, 1, 2, 6, 7, 8) if self.single else (0, 1, 2, 6)
+        )
+
+    def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
+        if self.single:
+            self.launch(q, k_cache, v_cache, out, out, out)
+        else:
+            self.launch(q, k_cache, v_cache, out)
+        return out
+
+
 def extend(
     q: torch.Tensor,
     k_cache: torch.Tensor,

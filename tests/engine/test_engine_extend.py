@@ -43,11 +43,11 @@ def _step(engine, rids, inputs, num_tokens=None, accept=None):
     return outs, result
 
 
-def _grow(engine, rids, lengths, seed):
+def _grow(engine, rids, lengths, seed, num_layers=NUM_LAYERS):
     """Bring each request to its length with one-token steps (uneven: some mid-block)."""
     for step in range(max(lengths)):
         batch = [rid for rid, n in zip(rids, lengths, strict=True) if n > step]
-        _step(engine, batch, _inputs(len(batch), seed * 1000 + step))
+        _step(engine, batch, _inputs(len(batch), seed * 1000 + step, num_layers))
 
 
 @pytest.mark.parametrize(("append_backend", "decode_backend"), BACKENDS)
@@ -130,6 +130,35 @@ def test_a_failure_at_any_layer_of_an_extend_step_leaves_state_bit_identical(
             engine.step_layer(tx, failing, q, k[:5], v)
         assert not engine.has_open_step
         assert_same_durable_state(engine.cache, before)
+
+
+def test_later_layers_of_an_extend_step_launch_bound_and_rebind_on_new_strides():
+    """After a group's first layer (checked in full) the fused append and the extend run bound;
+    a layer whose inputs come with other strides (views of a wider tensor) binds again. Every
+    layer's output equals the torch backends' on the same values."""
+    counts, layers = [3, 1, 4], 6
+    engines = [make_engine(*backends, num_layers=layers) for backends in BACKENDS[::2]]
+    for engine in engines:
+        admitted(engine, ["a", "b", "c"])
+        _grow(engine, ["a", "b", "c"], [5, 2, 0], seed=1, num_layers=layers)
+    inputs = _inputs(sum(counts), seed=6, num_layers=layers)
+    outs = []
+    for engine in engines:
+        tx = engine.begin_step(["a", "b", "c"], num_tokens=counts)
+        got = []
+        for i, (q, k, v) in enumerate(inputs):
+            if i in (3, 4):  # strided views of the same values
+                q = torch.cat([q, q], dim=2)[:, :, : q.shape[2]]
+                k, v = (torch.stack([t, t], dim=1)[:, 0] for t in (k, v))
+            got.append(engine.step_layer(tx, i, q, k, v))
+        engine.commit_step(tx)
+        outs.append(got)
+    fused = engines[1]
+    assert fused.attention.fused_triton
+    for want, got in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for engine in engines:
+        engine.cache.validate_invariants()
 
 
 def test_n_equal_one_everywhere_is_the_decode_step():
