@@ -131,6 +131,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
             "graphs": pieces.warm_start.graphs,
             "buckets": list(pieces.buckets),
             "seconds": pieces.warm_start.seconds,
+            "memory_bytes": pieces.warm_start.memory_bytes,
         }
     modes = {"eager": None} if pieces is None else {"eager": None, "pieces": pieces}
     gen = torch.Generator().manual_seed(0)
@@ -253,7 +254,8 @@ def render(payload: dict[str, Any]) -> str:
         lines.append(
             f"- piecewise graphs: {info['graphs']} over token buckets {info['buckets'][0]}.."
             f"{info['buckets'][-1]} ({len(info['buckets'])}), captured in "
-            f"{info['seconds']:.1f} s of the warm start"
+            f"{info['seconds']:.1f} s of the warm start, holding "
+            f"{info.get('memory_bytes', 0) / 2**30:.2f} GiB"
         )
     lines.append("")
     lines.append(

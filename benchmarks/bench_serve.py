@@ -237,14 +237,16 @@ def _warm(built: dict) -> str:
         return " (no CUDA graphs)"
     text = (
         f", of which the warm start {warm['seconds']:.1f} s: {warm['graphs']} decode graphs "
-        f"for batch buckets {', '.join(map(str, warm['buckets']))}"
+        f"for batch buckets {', '.join(map(str, warm['buckets']))} "
+        f"(holding {warm.get('memory_bytes', 0) / 2**30:.2f} GiB)"
     )
     pieces = built.get("mixed_graphs")
     if pieces is not None:
         buckets = pieces["buckets"]
         text += (
             f", and {pieces['graphs']} piecewise graphs of mixed steps for {len(buckets)} token "
-            f"buckets {buckets[0]}..{buckets[-1]} in {pieces['seconds']:.1f} s"
+            f"buckets {buckets[0]}..{buckets[-1]} in {pieces['seconds']:.1f} s (holding "
+            f"{pieces.get('memory_bytes', 0) / 2**30:.2f} GiB)"
         )
     return text
 

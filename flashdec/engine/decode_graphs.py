@@ -42,11 +42,13 @@ _PLACEHOLDER = "flashdec-warm-start-{}"  # str ids: LLM's own request ids are in
 class WarmStart:
     """What a warm start's capture did (:meth:`DecodeGraphs.capture_all`,
     :meth:`~flashdec.engine.piecewise_graphs.PiecewiseGraphs.capture_all`): graphs captured, for
-    which buckets, and the wall time."""
+    which buckets, the wall time, and the device memory the capture kept (the growth of
+    PyTorch's reserved memory: graph pools and fixed buffers; 0 off CUDA)."""
 
     graphs: int
     buckets: tuple[int, ...]
     seconds: float
+    memory_bytes: int = 0
 
 
 class DecodeGraphs:
@@ -152,6 +154,7 @@ class DecodeGraphs:
         compiled by one eager step before its capture, in ``pool`` (None: a new one). Every
         step is aborted: nothing is committed."""
         start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved()
         self.drop()
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         rows = self.capturable_rows(len(placeholders))
@@ -167,13 +170,19 @@ class DecodeGraphs:
                 key = self.key(bucket, plan_len)
                 self.graphs[bucket, key] = self._step(placeholders[:bucket], plan_len, capture=True)
         torch.cuda.synchronize()
-        self.warm_start = WarmStart(len(self.graphs), tuple(buckets), time.perf_counter() - start)
+        self.warm_start = WarmStart(
+            len(self.graphs),
+            tuple(buckets),
+            time.perf_counter() - start,
+            torch.cuda.memory_reserved() - reserved,
+        )
         log.info(
-            "warm start: %d %s graphs for batch buckets %s in %.1f s",
+            "warm start: %d %s graphs for batch buckets %s in %.1f s, holding %.2f GiB",
             len(self.graphs),
             self.kind,
             buckets,
             self.warm_start.seconds,
+            self.warm_start.memory_bytes / 2**30,
         )
         return self.warm_start
 

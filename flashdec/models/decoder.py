@@ -195,25 +195,46 @@ class DecoderAdapter:
         return norm(x)
 
     def _qkv(
-        self, layer: _Layer, x: torch.Tensor
+        self, layer: _Layer, x: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections of normed ``x [N, hidden]`` to ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``
-        (q/k normed per head for Qwen3), not rotated."""
-        spec, n = self.spec, x.shape[0]
-        hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+        (q/k normed per head for Qwen3), not rotated. With ``out [N, (Hq + 2 Hkv) D]`` they
+        are views of ``out`` (the fused GEMM writes there; other results are copied in)."""
         if layer.qkv_weight is not None:  # one GEMM; q, k, v are strided views of its output
-            qkv = self._linear(x, layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, : hq * d].view(n, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+            weight, bias = layer.qkv_weight, layer.qkv_bias
+            if out is None:
+                qkv = self._linear(x, weight, bias)
+            elif bias is None:  # what F.linear runs, into ``out``
+                qkv = torch.mm(x, weight.t(), out=out)
+            else:
+                qkv = torch.addmm(bias, x, weight.t(), out=out)
+            q, k, v = self._split_qkv(qkv)
         else:
-            q = self._proj(x, layer.q_proj).view(n, hq, d)
-            k = self._proj(x, layer.k_proj).view(n, hkv, d)
-            v = self._proj(x, layer.v_proj).view(n, hkv, d)
+            n, d = x.shape[0], self.spec.head_dim
+            q, k, v = (
+                self._proj(x, proj).view(n, -1, d)
+                for proj in (layer.q_proj, layer.k_proj, layer.v_proj)
+            )
         if layer.q_norm is not None:
             q = self._head_norm(layer.q_norm, q)
             k = self._head_norm(layer.k_norm, k)
-        return q, k, v
+        if out is None:
+            return q, k, v
+        views = self._split_qkv(out)
+        for view, result in zip(views, (q, k, v), strict=True):
+            if view.data_ptr() != result.data_ptr():
+                view.copy_(result)
+        return views
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [N, Hq, D]``, ``k, v [N, Hkv, D]``: strided views of ``qkv [N, (Hq + 2 Hkv) D]``."""
+        spec, n = self.spec, qkv.shape[0]
+        hq, hkv, d = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+        return (
+            qkv[:, : hq * d].view(n, hq, d),
+            qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
+            qkv[:, (hq + hkv) * d :].view(n, hkv, d),
+        )
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         if not self.fused_kernels:
@@ -227,15 +248,24 @@ class DecoderAdapter:
 
     # -- the layers' dense work, in the pieces a piecewise CUDA graph captures --------------
 
-    def begin_layers(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Embedding and the first layer's input norm: ``(x, residual)``, each ``[N, hidden]``."""
-        return self._norm(self._layers[0].input_norm, F.embedding(input_ids, self._embed.weight))
+    def begin_layers(
+        self, input_ids: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding and the first layer's input norm: ``(x, residual)``, each ``[N, hidden]``;
+        the embedding (the residual stream) goes into ``out [N, hidden]`` when given."""
+        weight = self._embed.weight
+        if out is None:
+            embedded = F.embedding(input_ids, weight)
+        else:  # F.embedding's gather, into ``out``
+            embedded = torch.index_select(weight, 0, input_ids, out=out)
+        return self._norm(self._layers[0].input_norm, embedded)
 
     def project_qkv(
-        self, layer_idx: int, x: torch.Tensor
+        self, layer_idx: int, x: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s q, k, v of its normed input ``x`` (not rotated)."""
-        return self._qkv(self._layers[layer_idx], x)
+        """Layer ``layer_idx``'s q, k, v of its normed input ``x`` (not rotated); with ``out
+        [N, (Hq + 2 Hkv) D]``, views of it."""
+        return self._qkv(self._layers[layer_idx], x, out)
 
     def finish_layer(
         self, layer_idx: int, out: torch.Tensor, residual: torch.Tensor

@@ -40,12 +40,14 @@ def test_token_buckets_grow_by_sixteens_and_stop_at_1024():
     assert all(b / a <= 1.25 for a, b in itertools.pairwise(TOKEN_BUCKETS[3:]))
 
 
+@pytest.mark.parametrize("fuse_weights", [False, True], ids=["separate", "fused-qkv"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])
-def test_padded_pieces_give_the_eager_layers_numbers(name):
+def test_padded_pieces_give_the_eager_layers_numbers(name, fuse_weights):
     """Steps of 1..40 tokens, larger then smaller in one bucket (stale padding rows left by
-    the larger one): the logits equal the adapter's own forward."""
+    the larger one): the logits equal the adapter's own forward. With fused weights (the GPU's
+    layout) the q/k/v GEMM writes into the shared buffer (bias: Qwen2; head norms: Qwen3)."""
     model = build_random_model(name, dtype=torch.float32, device="cpu", seed=0)
-    adapter = DecoderAdapter(model)
+    adapter = DecoderAdapter(model, fuse_weights=fuse_weights)
     graphs = PiecewiseGraphs(adapter, max_tokens=64, capture=False)
     assert graphs.buckets == (16, 32, 48, 64)  # 64 holds the budget: nothing above it
     attend = _causal(adapter.spec)
@@ -69,16 +71,32 @@ def test_padding_rows_never_reach_the_real_rows():
     rows = torch.arange(20)
     want = adapter.decode(ids, attend, logits_rows=rows, layers=graphs)
     state = graphs._states[32]
-    state.ids[20:].fill_(adapter.spec.vocab_size - 1)
+    state.buffers.ids[20:].fill_(adapter.spec.vocab_size - 1)
 
     def poisoned(layer, q, k, v):  # every layer's padding rows NaN once attention is in
         out = attend(layer, q, k, v)
-        state.attention[20:].fill_(float("nan"))
+        state.buffers.attention[20:].fill_(float("nan"))
         return out
 
     got = adapter.decode(ids, poisoned, logits_rows=rows, layers=graphs)
     assert torch.equal(got, want)
     assert state.outputs[-1][0][20:].isnan().any()  # the padding did carry NaN through
+
+
+def test_every_bucket_and_layer_views_one_set_of_buffers():
+    """What outlives a piece is not allocated per bucket or per layer: q/k/v of every layer
+    and the residual stream of every bucket are views of the largest bucket's buffers."""
+    adapter = DecoderAdapter(build_random_model("tiny-llama", device="cpu", seed=0))
+    graphs = PiecewiseGraphs(adapter, max_tokens=48, capture=False)
+    attend = _causal(adapter.spec)
+    for num_tokens in (48, 20, 9):
+        adapter.decode(torch.arange(1, num_tokens + 1), attend, layers=graphs)
+    states = [graphs._states[b] for b in (48, 32, 16)]
+    qkv_at = {s.outputs[i][0].data_ptr() for s in states for i in range(graphs.num_layers)}
+    residual_at = {s.outputs[i][-1].data_ptr() for s in states for i in range(1)}
+    assert qkv_at == {graphs._buffers.qkv.data_ptr()}
+    assert residual_at == {graphs._buffers.residual.data_ptr()}
+    assert graphs._buffers.qkv.shape[0] == 48
 
 
 def test_a_step_above_the_largest_bucket_does_not_fit_and_is_refused():
@@ -149,6 +167,11 @@ def test_gpu_mixed_steps_replay_the_piecewise_graphs_of_the_warm_start():
     assert warm.buckets == pieces.buckets and warm.buckets[-1] == 256
     assert warm.graphs == len(warm.buckets) * (pieces.num_layers + 1)
     assert all(pieces.fits(n) for n in (1, 17, 255, 256)) and not pieces.fits(257)
+    # the captured GEMMs write q/k/v into the one shared buffer (no per-piece results kept)
+    states = pieces._states.values()
+    qkv_at = {s.outputs[i][0].data_ptr() for s in states for i in range(pieces.num_layers)}
+    assert qkv_at == {pieces._buffers.qkv.data_ptr()}
+    assert warm.memory_bytes > 0
     replays = pieces.replays  # the warm start's own mixed steps replay them too
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
