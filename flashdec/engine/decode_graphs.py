@@ -51,6 +51,13 @@ class WarmStart:
     memory_bytes: int = 0
 
 
+def held_device_memory() -> int:
+    """Bytes PyTorch holds on the current CUDA device once its unused cache is released (a
+    capture releases it too): the difference across a warm start is what its graphs keep."""
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
 class DecodeGraphs:
     """The decode graphs of one runner: buckets, launch keys, captures and replays.
 
@@ -154,7 +161,7 @@ class DecodeGraphs:
         compiled by one eager step before its capture, in ``pool`` (None: a new one). Every
         step is aborted: nothing is committed."""
         start = time.perf_counter()
-        reserved = torch.cuda.memory_reserved()
+        held = held_device_memory()
         self.drop()
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         rows = self.capturable_rows(len(placeholders))
@@ -174,7 +181,7 @@ class DecodeGraphs:
             len(self.graphs),
             tuple(buckets),
             time.perf_counter() - start,
-            torch.cuda.memory_reserved() - reserved,
+            held_device_memory() - held,
         )
         log.info(
             "warm start: %d %s graphs for batch buckets %s in %.1f s, holding %.2f GiB",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdec.engine.decode_graphs import WarmStart
+from flashdec.engine.decode_graphs import WarmStart, held_device_memory
 from flashdec.runtime import capture_cuda_graph
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class PiecewiseGraphs:
         """Capture every bucket's graphs (largest first, one pool), each bucket's kernels run
         once eagerly before its capture. Nothing touches the cache."""
         start = time.perf_counter()
-        reserved = torch.cuda.memory_reserved()
+        held = held_device_memory()
         device = self.adapter.spec.device
         self._states = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -195,7 +195,7 @@ class PiecewiseGraphs:
             len(self.buckets) * (self.num_layers + 1),
             self.buckets,
             time.perf_counter() - start,
-            torch.cuda.memory_reserved() - reserved,
+            held_device_memory() - held,
         )
         log.info(
             "warm start: %d piecewise graphs in %.1f s, holding %.2f GiB",
