@@ -382,16 +382,12 @@ def main() -> None:
         row["flashdec"] = decode_rate(flashdec_run, batch, args.new_tokens, args.reps)
         if on_gpu and not args.no_eager:
             runner = llm._runner  # the same LLM without its graphs: every step eager
-            graphs, runner.graphs, pieces, runner.mixed_graphs = (
-                runner.graphs,
-                None,
-                runner.mixed_graphs,
-                None,
-            )
+            saved = runner.graphs, runner.mixed_graphs
+            runner.graphs = runner.mixed_graphs = None
             row["flashdec_eager"] = decode_rate(
                 flashdec_run, batch, args.new_tokens, args.baseline_reps
             )
-            runner.graphs, runner.mixed_graphs = graphs, pieces
+            runner.graphs, runner.mixed_graphs = saved
         if not args.no_transformers:
             row["transformers"] = decode_rate(
                 lambda b, n: hf_generate(model, prompts_for(b, args.prompt_len, spec_vocab, b), n),

@@ -42,8 +42,8 @@ _PLACEHOLDER = "flashdec-warm-start-{}"  # str ids: LLM's own request ids are in
 class WarmStart:
     """What a warm start's capture did (:meth:`DecodeGraphs.capture_all`,
     :meth:`~flashdec.engine.piecewise_graphs.PiecewiseGraphs.capture_all`): graphs captured, for
-    which buckets, the wall time, and the device memory the capture kept (the growth of
-    PyTorch's reserved memory: graph pools and fixed buffers; 0 off CUDA)."""
+    which buckets, the wall time, and the device memory the capture kept (graph pools and
+    fixed buffers: :func:`held_device_memory` after minus before; 0 off CUDA)."""
 
     graphs: int
     buckets: tuple[int, ...]

@@ -93,7 +93,7 @@ def test_every_bucket_and_layer_views_one_set_of_buffers():
         adapter.decode(torch.arange(1, num_tokens + 1), attend, layers=graphs)
     states = [graphs._states[b] for b in (48, 32, 16)]
     qkv_at = {s.outputs[i][0].data_ptr() for s in states for i in range(graphs.num_layers)}
-    residual_at = {s.outputs[i][-1].data_ptr() for s in states for i in range(1)}
+    residual_at = {s.outputs[0][-1].data_ptr() for s in states}  # the embedding's output
     assert qkv_at == {graphs._buffers.qkv.data_ptr()}
     assert residual_at == {graphs._buffers.residual.data_ptr()}
     assert graphs._buffers.qkv.shape[0] == 48
