@@ -39,6 +39,8 @@ class KVPoolConfig:
     # K/V bytes per token of a second pool sized to as many tokens (a draft model's): the
     # memory budget is shared between the two in proportion
     companion_kv_bytes_per_token: int = 0
+    # pinned host memory for the prefix cache's host tier (0: none)
+    host_kv_cache_bytes: int = 0
 
 
 def kv_budget_bytes(device: torch.device, fraction: float) -> float:
@@ -157,9 +159,17 @@ def _caching_kwargs(model: torch.nn.Module, config: KVPoolConfig) -> dict:
     cache serves one model; the cache adds its layout, dtype and scales)."""
     model_config = getattr(model, "config", None)
     name = getattr(model_config, "_name_or_path", "") or type(model).__name__
+    host = config.host_kv_cache_bytes
+    available = available_host_bytes()
+    if host and available is not None and host > available:
+        raise ValueError(
+            f"a host KV tier of {host / 2**30:.2f} GiB is more than the "
+            f"{available / 2**30:.2f} GiB of host memory available; pass a smaller size"
+        )
     return {
         "enable_prefix_caching": config.enable_prefix_caching,
         "prefix_caching_key": (name, id(model)),
+        "host_kv_cache_bytes": host,
     }
 
 

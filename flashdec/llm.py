@@ -124,6 +124,11 @@ class LLM:
             batch of more than 32 decoding requests does not speculate. With CUDA graphs, a
             verification step whose rows all bring K drafts (no prompt chunk) replays a graph
             captured at the warm start; others run eagerly (see ``ModelRunner``).
+        host_kv_cache_gib: the host tier of automatic prefix caching: GiB of pinned host memory
+            that keep the cached KV blocks the GPU pool evicts (copied down in one batched
+            transfer per allocation, on a side stream), so a later prompt that starts with them
+            copies them up instead of recomputing them. 0 (the default) turns it off; needs
+            ``enable_prefix_caching``. ``prefix_cache_stats()["host"]`` reports it.
         mixed_step_graphs: run the dense work of steps that carry prompt chunks (embedding,
             norms, projections, MLP) on CUDA graphs captured per token bucket at the warm start,
             attention eager between them (:mod:`flashdec.engine.piecewise_graphs`); steps of
@@ -154,6 +159,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
         mixed_step_graphs: bool | None = None,
+        host_kv_cache_gib: float = 0.0,
     ) -> None:
         if mixed_step_graphs is not None and not isinstance(mixed_step_graphs, bool):
             raise TypeError(
@@ -169,6 +175,7 @@ class LLM:
                 f"enable_prefix_caching must be a bool, got {type_name(enable_prefix_caching)}"
             )
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_kv_cache_gib = _check_host_kv_cache_gib(host_kv_cache_gib, enable_prefix_caching)
         if device is not None:
             device = check_device(device)  # before a model moves: a clear error, not torch's
         fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
@@ -245,6 +252,7 @@ class LLM:
             memory_fraction=fraction,
             enable_prefix_caching=self.enable_prefix_caching,
             companion_kv_bytes_per_token=0 if draft is None else draft.spec.kv_bytes_per_token,
+            host_kv_cache_bytes=int(self.host_kv_cache_gib * 2**30),
         )
         cache = build_kv_cache(model, spec, pool)
         on_cuda = spec.device.type == "cuda"
@@ -279,6 +287,7 @@ class LLM:
                         kv_scale=1.0,
                         enable_prefix_caching=False,
                         companion_kv_bytes_per_token=0,
+                        host_kv_cache_bytes=0,
                     ),
                 ),
                 append_backend=append_backend,
@@ -450,9 +459,15 @@ class LLM:
 
     def prefix_cache_stats(self) -> dict:
         """Automatic prefix caching's counters (SPEC §8.7): ``queried_tokens`` (prompt tokens
-        looked up at admission), ``hit_tokens`` (found cached), ``hit_rate``,
-        ``cached_blocks`` (indexed now), ``evictable_blocks`` (cached, held by no request:
-        counted as free), ``evicted_blocks`` (reclaimed by allocations so far), ``enabled``."""
+        looked up at admission), ``hit_tokens`` (found cached: ``gpu_hit_tokens`` in the GPU
+        pool, ``host_hit_tokens`` copied up from the host tier), ``hit_rate``,
+        ``cached_blocks`` (indexed in the GPU pool now), ``evictable_blocks`` (cached, held by
+        no request: counted as free), ``evicted_blocks`` (reclaimed by allocations so far),
+        ``enabled``, and ``host``: the host tier's counters, or None without one —
+        ``capacity_blocks``, ``cached_blocks``, ``blocks_down`` / ``blocks_up`` and
+        ``bytes_down`` / ``bytes_up`` (moved each way), ``copy_down_s`` / ``copy_up_s`` (time
+        of the completed copies), ``dropped_blocks`` (LRU entries dropped when full),
+        ``failed_down`` / ``failed_up`` (copies that raised: recomputed instead)."""
         return self.engine.cache.prefix_cache.stats()
 
     def speculative_counters(self) -> dict[str, int]:
@@ -599,6 +614,17 @@ class LLM:
             progress(sum(len(r.tokens) for r in requests), total)
         if on_tokens is not None:
             on_tokens([list(r.tokens) for r in requests])
+
+
+def _check_host_kv_cache_gib(gib: object, caching: bool) -> float:
+    """The host tier's size in GiB; TypeError/ValueError for a bad one."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)):
+        raise TypeError(f"host_kv_cache_gib must be a number, got {type_name(gib)}")
+    if not (math.isfinite(gib) and gib >= 0):
+        raise ValueError(f"host_kv_cache_gib must be finite and >= 0, got {gib!r}")
+    if gib and not caching:
+        raise ValueError("host_kv_cache_gib needs enable_prefix_caching=True")
+    return float(gib)
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:

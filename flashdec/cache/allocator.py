@@ -6,8 +6,8 @@ Allocation is all-or-nothing and every call checks its arguments before it chang
 Automatic prefix caching (``flashdec.cache.block_cache``) parks the cached blocks no request
 holds here: they keep their owner (:data:`CACHED`) and their bytes, count as free, and are
 reclaimed least-recently-parked first only when an allocation finds the free list short
-(``on_evict`` tells the cache which block it lost). So ``num_free`` = truly free + evictable,
-with no sweep and no capacity to tune.
+(``on_evict`` tells the cache which blocks it lost, once per allocation). So ``num_free`` =
+truly free + evictable, with no sweep and no capacity to tune.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class BlockAllocator:
         self._owner: list[Hashable | None] = [None] * num_blocks
         # cached blocks no request holds, least recently parked first (dict order)
         self._evictable: dict[int, None] = {}
-        self.on_evict: Callable[[int], None] | None = None
+        self.on_evict: Callable[[list[int]], None] | None = None
         self.num_evicted = 0
 
     @property
@@ -58,14 +58,16 @@ class BlockAllocator:
         """Evict least-recently-parked cached blocks until ``n`` are truly free (the caller
         checked that ``n <= num_free``)."""
         free, evictable, owner_of = self._free, self._evictable, self._owner
+        evicted = []
         while len(free) < n:
             block_id = next(iter(evictable))
             del evictable[block_id]
             owner_of[block_id] = None
             free.append(block_id)
-            self.num_evicted += 1
-            if self.on_evict is not None:
-                self.on_evict(block_id)
+            evicted.append(block_id)
+        self.num_evicted += len(evicted)
+        if self.on_evict is not None:  # one call: the host tier copies them in one batch
+            self.on_evict(evicted)
 
     def park(self, block_id: int) -> None:
         """A cached block no request holds any more: evictable, most recently used."""

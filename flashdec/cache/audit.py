@@ -177,6 +177,8 @@ def _check_group(
         num_private += len(held)
     owned.pop(CACHED, None)
     group.block_cache.check_integrity(cached_held, where)
+    if group.block_cache.host is not None:
+        group.block_cache.host.check_integrity(where)
     for owner, ids in owned.items():
         if not (isinstance(owner, tuple) and owner[0] == "prefix" and owner[1] in prefixes):
             raise RuntimeError(

@@ -4,8 +4,9 @@ A cached block is owned by :data:`~flashdec.cache.allocator.CACHED` and referenc
 the active requests whose block run starts with it (their *shared* blocks: immutable, like a
 registered prefix's). A block whose count drops to 0 stays resident and indexed, parked in the
 allocator as evictable: the allocator reclaims it, least recently parked first, only when an
-allocation needs it, and tells this index (``_evicted``) to forget its hash. A hit takes a
-parked block back (``acquire``).
+allocation needs it, and tells this index (``_evicted``) to forget its hash; with a host tier
+(:class:`~flashdec.cache.host_tier.HostBlockPool`) the block is copied down first. A hit takes
+a parked block back (``acquire``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Hashable, Sequence
 
 from flashdec.cache.allocator import CACHED, BlockAllocator
 from flashdec.cache.block_hash import BlockHash
+from flashdec.cache.host_tier import HostBlockPool
 
 
 class BlockCache:
@@ -30,6 +32,8 @@ class BlockCache:
         self.num_evicted = 0
         # while a token transaction is open: (block, hash) of each block it evicted, oldest first
         self._journal: list[tuple[int, BlockHash]] | None = None
+        # the host tier: where evicted blocks are copied down (None: they are dropped)
+        self.host: HostBlockPool | None = None
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -102,13 +106,20 @@ class BlockCache:
             self._allocator.park(block_id)
         return True
 
-    def _evicted(self, block_id: int) -> None:
-        block_hash = self._hash_of.pop(block_id)
-        del self._block_of[block_hash]
-        del self._refs[block_id]
-        self.num_evicted += 1
-        if self._journal is not None:
-            self._journal.append((block_id, block_hash))
+    def _evicted(self, block_ids: list[int]) -> None:
+        """The allocator reclaimed ``block_ids`` (about to be reused): forget their hashes,
+        and let the host tier, if any, copy them down first."""
+        hashes = []
+        for block_id in block_ids:
+            block_hash = self._hash_of.pop(block_id)
+            del self._block_of[block_hash]
+            del self._refs[block_id]
+            hashes.append(block_hash)
+            if self._journal is not None:
+                self._journal.append((block_id, block_hash))
+        self.num_evicted += len(block_ids)
+        if self.host is not None:
+            self.host.store(block_ids, hashes)
 
     def open_journal(self) -> None:
         """A token transaction starts: remember what its allocations evict."""

@@ -53,6 +53,7 @@ from flashdec.cache.batch_memo import BatchMemo
 from flashdec.cache.block_hash import extra_key_hash
 from flashdec.cache.group_layout import GroupLayout
 from flashdec.cache.group_managers import make_manager
+from flashdec.cache.host_tier import HostBlockPool, host_capacities
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
 from flashdec.cache.layout import resolve_layout
@@ -102,6 +103,10 @@ class PagedKVCache(LayoutQueries, TokenSteps):
             allocation needs them (least recently used first). Needs one block size.
         prefix_caching_key: whatever else changes the K/V of a token sequence (the model's
             identity); part of the hash chain's root with the cache's own layout and scales.
+        host_kv_cache_bytes: the host tier of automatic prefix caching (needs
+            ``enable_prefix_caching``): pinned CPU memory that keeps the cached blocks the GPU
+            pool evicts, split between the groups in proportion to their pools' bytes, so a
+            later hit copies them up instead of recomputing them (``host_tier``). 0: off.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         restore_on_abort: bool = True,
         enable_prefix_caching: bool = False,
         prefix_caching_key: object = None,
+        host_kv_cache_bytes: int = 0,
     ) -> None:
         layout = resolve_layout(
             (num_layers, num_kv_heads, head_dim, block_size, max_blocks, dtype),
@@ -187,6 +193,13 @@ class PagedKVCache(LayoutQueries, TokenSteps):
             )
         if enable_prefix_caching and len({g.block_size for g in groups}) != 1:
             raise ValueError("prefix caching needs every KV group to have the same block size")
+        for group, capacity in zip(
+            self._groups,
+            host_capacities(self._groups, host_kv_cache_bytes, enable_prefix_caching),
+            strict=True,
+        ):
+            if capacity:
+                group.block_cache.host = HostBlockPool(group.kv, capacity)
         hash_root = extra_key_hash(
             prefix_caching_key,
             format_kv_spec(groups),

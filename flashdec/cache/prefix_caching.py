@@ -32,7 +32,9 @@ class PrefixCache:
         self._hash_root = hash_root
         self._queried_tokens = 0
         self._hit_tokens = 0
-        self._lookups: dict[RequestId, tuple[int, int]] = {}  # per active request: its lookup
+        self._host_hit_tokens = 0  # of the hits: group 0's blocks copied up from the host tier
+        # per active request: its lookup (queried, hit, host hit tokens)
+        self._lookups: dict[RequestId, tuple[int, int, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -40,10 +42,11 @@ class PrefixCache:
 
     def _forget(self, request_id: RequestId, *, undo: bool) -> None:
         """The request ended (``undo``: it was discarded, so its lookup never counted)."""
-        queried, hit = self._lookups.pop(request_id, (0, 0))
+        queried, hit, host_hit = self._lookups.pop(request_id, (0, 0, 0))
         if undo:
             self._queried_tokens -= queried
             self._hit_tokens -= hit
+            self._host_hit_tokens -= host_hit
 
     def _require_prefix_caching(self) -> None:
         if not self._enabled:
@@ -61,21 +64,24 @@ class PrefixCache:
         root = self._hash_root if parent is None else parent
         return hash_blocks(token_ids, bs, root, start_block)
 
-    def _hit_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
+    def _hit_blocks(
+        self, hashes: Sequence[BlockHash], num_tokens: int, *, host: bool = True
+    ) -> int:
         """Blocks of the longest cached run matching ``hashes`` from the start that every
         group can serve, leaving at least one of ``num_tokens`` to compute: a full-attention
-        group needs all of them, a window group only those its window keeps at the end."""
+        group needs all of them, a window group only those its window keeps at the end. A
+        block counts as cached in the GPU pool or (``host``) in the group's host tier."""
         bs = self._groups[0].block_size
         h = min(len(hashes), (num_tokens - 1) // bs)
         windows = []
         for group in self._groups:
             if group.window is None:
-                h = min(h, group.block_cache.leading(hashes[:h]))
+                h = min(h, _leading(group, hashes[:h], host))
             else:
                 windows.append(group)
         while h > 0:
             if all(
-                all(g.block_cache.has(x) for x in hashes[held_range(h * bs, bs, g.window)[0] : h])
+                all(_cached(g, x, host) for x in hashes[held_range(h * bs, bs, g.window)[0] : h])
                 for g in windows
             ):
                 break
@@ -135,22 +141,72 @@ class PrefixCache:
         if record.block_hashes is not None:
             raise RuntimeError(f"request {record.request_id!r} already has its block hashes")
         h = self._hit_blocks(hashes, num_tokens)
+        taken = self._take_run(record, hashes, h)
+        if taken is None:  # a copy up failed: recompute what only the host tier held
+            h = self._hit_blocks(hashes, num_tokens, host=False)
+            taken = self._take_run(record, hashes, h)
+        runs, loaded = taken
         bs = self._groups[0].block_size
-        for group in self._groups:
-            first = held_range(h * bs, bs, group.window)[0]
-            block_ids = [group.block_cache.block(x) for x in hashes[first:h]]
-            group.block_cache.acquire(block_ids)
+        for group, first, block_ids in runs:
             run = record.run(group.index)
             run.table[first:h] = block_ids
             group.pending_updates += [(record.row, first + i, b) for i, b in enumerate(block_ids)]
             run.first_block, run.num_blocks, run.num_prefix_blocks = first, h, h
         record.block_hashes = hashes
         record.seq_len = h * bs
+        hit = (num_tokens, h * bs, loaded * bs)
         self._queried_tokens += num_tokens
         self._hit_tokens += h * bs
-        self._lookups[record.request_id] = (num_tokens, h * bs)  # until it ends (discard: undo)
+        self._host_hit_tokens += loaded * bs
+        self._lookups[record.request_id] = hit  # until it ends (discard: undo)
         cache._version += 1
         return h * bs
+
+    def _take_run(
+        self, record: RequestRecord, hashes: Sequence[BlockHash], h: int
+    ) -> tuple[list[tuple[LayerGroup, int, list[int]]], int] | None:
+        """Per group ``(group, first, block ids)`` of the hit run of ``h`` blocks, held for
+        ``record``, and how many of group 0's came from the host tier. A block cached in the
+        GPU pool gets one more reference; one only the host tier holds gets a new block, copied
+        up and cached under its hash, held. None (nothing taken) when a copy up failed; any
+        other error also gives back what was taken before it propagates."""
+        bs = self._groups[0].block_size
+        owner = request_owner(record.request_id)
+        plans = []
+        for group in self._groups:
+            first = held_range(h * bs, bs, group.window)[0]
+            plans.append((group, first, [group.block_cache.block(x) for x in hashes[first:h]]))
+        for group, _, on_gpu in plans:  # first: an allocation below must not evict them
+            group.block_cache.acquire([b for b in on_gpu if b is not None])
+        loaded: dict[int, tuple[list[int], list[int]]] = {}  # group -> (positions, new ids)
+        try:
+            for group, first, on_gpu in plans:
+                missing = [i for i, b in enumerate(on_gpu) if b is None]
+                if not missing:
+                    continue
+                host, wanted = group.block_cache.host, [hashes[first + i] for i in missing]
+                host.touch(wanted)  # the allocation's own evictions must not drop them
+                new = group.allocator.allocate(len(missing), owner)
+                loaded[group.index] = (missing, new)
+                if not host.load(wanted, new):
+                    raise _CopyUpFailed
+        except BaseException as exc:
+            for group, _, on_gpu in plans:
+                if group.index in loaded:
+                    group.allocator.release(loaded[group.index][1], owner)
+                group.block_cache.release([b for b in on_gpu if b is not None])
+            if isinstance(exc, _CopyUpFailed):
+                return None
+            raise
+        runs = []
+        for group, first, on_gpu in plans:
+            block_ids = list(on_gpu)
+            missing, new = loaded.get(group.index, ([], []))
+            for i, block_id in zip(missing, new, strict=True):
+                group.block_cache.adopt(block_id, hashes[first + i], owner, held=True)
+                block_ids[i] = block_id
+            runs.append((group, first, block_ids))
+        return runs, len(loaded.get(0, ([], []))[0])
 
     def _adopt(self, group: LayerGroup, record: RequestRecord, held: bool) -> list[int]:
         """Index ``record``'s committed full private blocks in ``group`` whose hashes it knows
@@ -213,19 +269,52 @@ class PrefixCache:
         """Whether an active request holds any automatically cached block (any group)."""
         return any(g.block_cache.num_referenced for g in self._groups)
 
+    @property
+    def host_tier_enabled(self) -> bool:
+        return any(g.block_cache.host is not None for g in self._groups)
+
     def stats(self) -> dict[str, Any]:
         """Automatic prefix caching's counters: ``queried_tokens`` (prompt tokens looked up),
-        ``hit_tokens``, ``hit_rate``, ``cached_blocks`` (indexed now, every group),
-        ``evictable_blocks`` (cached, no request holds them: counted as free),
-        ``evicted_blocks`` (reclaimed by allocations so far)."""
+        ``hit_tokens`` (``gpu_hit_tokens`` found in the GPU pool + ``host_hit_tokens`` copied
+        up from the host tier), ``hit_rate``, ``cached_blocks`` (indexed in the GPU pool now,
+        every group), ``evictable_blocks`` (cached, no request holds them: counted as free),
+        ``evicted_blocks`` (reclaimed by allocations so far), and ``host``: the host tier's
+        counters summed over groups (``HostBlockPool.stats``), or None without one."""
         caches = [g.block_cache for g in self._groups]
         queried = self._queried_tokens
+        pools = [c.host.stats() for c in caches if c.host is not None]
+        host = {key: sum(p[key] for p in pools) for key in pools[0]} if pools else None
         return {
             "enabled": self._enabled,
             "queried_tokens": queried,
             "hit_tokens": self._hit_tokens,
+            "gpu_hit_tokens": self._hit_tokens - self._host_hit_tokens,
+            "host_hit_tokens": self._host_hit_tokens,
             "hit_rate": self._hit_tokens / queried if queried else 0.0,
             "cached_blocks": sum(len(c) for c in caches),
             "evictable_blocks": sum(g.allocator.num_evictable for g in self._groups),
             "evicted_blocks": sum(c.num_evicted for c in caches),
+            "host": host,
         }
+
+
+class _CopyUpFailed(Exception):
+    """A host tier's copy up raised (counted there): the hit is recomputed instead."""
+
+
+def _cached(group: LayerGroup, block_hash: BlockHash, host: bool) -> bool:
+    """Whether ``group`` can serve ``block_hash``: from its GPU pool or (``host``) host tier."""
+    if group.block_cache.has(block_hash):
+        return True
+    pool = group.block_cache.host
+    return host and pool is not None and block_hash in pool
+
+
+def _leading(group: LayerGroup, hashes: Sequence[BlockHash], host: bool) -> int:
+    """How many of ``hashes``, from the first, ``group`` can serve."""
+    n = 0
+    for block_hash in hashes:
+        if not _cached(group, block_hash, host):
+            break
+        n += 1
+    return n
