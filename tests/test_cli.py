@@ -511,6 +511,29 @@ def test_bench_serve_reports_speculation_and_stays_exact(tmp_path, capsys):
     assert 1.0 <= spec["tokens_per_step"] <= 4.0
 
 
+def test_bench_serve_reports_the_host_tier(tmp_path, capsys):
+    """A pool too small for the trace's repeated prompt: its blocks go down to the host tier and
+    come back up; the run says so in its progress lines, its table and its JSON, token-exact."""
+    path = tmp_path / "h.json"
+    argv = ["bench-serve", "--num-requests", "6", "--request-rate", "200", "--compare"]
+    argv += ["--min-prompt-len", "40", "--max-prompt-len", "40", "--max-new-tokens", "3"]
+    argv += ["--host-kv-gib", "0.001", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "6/6 requests identical" in out
+    assert "host tier: 0 hit tokens, 0.00 GiB down" in out  # the progress lines' note
+    assert "host tier down: blocks, GiB, rate" in out
+    host = json.loads(path.read_text())["host_tier"]
+    assert host["queried_tokens"] == 6 * 40 and host["failed_copies"] == 0
+    assert 0 <= host["host_hit_tokens"] <= host["hit_tokens"] <= host["queried_tokens"]
+
+
+def test_progress_lines_carry_a_note():
+    lines = []
+    ProgressLines("serving", lines.append)(1, 1, "host tier: 16 hit tokens")
+    assert lines == ["serving: 1/1 requests done (100%, 0.0 s); host tier: 16 hit tokens"]
+
+
 def test_demo_runs_as_a_module():
     proc = _flashdec("demo")
     assert proc.returncode == 0, proc.stderr

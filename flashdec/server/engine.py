@@ -233,7 +233,8 @@ class EngineThread:
 
     def _snapshot(self) -> dict:
         """Gauges read between steps: requests running and waiting, KV blocks used and in the
-        pool, the prefix cache's counters when it is on, and speculation's when it is on."""
+        pool, the prefix cache's counters when it is on (with its host tier's), and
+        speculation's when it is on."""
         llm = self.llm
         view = llm.engine.scheduling_snapshot(llm.loop.step_index)
         cache = llm.engine.cache.metrics()
@@ -247,6 +248,16 @@ class EngineThread:
             stats = llm.prefix_cache_stats()
             gauges["prefix_cache_queried_tokens_total"] = stats["queried_tokens"]
             gauges["prefix_cache_hit_tokens_total"] = stats["hit_tokens"]
+            host = stats.get("host")
+            if host is not None:
+                gauges["prefix_cache_host_hit_tokens_total"] = stats["host_hit_tokens"]
+                gauges["host_kv_blocks_cached"] = host["cached_blocks"]
+                gauges["host_kv_blocks_total"] = host["capacity_blocks"]
+                for way in ("down", "up"):
+                    gauges[f"host_kv_copy_{way}_blocks_total"] = host[f"blocks_{way}"]
+                    gauges[f"host_kv_copy_{way}_bytes_total"] = host[f"bytes_{way}"]
+                    gauges[f"host_kv_copy_{way}_seconds_total"] = host[f"copy_{way}_s"]
+                    gauges[f"host_kv_copy_{way}_failures_total"] = host[f"failed_{way}"]
         if llm.speculative is not None:
             counts = llm.speculative_counters()
             gauges["speculative_draft_tokens_total"] = counts["draft_tokens"]

@@ -137,9 +137,26 @@ class ServerMetrics:
             ("kv_blocks_total", "gauge", "KV cache blocks in the pool (all layer groups)."),
             ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up."),
             ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the cache."),
+            (
+                "prefix_cache_host_hit_tokens_total",
+                "counter",
+                "Of the prompt tokens found, those copied up from the host tier.",
+            ),
+            ("host_kv_blocks_cached", "gauge", "KV blocks the host tier holds."),
+            ("host_kv_blocks_total", "gauge", "KV blocks the host tier can hold."),
+            *(
+                (f"host_kv_copy_{way}_{what}_total", "counter", f"{text} copied {way}.")
+                for way, where in (("down", "to the host"), ("up", "to the GPU"))
+                for what, text in (
+                    ("blocks", f"KV blocks {where},"),
+                    ("bytes", f"Bytes {where},"),
+                    ("seconds", f"Seconds the copies {where} took,"),
+                    ("failures", f"Blocks whose copy {where} failed (recomputed),"),
+                )
+            ),
             ("speculative_draft_tokens_total", "counter", "Draft tokens verified."),
             ("speculative_accepted_tokens_total", "counter", "Draft tokens accepted."),
         ):
-            if key in gauges:  # the prefix-cache and speculation families only when they are on
+            if key in gauges:  # the prefix-cache, host-tier and speculation families when on
                 family(f"flashdec_{key}", kind, help_text, [f"flashdec_{key} {gauges[key]}"])
         return "\n".join(lines) + "\n"

@@ -51,6 +51,7 @@ def load_llm(config: ModelRunConfig, loaded=None, *, max_model_len: int | None =
         kv_cache_dtype=config.kv_cache_dtype,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.prefix_caching,
+        host_kv_cache_gib=config.host_kv_gib,
         speculative=config.speculative_config(),
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from flashdec._checks import FLOAT_DTYPES, FP8_COMPUTE_DTYPES
+from flashdec.runtime import available_host_bytes
 from flashdec.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from flashdec.speculative.config import MAX_NUM_TOKENS as MAX_SPECULATIVE_TOKENS
 from flashdec.workloads.knobs import (
@@ -61,6 +62,12 @@ class ModelRunConfig:
     )
     prefix_caching: bool = knob(
         True, "reuse the K/V of prompt blocks seen before (automatic prefix caching)"
+    )
+    host_kv_gib: float = knob(
+        0.0,
+        "GiB of pinned host memory for the prefix cache's host tier: cached KV blocks the GPU "
+        "pool evicts are copied there and back up on a hit instead of recomputed (0: off)",
+        minimum=0.0,
     )
     seed: int = knob(
         0, "random seed (weights of a built-in shape, prompts)", minimum=0, maximum=SEED_MAX
@@ -114,6 +121,14 @@ class ModelRunConfig:
                 f"{str(dtype).removeprefix('torch.')} ({where}): add --dtype bfloat16"
             )
         self.draft_config()  # an unknown draft model fails here, before anything loads
+        if self.host_kv_gib and not self.prefix_caching:
+            raise ValueError("--host-kv-gib needs prefix caching (drop --no-prefix-caching)")
+        available = available_host_bytes()
+        if available is not None and self.host_kv_gib * 2**30 > available:
+            raise ValueError(
+                f"--host-kv-gib {self.host_kv_gib:g} is more than the "
+                f"{available / 2**30:.1f} GiB of host memory available"
+            )
 
     _SPECULATIVE_KNOBS = ("num_speculative_tokens", "ngram_min", "ngram_max")
 

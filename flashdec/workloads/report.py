@@ -195,25 +195,27 @@ def scheduler_result_tables(result: SchedulerWorkloadResult) -> list[RenderableT
 
 @contextmanager
 def progress_bar(label: str, unit: str = "requests done") -> Iterator[Callable[[int, int], None]]:
-    """A live bar for a terminal; yields the ``progress(done, total)`` callback workloads take."""
+    """A live bar for a terminal; yields the ``progress(done, total, note="")`` callback
+    workloads take (``note``: a short status shown after the bar)."""
     with Progress(
         TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(unit),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
     ) as bar:
-        task = bar.add_task(label, total=None)
+        task = bar.add_task(label, total=None, note="")
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+        def update(done: int, total: int, note: str = "") -> None:
+            bar.update(task, completed=done, total=total, note=note)
 
         yield update
 
 
 class ProgressLines:
-    """The ``progress(done, total)`` callback for logs and pipes: one line per tenth of the work
-    done, or after ``every_s`` seconds without a line, whichever comes first."""
+    """The ``progress(done, total, note="")`` callback for logs and pipes: one line per tenth of
+    the work done, or after ``every_s`` seconds without a line, whichever comes first."""
 
     def __init__(
         self,
@@ -232,7 +234,7 @@ class ProgressLines:
         self.next_tenth = 1
         self.finished = False
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, note: str = "") -> None:
         if self.finished or total <= 0:
             return
         now = self.clock()
@@ -244,7 +246,7 @@ class ProgressLines:
         self.finished = done >= total
         self.write(
             f"{self.label}: {done}/{total} {self.unit} ({done / total:.0%}, "
-            f"{now - self.start:.1f} s)"
+            f"{now - self.start:.1f} s)" + (f"; {note}" if note else "")
         )
 
 

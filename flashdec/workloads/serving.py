@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from flashdec.runtime import KernelBuilds, triton_mode
 from flashdec.workloads.generation import transformers_greedy
 from flashdec.workloads.model_config import ServeConfig
-from flashdec.workloads.stats import LatencyStats, SpeculationStats
+from flashdec.workloads.stats import HostTierStats, LatencyStats, SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ServeBenchResult:
     kernel_builds: int = 0  # Triton kernels built during the pass (each one stalls a step)
     kernel_build_names: tuple[tuple[str, int], ...] = ()  # (kernel, builds) of those
     kernel_build_signatures: tuple[str, ...] = ()  # Triton's description of the first few
+    host_tier: HostTierStats | None = None  # with the prefix cache's host tier on
 
     @property
     def output_tok_s(self) -> float:
@@ -64,6 +65,8 @@ class ServeBenchResult:
         rows.append(("Triton kernels built during the run", builds))
         if self.speculation is not None:
             rows += self.speculation.rows()
+        if self.host_tier is not None:
+            rows += self.host_tier.rows()
         if self.matches_transformers is not None:
             rows.append(
                 (
@@ -88,6 +91,7 @@ class ServeBenchResult:
             "max_batch": self.max_batch,
             "matches_transformers": self.matches_transformers,
             "speculation": None if self.speculation is None else asdict(self.speculation),
+            "host_tier": None if self.host_tier is None else asdict(self.host_tier),
             "decode_step": None if self.decode_step is None else self.decode_step.as_dict(),
             "mixed_step": None if self.mixed_step is None else self.mixed_step.as_dict(),
             "kernel_builds": self.kernel_builds,
@@ -134,7 +138,8 @@ def run_serve_benchmark(
     llm, config: ServeConfig, progress: Callable[[int, int], None] | None = None
 ) -> ServeBenchResult:
     """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`);
-    ``progress(done, total)`` after every step."""
+    ``progress(done, total)`` after every step (with the host tier on,
+    ``progress(done, total, note)``: what it moved so far)."""
     arrivals = poisson_trace(
         seed=config.seed,
         num_requests=config.num_requests,
@@ -144,6 +149,13 @@ def run_serve_benchmark(
         vocab_size=llm.adapter.spec.vocab_size,
     )
     counted = llm.speculative_counters()
+    host_before = llm.prefix_cache_stats() if llm.host_kv_cache_gib else None
+
+    def host_tier() -> HostTierStats | None:
+        if host_before is None:
+            return None
+        return HostTierStats.between(host_before, llm.prefix_cache_stats())
+
     # kernels a GPU builds mid-run (the interpreter builds none)
     builds = KernelBuilds() if triton_mode() == "native" else None
     with builds or contextlib.nullcontext():
@@ -175,7 +187,11 @@ def run_serve_benchmark(
                         ended = {r for r in running if timing(r).finished_at is not None}
                         running -= ended
                         done += len(ended)
-                        progress(done, config.num_requests)
+                        moved = host_tier()
+                        if moved is None:
+                            progress(done, config.num_requests)
+                        else:
+                            progress(done, config.num_requests, moved.line())
                 else:  # idle until the next arrival
                     time.sleep(max(0.0, arrivals[next_arrival][0] - now))
         finally:
@@ -217,4 +233,5 @@ def run_serve_benchmark(
         kernel_builds=0 if builds is None else builds.count,
         kernel_build_names=() if builds is None else tuple(sorted(builds.names.items())),
         kernel_build_signatures=() if builds is None else tuple(builds.signatures),
+        host_tier=host_tier(),
     )

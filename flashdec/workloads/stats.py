@@ -127,3 +127,66 @@ class SpeculationStats:
             ("tokens per step (per request)", f"{self.tokens_per_step:.2f}"),
             ("steps held plain (verification slower)", f"{self.held_steps:,}"),
         ]
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """The prefix cache's host tier over a run: prompt tokens found (all, and those copied up
+    from the host), blocks and bytes moved each way, and the copies' time (completed copies)."""
+
+    queried_tokens: int
+    hit_tokens: int
+    host_hit_tokens: int
+    blocks_down: int
+    blocks_up: int
+    bytes_down: int
+    bytes_up: int
+    copy_down_s: float
+    copy_up_s: float
+    failed_copies: int
+
+    @classmethod
+    def between(cls, before: dict, after: dict) -> HostTierStats:
+        """From two readings of ``flashdec.LLM.prefix_cache_stats()`` (with a host tier)."""
+        host = {key: after["host"][key] - before["host"][key] for key in after["host"]}
+        return cls(
+            queried_tokens=after["queried_tokens"] - before["queried_tokens"],
+            hit_tokens=after["hit_tokens"] - before["hit_tokens"],
+            host_hit_tokens=after["host_hit_tokens"] - before["host_hit_tokens"],
+            blocks_down=host["blocks_down"],
+            blocks_up=host["blocks_up"],
+            bytes_down=host["bytes_down"],
+            bytes_up=host["bytes_up"],
+            copy_down_s=host["copy_down_s"],
+            copy_up_s=host["copy_up_s"],
+            failed_copies=host["failed_down"] + host["failed_up"],
+        )
+
+    @staticmethod
+    def _rate(num_bytes: int, seconds: float) -> str:
+        return f"{num_bytes / seconds / 1e9:.1f} GB/s" if seconds > 0 else "-"
+
+    def line(self) -> str:
+        """One line for a progress display."""
+        return (
+            f"host tier: {self.host_hit_tokens:,} hit tokens, "
+            f"{self.bytes_down / 2**30:.2f} GiB down, {self.bytes_up / 2**30:.2f} GiB up"
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        share = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return [
+            ("prefix hits: tokens (share of prompts)", f"{self.hit_tokens:,} ({share:.1%})"),
+            ("  of them from the host tier", f"{self.host_hit_tokens:,}"),
+            (
+                "host tier down: blocks, GiB, rate",
+                f"{self.blocks_down:,}, {self.bytes_down / 2**30:.2f}, "
+                f"{self._rate(self.bytes_down, self.copy_down_s)}",
+            ),
+            (
+                "host tier up: blocks, GiB, rate",
+                f"{self.blocks_up:,}, {self.bytes_up / 2**30:.2f}, "
+                f"{self._rate(self.bytes_up, self.copy_up_s)}",
+            ),
+            ("host tier copies failed (recomputed)", f"{self.failed_copies:,}"),
+        ]

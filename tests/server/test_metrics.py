@@ -89,6 +89,35 @@ def test_prefix_cache_families_when_the_llm_has_one(server_for):
     assert "speculative" not in text  # speculation is off
 
 
+def test_host_tier_families_when_the_llm_has_one(server_for):
+    llm = make_llm(tokenizer=False, host_kv_cache_gib=0.001)
+    real = llm.prefix_cache_stats()
+    assert real["host"]["capacity_blocks"] > 0
+    host = {key: 0 for key in real["host"]}
+    host.update(capacity_blocks=real["host"]["capacity_blocks"], cached_blocks=7)
+    host.update(blocks_down=9, bytes_down=9 * 4096, copy_down_s=0.25, failed_down=1)
+    host.update(blocks_up=3, bytes_up=3 * 4096, copy_up_s=0.125, failed_up=2)
+    llm.prefix_cache_stats = lambda: {**real, "hit_tokens": 64, "host_hit_tokens": 48, "host": host}
+    server = server_for(llm)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    types = _parse(text)
+    assert types["flashdec_host_kv_blocks_cached"] == "gauge"
+    assert types["flashdec_host_kv_copy_up_bytes_total"] == "counter"
+    assert metric(text, "flashdec_prefix_cache_host_hit_tokens_total") == 48
+    assert metric(text, "flashdec_host_kv_blocks_total") == real["host"]["capacity_blocks"]
+    assert metric(text, "flashdec_host_kv_blocks_cached") == 7
+    assert metric(text, "flashdec_host_kv_copy_down_blocks_total") == 9
+    assert metric(text, "flashdec_host_kv_copy_down_bytes_total") == 9 * 4096
+    assert metric(text, "flashdec_host_kv_copy_down_seconds_total") == 0.25
+    assert metric(text, "flashdec_host_kv_copy_up_failures_total") == 2
+    assert metric(text, "flashdec_host_kv_copy_up_seconds_total") == 0.125
+
+
+def test_no_host_tier_family_without_one(server_for):
+    text = httpx.get(server_for(make_llm(tokenizer=False)).url + "/metrics", timeout=30).text
+    assert "prefix_cache_hit" in text and "host_kv" not in text
+
+
 def test_no_prefix_cache_family_without_one(server_for):
     server = server_for(make_llm(tokenizer=False, enable_prefix_caching=False))
     text = httpx.get(server.url + "/metrics", timeout=30).text
