@@ -32,6 +32,7 @@ from flashdec.engine import DecodeEngine
 from flashdec.engine.decode_graphs import WarmStart
 from flashdec.engine.draft_model import DraftModelDrafter
 from flashdec.engine.loop import LoopStep, ServingLoop
+from flashdec.engine.preemption import ORDER_STRIDE, SwapPreemption
 from flashdec.engine.request import Request, RequestTiming, now
 from flashdec.engine.runner import ModelRunner
 from flashdec.engine.sampling import SamplingParams, make_generator
@@ -129,6 +130,14 @@ class LLM:
             transfer per allocation, on a side stream), so a later prompt that starts with them
             copies them up instead of recomputing them. 0 (the default) turns it off; needs
             ``enable_prefix_caching``. ``prefix_cache_stats()["host"]`` reports it.
+        swap_patience: with the host tier, preemption by swap: once the oldest waiting request
+            has waited this many steps because the KV pool is short (not for a batch slot),
+            the newest running requests whose commitments it needs are swapped out: their full
+            blocks stay cached (and go down to the host tier as the pool needs them), they wait
+            again right behind it and resume from those blocks, recomputing only the rest.
+            Each request is swapped at most once, so none is ever stuck
+            (:mod:`flashdec.scheduler.preemption`); greedy output is unchanged. ``None``: never
+            swap. ``num_swaps`` counts them.
         mixed_step_graphs: run the dense work of steps that carry prompt chunks (embedding,
             norms, projections, MLP) on CUDA graphs captured per token bucket at the warm start,
             attention eager between them (:mod:`flashdec.engine.piecewise_graphs`); steps of
@@ -160,6 +169,7 @@ class LLM:
         speculative: SpeculativeConfig | None = None,
         mixed_step_graphs: bool | None = None,
         host_kv_cache_gib: float = 0.0,
+        swap_patience: int | None = 16,
     ) -> None:
         if mixed_step_graphs is not None and not isinstance(mixed_step_graphs, bool):
             raise TypeError(
@@ -176,6 +186,8 @@ class LLM:
             )
         self.enable_prefix_caching = enable_prefix_caching
         self.host_kv_cache_gib = _check_host_kv_cache_gib(host_kv_cache_gib, enable_prefix_caching)
+        if swap_patience is not None:
+            check_positive_int("swap_patience", swap_patience, minimum=0)
         if device is not None:
             device = check_device(device)  # before a model moves: a clear error, not torch's
         fraction = check_fraction("gpu_memory_fraction", gpu_memory_fraction)
@@ -297,11 +309,16 @@ class LLM:
         self.speculative = speculative
         if self.enable_prefix_caching:  # a finished request's answer joins the prefix cache
             self.engine.submissions.generated_tokens = self._runner.generated_tokens
+        # preemption by swap needs somewhere to swap to: the host tier
+        preemption = None
+        if self.host_kv_cache_gib and swap_patience is not None:
+            preemption = SwapPreemption(self._runner, self._resumed_spec, swap_patience)
         self.loop = ServingLoop(
             self.engine,
             self.scheduler,
             self._runner,
             max_step_tokens=self.max_num_batched_tokens,
+            preemption=preemption,
         )
         self._next_id = 0
         self.last_stats: GenerationStats | None = None
@@ -324,8 +341,21 @@ class LLM:
         return check_token_ids("a prompt", prompt)
 
     def _spec(self, request_id: int, num_prompt_tokens: int, max_new_tokens: int) -> RequestSpec:
-        # the lifetime commitment: the prompt plus every token whose K/V is appended
-        return RequestSpec(request_id, num_prompt_tokens, max(1, max_new_tokens - 1), request_id)
+        # orders spaced out: a swapped request waits again right behind the one it gave way to
+        return self._resumed_spec(
+            request_id, num_prompt_tokens, max_new_tokens, request_id * ORDER_STRIDE
+        )
+
+    @staticmethod
+    def _resumed_spec(request_id, context_tokens: int, new_tokens: int, order: int) -> RequestSpec:
+        # the lifetime commitment: the context plus every token whose K/V is appended
+        return RequestSpec(request_id, context_tokens, max(1, new_tokens - 1), order)
+
+    @property
+    def num_swaps(self) -> int:
+        """Running requests swapped out so far (preemption by swap; ``swap_patience``)."""
+        preemption = self.loop.preemption
+        return 0 if preemption is None else preemption.num_swaps
 
     def _check_request(self, prompt, max_new_tokens: int, ignore_eos: bool) -> list[int]:
         """Every check of one request (its prompt ids), before anything is queued."""

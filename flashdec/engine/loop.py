@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from flashdec._blocks import reserved_blocks
 from flashdec._checks import check_positive_int
 from flashdec.engine.engine import DecodeEngine
+from flashdec.engine.preemption import SwapPreemption
 from flashdec.engine.states import EngineRequestState
 from flashdec.scheduler import (
     BaseScheduler,
@@ -99,12 +100,18 @@ class LoopStep:
     schedule_s: float  # snapshot + plan + apply
     run_s: float  # the executor's prompt chunks and decode
     rejection_reasons: tuple[str, ...] = ()  # why each of ``rejected`` can never run
+    swapped: tuple = ()  # running requests swapped out before the plan (preemption by swap)
 
     @property
     def changed(self) -> bool:
         """Whether the step moved anything (no change for long = a deadlock)."""
         return bool(
-            self.admitted or self.rejected or self.served or self.prefilled or self.cancelled
+            self.admitted
+            or self.rejected
+            or self.served
+            or self.prefilled
+            or self.cancelled
+            or self.swapped
         )
 
 
@@ -120,6 +127,7 @@ class ServingLoop:
         check_invariants: bool = False,
         on_plan: Callable[[SchedulingSnapshot, SchedulerDecision], None] | None = None,
         max_step_tokens: int | None = None,
+        preemption: SwapPreemption | None = None,
     ) -> None:
         if not isinstance(engine, DecodeEngine):
             raise TypeError(f"engine must be a DecodeEngine, got {type(engine).__name__}")
@@ -134,6 +142,8 @@ class ServingLoop:
         if max_step_tokens is not None:
             check_positive_int("max_step_tokens", max_step_tokens)
         self.max_step_tokens = max_step_tokens
+        # swaps running requests out for a waiting one the pool is short for (None: never)
+        self.preemption = preemption
         # admitted requests whose prompt is not all imported yet -> tokens left, in admission
         # order (they are active but do not decode until their prompt is in)
         self._prompt_left: dict = {}
@@ -148,6 +158,10 @@ class ServingLoop:
         self.engine.submit_request(spec)
         self.generated[spec.request_id] = 0
         self._live.add(spec.request_id)
+
+    def importing(self, request_id: object) -> bool:
+        """Whether ``request_id`` is admitted with prompt tokens still to import."""
+        return request_id in self._prompt_left
 
     @property
     def idle(self) -> bool:
@@ -198,6 +212,9 @@ class ServingLoop:
         index = self.step_index
         start = time.perf_counter()
         snapshot = submissions.scheduling_snapshot(index)
+        swapped = () if self.preemption is None else self.preemption.before_step(self, snapshot)
+        if swapped:  # committed on their own: they wait again, with their tokens
+            snapshot = submissions.scheduling_snapshot(index)
         decision = self.scheduler.plan(snapshot)
         if self.on_plan is not None:
             self.on_plan(snapshot, decision)
@@ -278,6 +295,7 @@ class ServingLoop:
                 rejection_reason(waiting.get(rid), snapshot, config) or "it can never run"
                 for rid in decision.reject
             ),
+            swapped=swapped,
         )
 
     def _forget(self, rids: Iterable) -> None:
@@ -286,6 +304,8 @@ class ServingLoop:
             self._live.discard(rid)
             self.generated.pop(rid, None)
             self._prompt_left.pop(rid, None)
+            if self.preemption is not None:
+                self.preemption.forget(rid)
 
     def _chunks(self, prompt_left: dict, num_decoding: int) -> list[tuple[object, int]]:
         """This step's prompt chunks ``(request, tokens)``, in admission order: what
@@ -375,6 +395,9 @@ class ServingLoop:
                 waiting.append(rid)
         for rid in (*active, *waiting):
             self.engine.cancel_request(rid)
+        if self.preemption is not None:
+            for rid in self._live:
+                self.preemption.forget(rid)
         self._live.clear()
         self._prompt_left.clear()
         self.generated.clear()

@@ -17,9 +17,11 @@ class Request:
     """One request of :class:`flashdec.LLM`: its prompt, sampling, tokens and timestamps."""
 
     __slots__ = (
+        "context",
         "error",
         "finished_at",
         "first_token_at",
+        "folded",
         "generator",
         "ignore_eos",
         "max_new_tokens",
@@ -39,6 +41,10 @@ class Request:
         generator: torch.Generator | None = None,  # None when greedy
     ):
         self.prompt = prompt
+        # what its admission imports into the cache: the prompt, or after a swap (preemption)
+        # the prompt and the first ``folded`` generated tokens
+        self.context = prompt
+        self.folded = 0
         self.max_new_tokens = max_new_tokens
         self.ignore_eos = ignore_eos
         self.sampling = sampling or GREEDY
@@ -50,9 +56,20 @@ class Request:
         self.error: str | None = None  # why it never ran (the scheduler rejected it)
 
     def reset(self) -> None:
-        """Back to before its admission (the step that admitted it was taken back)."""
-        self.tokens.clear()
-        self.first_token_at = self.finished_at = None
+        """Back to before its admission (the step that admitted it was taken back): the tokens
+        its context holds stay."""
+        del self.tokens[self.folded :]
+        if not self.tokens:
+            self.first_token_at = None
+        self.finished_at = None
+
+    def fold(self) -> list[int]:
+        """Swapped out: its context becomes the prompt and every token generated so far (it
+        resumes by importing them); returns that context's token ids."""
+        generated = torch.tensor(self.tokens, dtype=self.prompt.dtype, device=self.prompt.device)
+        self.context = torch.cat([self.prompt, generated])
+        self.folded = len(self.tokens)
+        return self.context.tolist()
 
     def time_per_output_token(self) -> float:
         """Mean seconds per token after the first (0.0 with fewer than two tokens)."""

@@ -232,10 +232,10 @@ class ModelRunner(StepExecutor):
         return self._shared_generator
 
     def generated_tokens(self, rid) -> list[int]:
-        """The tokens of ``rid`` that reached the host (none for an unknown id): what the
-        prefix cache hashes when it finishes (SubmissionQueue.generated_tokens)."""
+        """The tokens of ``rid`` that reached the host after its context (none for an unknown
+        id): what the prefix cache hashes when it finishes (SubmissionQueue.generated_tokens)."""
         req = self.requests.get(rid)
-        return [] if req is None else req.tokens
+        return [] if req is None else req.tokens[req.folded :]
 
     def forget(self, rid) -> None:
         self.requests.pop(rid, None)
@@ -533,7 +533,7 @@ class ModelRunner(StepExecutor):
         ending = [  # chunks that end their prompt: their last row gives the first token
             i
             for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
-            if start + n == self.requests[rid].prompt.shape[0]
+            if start + n == self.requests[rid].context.shape[0]
         ]
         verified = sum(counts[: len(live)])
         ends = list(itertools.accumulate(counts))
@@ -553,7 +553,7 @@ class ModelRunner(StepExecutor):
                 self.last_tokens.index_select(0, slots[: len(live)]),
             )
             pieces = [ids] + [
-                self.requests[rid].prompt[start : start + n]
+                self.requests[rid].context[start : start + n]
                 for (rid, n), start in zip(chunks, starts, strict=True)
             ]
             logits = self._mixed_forward(torch.cat(pieces), tx, upload(rows, device))
@@ -638,12 +638,12 @@ class ModelRunner(StepExecutor):
         sampled = [*range(len(batch))] + [  # requests that get a token: decode rows, ends
             len(batch) + i
             for i, ((rid, n), start) in enumerate(zip(chunks, starts, strict=True))
-            if start + n == self.requests[rid].prompt.shape[0]
+            if start + n == self.requests[rid].context.shape[0]
         ]
         if all(n == 1 for _, n in chunks):  # e.g. prompts that a prefix-cache hit left one token
             inputs = torch.cat(
                 [
-                    self.requests[rid].prompt[s : s + 1]
+                    self.requests[rid].context[s : s + 1]
                     for (rid, _), s in zip(chunks, starts, strict=True)
                 ]
             )
@@ -659,7 +659,7 @@ class ModelRunner(StepExecutor):
             slots = cache.steps.transaction_slots(tx).request_slots
             pieces = [self.last_tokens.index_select(0, slots[: len(batch)])] if batch else []
             pieces += [
-                self.requests[rid].prompt[start : start + n]
+                self.requests[rid].context[start : start + n]
                 for (rid, n), start in zip(chunks, starts, strict=True)
             ]
             logits = self._mixed_forward(torch.cat(pieces), tx, last_rows)

@@ -123,6 +123,44 @@ class SubmissionQueue:
         more = cache.prefix_cache.block_hashes(tokens, parent=parent)
         cache.prefix_cache.cache_request_blocks(request_id, [*known, *more])
 
+    def preempt(self, request_id, spec: RequestSpec, context: Sequence[int]) -> None:
+        """Swap the active request ``request_id`` out and let it wait again as ``spec``: its
+        context is now ``context`` (its prompt and the tokens it generated), whose full blocks
+        stay cached (``cache_finished_blocks``; with a host tier they move there as the pool
+        needs them), so that its admission resumes from them and recomputes only the rest.
+
+        ``spec`` keeps the id, takes an unused submission order and covers ``context``;
+        checked before anything changes."""
+        engine = self._engine
+        engine._require_no_open_step("preempt")
+        engine._require_state(request_id, EngineRequestState.ACTIVE, "preempt")
+        old = self._specs.get(request_id)
+        if old is None or old.prefix_id is not None or request_id not in self.block_hashes:
+            raise RuntimeError(
+                f"request {request_id!r} cannot be swapped: only a scheduler-managed request "
+                "looked up by its block hashes resumes from the prefix cache"
+            )
+        if not isinstance(spec, RequestSpec) or spec.request_id != request_id:
+            raise ValueError(f"spec must be a RequestSpec of request {request_id!r}")
+        if spec.initial_context_tokens != len(context) or spec.prefix_id is not None:
+            raise ValueError("spec must cover the context exactly, without a prefix")
+        if spec.submission_order in self._orders:
+            raise ValueError(f"submission_order {spec.submission_order} is already used")
+        self.cache_finished_blocks(request_id)  # its generated blocks join its hash chain
+        self._cache.preempt_request(request_id)
+        self._service_wait.pop(request_id, None)
+        self._active_rows.pop(request_id, None)
+        self.remember_prompt(request_id, context)
+        self._queue.submit(
+            spec,
+            block_size=engine._block_size,
+            prefixes=self._prefix_infos(),
+            group_shapes=engine.group_shapes,
+        )
+        self._orders.add(spec.submission_order)
+        self._specs[request_id] = spec
+        engine._waiting[request_id] = spec
+
     def submit_request(self, spec: RequestSpec) -> None:
         """Queue a scheduler-managed request; the scheduler admits or rejects it later.
 

@@ -25,6 +25,7 @@ from flashdec.scheduler.decision import SchedulerDecision
 from flashdec.scheduler.fairness import FairnessCounters, advance_fairness_counters, counters_of
 from flashdec.scheduler.groups import GroupPool, needs_new_block
 from flashdec.scheduler.policy import BlockAwareScheduler, lifetime_headroom, lifetime_headrooms
+from flashdec.scheduler.preemption import swap_victims
 from flashdec.scheduler.rows import lifetime_private_blocks_by_group
 from flashdec.scheduler.snapshot import (
     ActiveRequest,
@@ -85,4 +86,5 @@ __all__ = [
     "needs_new_block",
     "rejection_reason",
     "select_batch",
+    "swap_victims",
 ]

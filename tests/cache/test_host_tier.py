@@ -280,3 +280,30 @@ def test_transfer_round_trips_blocks_in_any_order():
     assert torch.equal(kv[:, :, 4], original[:, :, 5])
     assert not host.load([b"missing"], [0])
     host.check_integrity()
+
+
+def test_a_preempted_request_leaves_its_blocks_cached_and_may_be_added_again():
+    cache = _cache(num_blocks=6)
+    tokens = list(range(7))  # 3 full blocks and one token
+    hashes = cache.prefix_cache.block_hashes(tokens)
+    cache.add_request("a")
+    cache.prefix_cache.attach_cached_prefix("a", hashes, 7)
+    tx = cache.begin_tokens(["a"], [7])
+    for layer in range(LAYERS):
+        kv = torch.randn(7, HEADS, DIM)
+        cache.write_token_layer(tx, layer, kv, kv)
+    cache.commit_token(tx)
+    with pytest.raises(ValueError, match="unknown"):
+        cache.preempt_request("nope")
+    version = cache.version
+    cache.preempt_request("a")
+    assert cache.version == version + 1
+    assert cache.num_free_blocks == 6 and cache.prefix_cache.stats()["evictable_blocks"] == 3
+    with pytest.raises(ValueError, match="unknown"):
+        cache.seq_len("a")
+    cache.add_request("a")  # the same id resumes from its cached blocks
+    assert cache.prefix_cache.attach_cached_prefix("a", hashes, 7) == 6
+    cache.validate_invariants()
+    cache.finish_request("a")
+    with pytest.raises(RuntimeError, match="preempt"):
+        cache.preempt_request("a")  # terminal now
