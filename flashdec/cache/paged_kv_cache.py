@@ -257,19 +257,6 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         self._requests.forget(record)
         self._version += 1
 
-    def preempt_request(self, request_id: RequestId) -> None:
-        """Swap an active request out: like ``finish_request``, its committed full blocks whose
-        hashes it knows stay cached (evictable: with a host tier they go down there when the
-        pool needs them) and the rest is freed, but its id is forgotten, as ``discard_request``
-        forgets it, so that it may be added again and resume from those cached blocks."""
-        record = self._requests.record(request_id)
-        self._tx.ensure_none_open("preempt a request")
-        require_active(record, "preempt")
-        self._release_record(record, keep_cached=True)
-        self._prefix_cache._forget(record.request_id, undo=False)  # its lookup stays counted
-        self._requests.forget(record)
-        self._version += 1
-
     def _terminate(self, request_id: RequestId, state: RequestState) -> None:
         record = self._requests.record(request_id)
         verb = "finish" if state is RequestState.FINISHED else "cancel"

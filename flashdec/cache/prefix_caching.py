@@ -208,6 +208,21 @@ class PrefixCache:
             runs.append((group, first, block_ids))
         return runs, len(loaded.get(0, ([], []))[0])
 
+    def preempt_request(self, request_id: RequestId) -> None:
+        """Swap an active request out: as at ``finish_request`` its committed full blocks whose
+        hashes it knows stay cached (evictable: with a host tier they go down there when the
+        pool needs them) and the rest is freed, but its id is forgotten, as
+        ``discard_request`` forgets it, so that it may be added again and resume from those
+        cached blocks. Its lookup stays counted."""
+        cache = self._cache
+        record = cache._requests.record(request_id)
+        cache._tx.ensure_none_open("preempt a request")
+        require_active(record, "preempt")
+        cache._release_record(record, keep_cached=True)
+        self._forget(record.request_id, undo=False)
+        cache._requests.forget(record)
+        cache._version += 1
+
     def _adopt(self, group: LayerGroup, record: RequestRecord, held: bool) -> list[int]:
         """Index ``record``'s committed full private blocks in ``group`` whose hashes it knows
         (``held``: they join its shared run, stopping at the first hash cached elsewhere;

@@ -147,7 +147,7 @@ class SubmissionQueue:
         if spec.submission_order in self._orders:
             raise ValueError(f"submission_order {spec.submission_order} is already used")
         self.cache_finished_blocks(request_id)  # its generated blocks join its hash chain
-        self._cache.preempt_request(request_id)
+        self._cache.prefix_cache.preempt_request(request_id)
         self._service_wait.pop(request_id, None)
         self._active_rows.pop(request_id, None)
         self.remember_prompt(request_id, context)

@@ -258,6 +258,8 @@ class EngineThread:
                     gauges[f"host_kv_copy_{way}_bytes_total"] = host[f"bytes_{way}"]
                     gauges[f"host_kv_copy_{way}_seconds_total"] = host[f"copy_{way}_s"]
                     gauges[f"host_kv_copy_{way}_failures_total"] = host[f"failed_{way}"]
+        if llm.loop.preemption is not None:
+            gauges["requests_swapped_total"] = llm.num_swaps
         if llm.speculative is not None:
             counts = llm.speculative_counters()
             gauges["speculative_draft_tokens_total"] = counts["draft_tokens"]

@@ -154,6 +154,11 @@ class ServerMetrics:
                     ("failures", f"Blocks whose copy {where} failed (recomputed),"),
                 )
             ),
+            (
+                "requests_swapped_total",
+                "counter",
+                "Running requests swapped out for a waiting one (preemption by swap).",
+            ),
             ("speculative_draft_tokens_total", "counter", "Draft tokens verified."),
             ("speculative_accepted_tokens_total", "counter", "Draft tokens accepted."),
         ):

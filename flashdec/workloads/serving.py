@@ -39,6 +39,7 @@ class ServeBenchResult:
     kernel_build_names: tuple[tuple[str, int], ...] = ()  # (kernel, builds) of those
     kernel_build_signatures: tuple[str, ...] = ()  # Triton's description of the first few
     host_tier: HostTierStats | None = None  # with the prefix cache's host tier on
+    swaps: int = 0  # running requests swapped out (preemption by swap, with the host tier)
 
     @property
     def output_tok_s(self) -> float:
@@ -67,6 +68,7 @@ class ServeBenchResult:
             rows += self.speculation.rows()
         if self.host_tier is not None:
             rows += self.host_tier.rows()
+            rows.append(("requests swapped out (preemption)", f"{self.swaps:,}"))
         if self.matches_transformers is not None:
             rows.append(
                 (
@@ -92,6 +94,7 @@ class ServeBenchResult:
             "matches_transformers": self.matches_transformers,
             "speculation": None if self.speculation is None else asdict(self.speculation),
             "host_tier": None if self.host_tier is None else asdict(self.host_tier),
+            "swaps": self.swaps,
             "decode_step": None if self.decode_step is None else self.decode_step.as_dict(),
             "mixed_step": None if self.mixed_step is None else self.mixed_step.as_dict(),
             "kernel_builds": self.kernel_builds,
@@ -150,6 +153,7 @@ def run_serve_benchmark(
     )
     counted = llm.speculative_counters()
     host_before = llm.prefix_cache_stats() if llm.host_kv_cache_gib else None
+    swaps_before = llm.num_swaps
 
     def host_tier() -> HostTierStats | None:
         if host_before is None:
@@ -234,4 +238,5 @@ def run_serve_benchmark(
         kernel_build_names=() if builds is None else tuple(sorted(builds.names.items())),
         kernel_build_signatures=() if builds is None else tuple(builds.signatures),
         host_tier=host_tier(),
+        swaps=llm.num_swaps - swaps_before,
     )

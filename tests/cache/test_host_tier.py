@@ -294,9 +294,9 @@ def test_a_preempted_request_leaves_its_blocks_cached_and_may_be_added_again():
         cache.write_token_layer(tx, layer, kv, kv)
     cache.commit_token(tx)
     with pytest.raises(ValueError, match="unknown"):
-        cache.preempt_request("nope")
+        cache.prefix_cache.preempt_request("nope")
     version = cache.version
-    cache.preempt_request("a")
+    cache.prefix_cache.preempt_request("a")
     assert cache.version == version + 1
     assert cache.num_free_blocks == 6 and cache.prefix_cache.stats()["evictable_blocks"] == 3
     with pytest.raises(ValueError, match="unknown"):
@@ -306,4 +306,4 @@ def test_a_preempted_request_leaves_its_blocks_cached_and_may_be_added_again():
     cache.validate_invariants()
     cache.finish_request("a")
     with pytest.raises(RuntimeError, match="preempt"):
-        cache.preempt_request("a")  # terminal now
+        cache.prefix_cache.preempt_request("a")  # terminal now

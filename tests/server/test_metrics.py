@@ -111,11 +111,13 @@ def test_host_tier_families_when_the_llm_has_one(server_for):
     assert metric(text, "flashdec_host_kv_copy_down_seconds_total") == 0.25
     assert metric(text, "flashdec_host_kv_copy_up_failures_total") == 2
     assert metric(text, "flashdec_host_kv_copy_up_seconds_total") == 0.125
+    assert types["flashdec_requests_swapped_total"] == "counter"  # preemption by swap is on
+    assert metric(text, "flashdec_requests_swapped_total") == 0
 
 
 def test_no_host_tier_family_without_one(server_for):
     text = httpx.get(server_for(make_llm(tokenizer=False)).url + "/metrics", timeout=30).text
-    assert "prefix_cache_hit" in text and "host_kv" not in text
+    assert "prefix_cache_hit" in text and "host_kv" not in text and "swapped" not in text
 
 
 def test_no_prefix_cache_family_without_one(server_for):
