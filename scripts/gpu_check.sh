@@ -4,7 +4,7 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 decode25 window append engine eager
-#   launch e2e extendtests extend extendsweep http mixed serve prefix spec gemm
+#   launch e2e extendtests extend extendsweep http mixed serve prefix hosttier hosttests spec gemm
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
 #   (extend, extendsweep), GEMM_ARGS
@@ -28,6 +28,10 @@
 #     prefix: caching on vs off (prefix_cache.md; PREFIX_ARGS="--vllm-json F" adds vLLM's rows
 #     and the issue-22 verdicts: F from `python3 benchmarks/vllm_prefix.py --json F` after vLLM's
 #     install.sh, same trace flags; the window model: --model mistral-7b-window-shape --system 6144);
+#     hosttier: the prefix cache's host tier on/off on a multi-turn chat 4x the GPU pool
+#     (host_tier.md; HOST_ARGS="--vllm-json F" adds vLLM's rows: F from
+#     `python3 benchmarks/vllm_host_tier.py --json F` after vLLM's install.sh); hosttests: its
+#     GPU tests alone;
 #     spec: issue 23: the verification step's cost, then speculation off vs ngram
 #     (speculative.md; SPEC_ARGS="--real-model DIR --vllm-json F..." puts vLLM's ngram beside it:
 #     DIR from benchmarks/export_real_model.py, F from benchmarks/vllm_speculative.py after vLLM's
@@ -154,6 +158,13 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     prefix)
       python3 benchmarks/bench_prefix.py --out-dir "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    hosttier)  # the prefix cache's host tier on a chat beyond the GPU pool (host_tier.md)
+      python3 benchmarks/bench_host_tier.py --out-dir "$OUT" ${HOST_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    hosttests)  # the host tier's and preemption's GPU tests only
+      python3 -m pytest -m gpu tests/cache/test_host_tier_gpu.py -q -p no:cacheprovider 2>&1 \
+        | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     spec)
       python3 benchmarks/bench_speculative.py --out-dir "$OUT" ${SPEC_ARGS:-} 2>&1 \
