@@ -307,3 +307,28 @@ def test_a_preempted_request_leaves_its_blocks_cached_and_may_be_added_again():
     cache.finish_request("a")
     with pytest.raises(RuntimeError, match="preempt"):
         cache.prefix_cache.preempt_request("a")  # terminal now
+
+
+def test_an_interrupted_copy_down_leaves_the_step_untaken_and_the_blocks_cached(monkeypatch):
+    cache = _cache()
+    hashes = _import(cache, "a", list(range(8)), seed=1)
+    pool = cache.layout._group(0).block_cache.host
+
+    def interrupted(block_ids, slots):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool.transfer, "down", interrupted)
+    cache.add_request("b")
+    free, stats = cache.num_free_blocks, cache.prefix_cache.stats()
+    with pytest.raises(KeyboardInterrupt):
+        cache.begin_tokens(["b"], [8])  # its allocation evicts a's blocks: the copy is cut
+    cache.validate_invariants()
+    assert cache.num_free_blocks == free and cache.seq_len("b") == 0
+    after = cache.prefix_cache.stats()
+    assert after["cached_blocks"] == stats["cached_blocks"] == 4  # a's blocks cached again
+    assert after["host"]["cached_blocks"] == 0  # nothing half-copied is kept
+    assert cached_prefix_tokens(cache, hashes, 9) == 8
+    monkeypatch.undo()
+    tx = cache.begin_tokens(["b"], [8])  # now the copy goes through
+    cache.abort_token(tx)
+    cache.validate_invariants()
