@@ -83,6 +83,25 @@ def environment() -> dict[str, Any]:
     }
 
 
+def load_peer_run(
+    path: str, args, trace_args: Sequence[str], key: str, script: str, peer: str = "vLLM"
+) -> dict:
+    """``peer``'s JSON (``script``'s ``--json`` output, its runs under ``key``), checked to have
+    served the same trace as this run: every name of ``trace_args`` equal in ``args``."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data.get(key), list) or not isinstance(data.get("args"), dict):
+        raise ValueError(f"{path} is not {script}'s --json output (no {key}/args)")
+    theirs = data["args"]
+    differ = [
+        f"{k}: ours {getattr(args, k)!r}, {peer}'s {theirs.get(k)!r}"
+        for k in trace_args
+        if theirs.get(k) != getattr(args, k)
+    ]
+    if differ:
+        raise ValueError(f"{path} served another trace than this run: " + "; ".join(differ))
+    return data
+
+
 def use_interpreter_without_gpu() -> bool:
     """``--smoke`` runs on a CPU-only machine go through Triton's interpreter; the variable must
     be set before Triton is first imported. Returns whether a GPU is present."""

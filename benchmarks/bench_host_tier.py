@@ -69,6 +69,7 @@ from benchmarks._common import (
     bar_plot,
     environment,
     environment_markdown,
+    load_peer_run,
     markdown_table,
     use_interpreter_without_gpu,
     write_results,
@@ -517,18 +518,7 @@ def run(args) -> tuple[list[dict], dict | None]:
 
 def load_vllm(path: str, args) -> dict:
     """vllm_host_tier.py's JSON, checked to have served the same trace as this run."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data.get("records"), list) or not isinstance(data.get("args"), dict):
-        raise ValueError(f"{path} is not vllm_host_tier.py's --json output (no records/args)")
-    theirs = data["args"]
-    differ = [
-        f"{k}: ours {getattr(args, k)!r}, vLLM's {theirs.get(k)!r}"
-        for k in TRACE_ARGS
-        if theirs.get(k) != getattr(args, k)
-    ]
-    if differ:
-        raise ValueError(f"{path} served another trace than this run: " + "; ".join(differ))
-    return data
+    return load_peer_run(path, args, TRACE_ARGS, "records", "vllm_host_tier.py")
 
 
 def _goal(name: str, value, bar, met, margin: str, shown: str = "") -> dict:

@@ -54,6 +54,7 @@ from benchmarks._common import (
     RESULTS_DIR,
     environment,
     environment_markdown,
+    load_peer_run,
     markdown_table,
     write_results,
 )
@@ -368,18 +369,7 @@ def model_window(name: str) -> int | None:
 
 def load_vllm(path: str, args) -> dict:
     """vllm_prefix.py's JSON, checked to have served the same traces as this run."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data.get("rows"), list) or not isinstance(data.get("args"), dict):
-        raise ValueError(f"{path} is not vllm_prefix.py's --json output (no rows/args)")
-    theirs = data["args"]
-    differ = [
-        f"{k}: ours {getattr(args, k)!r}, vLLM's {theirs.get(k)!r}"
-        for k in TRACE_ARGS
-        if theirs.get(k) != getattr(args, k)
-    ]
-    if differ:
-        raise ValueError(f"{path} served other traces than this run: " + "; ".join(differ))
-    return data
+    return load_peer_run(path, args, TRACE_ARGS, "rows", "vllm_prefix.py")
 
 
 def load_window(path: str) -> dict:
