@@ -134,6 +134,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="tier on/off")
     p.add_argument("--copy-reps", type=int, default=10, help="timed copies per reference")
     p.add_argument("--vllm-json", help="vllm_host_tier.py's --json output: vLLM's rows beside")
+    p.add_argument(
+        "--from-json",
+        help="this script's own JSON of an earlier run (same lease): rewrite its report with "
+        "--vllm-json beside it, running nothing",
+    )
     p.add_argument("--out-dir", default=None, help=f"default {RESULTS_DIR} (--smoke: a temp dir)")
     p.add_argument("--name", default="host_tier")
     p.add_argument(
@@ -836,13 +841,19 @@ def main(argv: list[str] | None = None) -> None:
     has_gpu = use_interpreter_without_gpu()  # before flashdec imports Triton
     args = parse_args(argv)
     vllm = load_vllm(args.vllm_json, args) if args.vllm_json else None  # before the runs
-    if not has_gpu:
+    if not has_gpu and not args.from_json:
         if not args.smoke:
             raise SystemExit("bench_host_tier.py needs a CUDA GPU (or --smoke)")
         torch.set_num_threads(1)  # tiny tensors: intra-op threads only add contention
     out_dir = Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else RESULTS_DIR))
-    env = environment()
-    rows, reference = run(args)
+    if args.from_json:  # the runs of an earlier call: their environment, not this machine's
+        earlier = json.loads(Path(args.from_json).read_text())
+        env, rows, reference = earlier["environment"], earlier["rows"], earlier["reference"]
+        if any(earlier["args"].get(k) != getattr(args, k) for k in TRACE_ARGS):
+            raise SystemExit(f"{args.from_json} ran another trace: pass its flags again")
+    else:
+        env = environment()
+        rows, reference = run(args)
     markdown = report(args, env, rows, reference, vllm)
     payload = {"environment": env, "args": vars(args), "rows": rows, "reference": reference}
     payload.update(vllm=vllm, targets=targets(args, rows, reference))
