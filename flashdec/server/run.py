@@ -197,9 +197,11 @@ def serve(
     handled = (signal.SIGINT, signal.SIGTERM) if on_main else ()
     previous = {sig: signal.getsignal(sig) for sig in handled}
     try:
-        frontend.wait_ready()
+        # before the front end is ready: its first request may be served (and a signal sent)
+        # before this thread, behind the engine's in the GIL, gets past wait_ready()
         for sig in handled:
             signal.signal(sig, on_signal)
+        frontend.wait_ready()
         while frontend.alive:  # blocked in select, not polling: the engine thread keeps the GIL
             ended = wait([frontend.control], 1.0)  # its end of the pipe closed: it is exiting
             if ended or (stopping and not frontend.engine.alive):  # or cancelled: it exits now
