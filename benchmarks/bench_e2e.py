@@ -240,15 +240,16 @@ def attention_share(llm: LLM, batch: int, context: int) -> dict | None:
 
     state = engine.attention.decode_states[0]
     layout = engine.cache.layout
-    scales = layout.group_kv_scales(0) or (None, None)  # an FP8 cache's fixed scales
+    # an FP8 cache's scales, per layer
+    scales = [layout.layer_kv_scales(i) or (None, None) for i in range(spec.num_layers)]
 
     def attention_only():
         for layer in range(spec.num_layers):
             k_layer, v_layer = layout.layer_kv(layer)
             q_rot = write_rope_layer(
-                "fused", engine.rope, q, k, k, k_layer, v_layer, slots, None, *scales
+                "fused", engine.rope, q, k, k, k_layer, v_layer, slots, None, *scales[layer]
             )
-            state.decode(q_rot, k_layer, v_layer, slots, engine.sm_scale, out)
+            state.decode(q_rot, k_layer, v_layer, slots, engine.sm_scale, out, *scales[layer])
 
     out = torch.empty_like(q)
 

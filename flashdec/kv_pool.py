@@ -14,6 +14,7 @@ import torch
 
 from flashdec._blocks import lifetime_blocks
 from flashdec.cache import KVGroupSpec, PagedKVCache
+from flashdec.kv_scales import KVScales
 from flashdec.runtime import available_host_bytes, free_memory_bytes
 
 # bytes of activations per running request the graphs and the eager forward keep, on top of the
@@ -33,7 +34,7 @@ class KVPoolConfig:
     max_model_len: int
     max_num_batched_tokens: int
     kv_cache_dtype: torch.dtype  # the model's dtype, or float8_e4m3fn
-    kv_scale: float  # FP8: every head's fixed K and V scale
+    kv_scales: KVScales | None  # FP8: the scales of every layer and KV head
     memory_fraction: float
     enable_prefix_caching: bool
     # K/V bytes per token of a second pool sized to as many tokens (a draft model's): the
@@ -81,7 +82,7 @@ def build_kv_cache(model: torch.nn.Module, spec, config: KVPoolConfig) -> PagedK
 
 def _grouped_cache(spec, config: KVPoolConfig, caching: dict) -> PagedKVCache:
     """A cache with one KV layer group per distinct sliding window (None = full attention),
-    in ``kv_cache_dtype`` (FP8 groups get ``kv_scale`` for every head).
+    in ``kv_cache_dtype`` (FP8 groups get ``kv_scales``' rows of their layers).
 
     A window group's requests hold at most ``ceil(window / block_size) + 1`` blocks each, so
     its pool needs only that many per running request, plus room for the blocks a prompt
@@ -135,15 +136,31 @@ def _grouped_cache(spec, config: KVPoolConfig, caching: dict) -> PagedKVCache:
     max_seq_len = config.max_model_len
     if full_pools:  # a request can never hold more than the smallest full pool
         max_seq_len = min(max_seq_len, min(full_pools) * block_size)
-    scales = (config.kv_scale, config.kv_scale) if dtype == FP8_DTYPE else None
-    return PagedKVCache(
+    cache = PagedKVCache(
         kv_spec=groups,
         layer_groups=[index[w] for w in spec.layer_windows],
         max_seq_len=max_seq_len,
         device=spec.device,
-        kv_scales=[scales] * len(groups),
         **caching,
     )
+    if dtype == FP8_DTYPE:
+        set_cache_kv_scales(cache, config.kv_scales)
+    return cache
+
+
+def set_cache_kv_scales(cache: PagedKVCache, scales: KVScales) -> None:
+    """Give an FP8 cache (holding nothing yet) ``scales``: each group the rows of its layers."""
+    layout = cache.layout
+    if (scales.num_layers, scales.num_kv_heads) != (cache.num_layers, cache.num_kv_heads):
+        raise ValueError(
+            f"FP8 scales for {scales.num_layers} layers x {scales.num_kv_heads} KV heads do not "
+            f"fit a cache of {cache.num_layers} x {cache.num_kv_heads}"
+        )
+    pairs = []
+    for g, spec in enumerate(cache.kv_groups):
+        rows = list(layout.group_layers(g))
+        pairs.append((scales.k[rows], scales.v[rows]) if spec.dtype == FP8_DTYPE else None)
+    cache.set_kv_scales(pairs)
 
 
 def _own_budget(spec, config: KVPoolConfig) -> float:

@@ -36,7 +36,21 @@ from flashdec.engine.preemption import ORDER_STRIDE, SwapPreemption
 from flashdec.engine.request import Request, RequestTiming, now
 from flashdec.engine.runner import ModelRunner
 from flashdec.engine.sampling import SamplingParams, make_generator
-from flashdec.kv_pool import FP8_DTYPE, KVPoolConfig, build_kv_cache, token_blocks
+from flashdec.kv_pool import (
+    FP8_DTYPE,
+    KVPoolConfig,
+    build_kv_cache,
+    set_cache_kv_scales,
+    token_blocks,
+)
+from flashdec.kv_scales import (
+    CALIBRATION_TOKENS,
+    KVScales,
+    calibrate_kv_scales,
+    load_kv_scales,
+    save_kv_scales,
+    static_kv_scales,
+)
 from flashdec.models import DecoderAdapter, load_draft_model, resolve_model
 from flashdec.scheduler import BlockAwareScheduler, RequestSpec, SchedulerConfig
 from flashdec.speculative import SpeculativeConfig
@@ -44,6 +58,7 @@ from flashdec.speculative import SpeculativeConfig
 log = logging.getLogger("flashdec")
 
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto" (or None): the model's dtype; "fp8": float8_e4m3fn
+KV_SCALE_MODES = ("dynamic", "static")  # or a path: flashdec.LLM's kv_scales
 
 
 @dataclass(frozen=True)
@@ -104,11 +119,21 @@ class LLM:
             ``torch`` / ``torch`` on the CPU).
         kv_cache_dtype: ``None`` or ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` stores
             them as float8_e4m3fn (1 byte per element: the KV pool holds twice the tokens of
-            bf16) with fixed per-head scales, not calibrated (``stored = value / kv_scale``,
-            saturating at +-448). Needs an fp16/bf16 model. Prompt and decode attention
+            bf16) with a scale per layer and KV head (``stored = value / scale``, saturating at
+            +-448; see ``kv_scales``). Needs an fp16/bf16 model. Prompt and decode attention
             both read the FP8 cache.
-        kv_scale: the fixed K and V scale of every head with ``kv_cache_dtype="fp8"`` (1.0 suits
-            K/V of magnitude up to a few hundred); only with ``"fp8"``.
+        kv_scales: where an FP8 cache's scales come from (only with ``"fp8"``):
+            ``"dynamic"`` (the default) calibrates them from the first request's prompt — the
+            K/V the model's own forward caches for its first 512 tokens, per layer and KV head
+            max-abs x 2 / 448 (:mod:`flashdec.kv_scales`) — before that request is queued, and
+            keeps them; ``"static"`` uses ``kv_scale`` for every layer and head; a path (a
+            ``.safetensors`` file or a checkpoint directory) loads a checkpoint's ``k_scale`` /
+            ``v_scale`` fields (or ``save_kv_scales``' file); a
+            :class:`~flashdec.kv_scales.KVScales` is used as given. The scales are part of the
+            prefix cache's hash root; ``kv_scales_in_use`` reads them back.
+        kv_scale: the fixed K and V scale of every layer and head: with ``kv_scales="static"``
+            (passing it alone implies ``"static"``; default 1.0, which suits K/V of magnitude up
+            to a few hundred).
         max_num_batched_tokens: tokens one step brings at most: the running requests' decode
             tokens first, then prompt chunks (a long prompt is split across steps; a
             sliding-window model's chunks stay below its window). Every step imports at least
@@ -163,7 +188,8 @@ class LLM:
         append_backend: str | None = None,
         decode_backend: str | None = None,
         kv_cache_dtype: str | None = None,
-        kv_scale: float = 1.0,
+        kv_scales: str | os.PathLike | KVScales | None = None,
+        kv_scale: float | None = None,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
@@ -180,6 +206,7 @@ class LLM:
                 f"speculative must be a SpeculativeConfig or None, got {type_name(speculative)}"
             )
         fp8 = _check_kv_cache_dtype(kv_cache_dtype, kv_scale)
+        scale_mode = _check_kv_scales(kv_scales, kv_scale, fp8)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type_name(enable_prefix_caching)}"
@@ -214,7 +241,12 @@ class LLM:
                 "(pass dtype=torch.bfloat16)"
             )
         self.kv_cache_dtype = FP8_DTYPE if fp8 else spec.dtype
-        self.kv_scale = float(kv_scale)
+        self.kv_scale = 1.0 if kv_scale is None else float(kv_scale)
+        # the FP8 cache's first scales; then the scales in use (None: not FP8, or dynamic and
+        # not calibrated yet: the first request calibrates them)
+        first_scales = _initial_kv_scales(scale_mode, spec, self.kv_scale) if fp8 else None
+        self._calibrate_kv_scales = scale_mode == "dynamic"
+        self._kv_scales = None if self._calibrate_kv_scales else first_scales
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = check_positive_int("block_size", block_size)
@@ -260,7 +292,7 @@ class LLM:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_scale=self.kv_scale,
+            kv_scales=first_scales,
             memory_fraction=fraction,
             enable_prefix_caching=self.enable_prefix_caching,
             companion_kv_bytes_per_token=0 if draft is None else draft.spec.kv_bytes_per_token,
@@ -296,7 +328,7 @@ class LLM:
                         pool,
                         num_blocks=token_blocks(cache),
                         kv_cache_dtype=draft.spec.dtype,
-                        kv_scale=1.0,
+                        kv_scales=None,
                         enable_prefix_caching=False,
                         companion_kv_bytes_per_token=0,
                         host_kv_cache_bytes=0,
@@ -351,6 +383,36 @@ class LLM:
         # the lifetime commitment: the context plus every token whose K/V is appended
         return RequestSpec(request_id, context_tokens, max(1, new_tokens - 1), order)
 
+    def _calibrate(self, ids: list[int]) -> None:
+        """Dynamic FP8 scales from the first request's prompt, into the (empty) cache."""
+        scales = calibrate_kv_scales(self.model, ids)
+        set_cache_kv_scales(self.engine.cache, scales)
+        self._kv_scales, self._calibrate_kv_scales = scales, False
+        log.info(
+            "FP8 KV scales calibrated on %d prompt tokens: K %.3g..%.3g, V %.3g..%.3g",
+            min(len(ids), CALIBRATION_TOKENS),
+            scales.k.min(),
+            scales.k.max(),
+            scales.v.min(),
+            scales.v.max(),
+        )
+
+    @property
+    def kv_scales_in_use(self) -> KVScales | None:
+        """The FP8 cache's scales per layer and KV head (``source`` says where they came
+        from); None without an FP8 cache, or with dynamic scales before the first request."""
+        return self._kv_scales
+
+    def save_kv_scales(self, path: str | os.PathLike) -> None:
+        """Write the FP8 scales in use to a ``.safetensors`` file that ``kv_scales=path``
+        loads (a checkpoint's field names); RuntimeError when there are none yet."""
+        if self._kv_scales is None:
+            raise RuntimeError(
+                "no FP8 KV scales to save: the cache is not FP8, or its dynamic scales are "
+                "calibrated by the first request"
+            )
+        save_kv_scales(self._kv_scales, path)
+
     @property
     def num_swaps(self) -> int:
         """Running requests swapped out so far (preemption by swap; ``swap_patience``)."""
@@ -392,6 +454,8 @@ class LLM:
         sampling: SamplingParams | None = None,
         generator: torch.Generator | None = None,
     ) -> int:
+        if self._calibrate_kv_scales:  # before its prompt is hashed for the prefix cache
+            self._calibrate(ids)
         rid = self._next_id
         prompt = torch.tensor(ids, dtype=torch.long, device=self.adapter.spec.device)
         request = Request(prompt, max_new_tokens, ignore_eos, now(), sampling, generator)
@@ -657,12 +721,52 @@ def _check_host_kv_cache_gib(gib: object, caching: bool) -> float:
     return float(gib)
 
 
+def _check_kv_scales(kv_scales: object, kv_scale: float | None, fp8: bool) -> object:
+    """``kv_scales`` checked: ``"dynamic"``, ``"static"``, a path or a KVScales (None: dynamic,
+    or static when ``kv_scale`` was given); TypeError/ValueError for a bad one."""
+    if kv_scales is None:
+        return None if not fp8 else ("dynamic" if kv_scale is None else "static")
+    if not fp8:
+        raise ValueError("kv_scales applies only with kv_cache_dtype='fp8'")
+    if isinstance(kv_scales, KVScales):
+        mode: object = kv_scales
+    elif isinstance(kv_scales, (str, os.PathLike)):
+        mode = kv_scales if kv_scales in KV_SCALE_MODES else os.fspath(kv_scales)
+    else:
+        raise TypeError(
+            "kv_scales must be 'dynamic', 'static', a path or a KVScales, got "
+            f"{type_name(kv_scales)}"
+        )
+    if kv_scale is not None and mode != "static":
+        raise ValueError(f"kv_scale applies only with kv_scales='static', not {kv_scales!r}")
+    return mode
+
+
+def _initial_kv_scales(mode: object, spec, kv_scale: float) -> KVScales:
+    """The FP8 scales the cache starts with (dynamic: 1.0 until the first prompt calibrates)."""
+    layers, heads = spec.num_layers, spec.num_kv_heads
+    if isinstance(mode, KVScales):
+        if (mode.num_layers, mode.num_kv_heads) != (layers, heads):
+            raise ValueError(
+                f"kv_scales has {mode.num_layers} layers x {mode.num_kv_heads} KV heads; the "
+                f"model has {layers} x {heads}"
+            )
+        return mode
+    if mode == "static":
+        return static_kv_scales(layers, heads, kv_scale)
+    if mode == "dynamic":
+        return static_kv_scales(layers, heads, 1.0)
+    return load_kv_scales(mode, layers, heads)  # a path: ValueError naming what is wrong
+
+
 def _check_kv_cache_dtype(kv_cache_dtype: object, kv_scale: object) -> bool:
     """Whether the KV cache is FP8; TypeError/ValueError for a bad option or scale."""
     fp8 = (
         kv_cache_dtype is not None
         and check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES) == "fp8"
     )
+    if kv_scale is None:
+        return fp8
     if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
         raise TypeError(f"kv_scale must be a float, got {type(kv_scale).__name__}")
     if not (math.isfinite(kv_scale) and kv_scale > 0):

@@ -28,7 +28,8 @@ ALLOWED = {
     "cache": {"_checks", "_blocks"},
     "scheduler": {"_checks", "_blocks"},
     "speculative": {"_checks"},  # drafts and accept rules: no engine, no model
-    "kv_pool": {"_checks", "_blocks", "runtime", "cache"},  # how LLM sizes a model's cache
+    "kv_scales": {"_checks"},  # FP8 KV scales: calibrated, loaded, saved (no cache, no engine)
+    "kv_pool": {"_checks", "_blocks", "runtime", "cache", "kv_scales"},  # how LLM sizes a cache
     "engine": {
         "_checks",
         "_blocks",
@@ -62,6 +63,7 @@ ALLOWED = {
         "engine",
         "models",
         "kv_pool",
+        "kv_scales",
     },
     "workloads": {
         "_checks",
@@ -75,6 +77,7 @@ ALLOWED = {
         "engine",
         "models",
         "kv_pool",
+        "kv_scales",
         "llm",
     },
     "cli": {
@@ -89,6 +92,7 @@ ALLOWED = {
         "engine",
         "models",
         "kv_pool",
+        "kv_scales",
         "llm",
         "workloads",
         "server",
@@ -107,6 +111,7 @@ ALLOWED = {
         "engine",
         "models",
         "kv_pool",
+        "kv_scales",
         "llm",
         "workloads",
     },

@@ -71,10 +71,19 @@ class GroupLayout:
         return self._group(group).width
 
     def group_kv_scales(self, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k_scale, v_scale)`` float32 ``[Hkv]`` of an FP8 group (the cache's own tensors:
-        read, never write), None for a float group. Fixed per-head scales, not calibrated."""
+        """``(k_scales, v_scales)`` float32 ``[layers_in_group, Hkv]`` of an FP8 group, row ``i``
+        for the group's ``i``-th layer (the cache's own tensors: read, never write; see
+        ``PagedKVCache.set_kv_scales``), None for a float group."""
         g = self._group(group)
-        return None if g.k_scale is None else (g.k_scale, g.v_scale)
+        return None if g.k_scales is None else (g.k_scales, g.v_scales)
+
+    def layer_kv_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_scale, v_scale)`` float32 ``[Hkv]`` of one layer of an FP8 group: contiguous
+        views of the cache's scales with fixed addresses (kernels and CUDA graphs bind them;
+        read, never write), None for a float group."""
+        layer_idx = self._layer(layer_idx)
+        g = self._groups[self.layer_group(layer_idx)]
+        return None if g.layer_scales is None else g.layer_scales[g.local_layer[layer_idx]]
 
     @property
     def num_request_slots(self) -> int:

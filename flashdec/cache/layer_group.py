@@ -4,7 +4,7 @@ Layers with the same geometry (SPEC §8.2) share one storage tensor
 ``[2, layers_in_group, num_blocks, Hkv, block_size, D]`` (K then V), one block allocator, one
 prefix registry, one device mirror of the block tables and one set of fixed-address slot buffers.
 The request lifecycle and the transaction are the cache's; a group only holds the per-geometry
-parts. FP8 groups carry fixed per-head K/V scales (not calibrated): stored = value / scale.
+parts. FP8 groups carry K/V scales per layer and KV head: stored = value / scale.
 """
 
 from __future__ import annotations
@@ -73,11 +73,24 @@ class LayerGroup:
         self.tables = DeviceTables(width, self.device)
         self.slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
         self.pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
+        self.local_layer = {layer: i for i, layer in enumerate(layers)}
+        # FP8: K and V scales [layers, Hkv] (float32), each layer's row a contiguous [Hkv] view
+        # whose address never changes (bound launches and CUDA graphs read it; values are
+        # updated in place). Rows are padded to 16 bytes so every layer's view is as aligned
+        # as the first (a kernel compiled for an aligned pointer serves every layer).
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        self.layer_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if spec.dtype == FP8_DTYPE:
-            ones = torch.ones(spec.num_kv_heads, dtype=torch.float32, device=self.kv.device)
-            self.k_scale, self.v_scale = ones, ones.clone()
+            padded = -(-spec.num_kv_heads // 4) * 4
+            rows = torch.ones(
+                (2, spec.layer_count, padded), dtype=torch.float32, device=self.kv.device
+            )
+            self.k_scales = rows[0, :, : spec.num_kv_heads]
+            self.v_scales = rows[1, :, : spec.num_kv_heads]
+            self.layer_scales = [
+                (self.k_scales[i], self.v_scales[i]) for i in range(spec.layer_count)
+            ]
 
     @property
     def is_fp8(self) -> bool:
@@ -135,11 +148,15 @@ class LayerGroup:
                 part = slice(start, start + layers)
                 self.slot_rows[part].index_copy_(1, slot_rows, backup[part])
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float K/V rows ``[T, Hkv, D]`` as this FP8 group stores them (saturating)."""
+    def quantize(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float K/V rows ``[T, Hkv, D]`` of global layer ``layer_idx`` as this FP8 group
+        stores them (with that layer's scales, saturating)."""
 
         def one(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             scaled = x.float() / scale.view(1, -1, 1)
             return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
-        return one(k, self.k_scale), one(v, self.v_scale)
+        k_scale, v_scale = self.layer_scales[self.local_layer[layer_idx]]
+        return one(k, k_scale), one(v, v_scale)

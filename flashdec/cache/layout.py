@@ -115,7 +115,7 @@ def layer_order(groups: tuple[KVGroupSpec, ...], layer_groups: object) -> list[i
 
 
 def check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
-    """Per group None or (k_scale, v_scale) as float32 ``[Hkv]`` CPU tensors."""
+    """Per group None or (k_scale, v_scale) as float32 ``[layers_in_group, Hkv]`` CPU tensors."""
     if kv_scales is None:
         return [None] * len(groups)
     if isinstance(kv_scales, (str, bytes)) or not isinstance(kv_scales, Sequence):
@@ -134,22 +134,26 @@ def check_scales(groups: tuple[KVGroupSpec, ...], kv_scales: object) -> list:
 
 
 def scale_pair(name: str, spec: KVGroupSpec, pair: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[Hkv]`` CPU tensors, checked."""
+    """``(k_scale, v_scale)`` of an FP8 group as float32 ``[layers_in_group, Hkv]`` CPU tensors,
+    checked. Each may be a float (every layer and head), a float32 ``[Hkv]`` tensor (per head,
+    every layer) or a float32 ``[layers_in_group, Hkv]`` tensor (per layer and head)."""
     if spec.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name}: a {spec.dtype} group takes no scales (only float8_e4m3fn)")
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
         raise TypeError(f"{name} must be a (k_scale, v_scale) pair")
+    heads, layers = spec.num_kv_heads, spec.layer_count
     out = []
     for which, value in zip(("k_scale", "v_scale"), pair, strict=True):
         if isinstance(value, torch.Tensor):
-            if value.dtype != torch.float32 or tuple(value.shape) not in ((spec.num_kv_heads,),):
+            shapes = ((heads,), (layers, heads))
+            if value.dtype != torch.float32 or tuple(value.shape) not in shapes:
                 raise ValueError(
-                    f"{name} {which} must be a float or a float32 tensor [{spec.num_kv_heads}], "
-                    f"got {value.dtype} {tuple(value.shape)}"
+                    f"{name} {which} must be a float or a float32 tensor [{heads}] or "
+                    f"[{layers}, {heads}], got {value.dtype} {tuple(value.shape)}"
                 )
-            tensor = value.detach().to("cpu", copy=True)
+            tensor = value.detach().to("cpu", copy=True).expand(layers, heads).contiguous()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            tensor = torch.full((spec.num_kv_heads,), float(value), dtype=torch.float32)
+            tensor = torch.full((layers, heads), float(value), dtype=torch.float32)
         else:
             raise TypeError(
                 f"{name} {which} must be a float or a tensor, got {type(value).__name__}"

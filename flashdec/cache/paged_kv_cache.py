@@ -36,7 +36,8 @@ Public members beyond SPEC §4's, and why they stay here: the constructor's argu
 between); ``discard_request`` (lifecycle: an admission taken back); ``request_ids``,
 ``request_prefix``, ``prefix_ids``, ``num_free_blocks``, ``version`` (what the engine's
 scheduling snapshot reads of requests, prefixes and the pool); ``layout``, ``steps``,
-``prefix_cache`` (the views).
+``prefix_cache`` (the views); ``set_kv_scales`` (the one writer of FP8 scales: calibration
+replaces them while the cache is empty; ``layout`` reads them).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from flashdec.cache.group_managers import make_manager
 from flashdec.cache.host_tier import HostBlockPool, host_capacities
 from flashdec.cache.kv_spec import KVGroupSpec, format_kv_spec
 from flashdec.cache.layer_group import LayerGroup
-from flashdec.cache.layout import resolve_layout
+from flashdec.cache.layout import check_scales, resolve_layout
 from flashdec.cache.prefix_caching import PrefixCache
 from flashdec.cache.queries import LayoutQueries
 from flashdec.cache.requests import RequestTable, require_active
@@ -92,9 +93,11 @@ class PagedKVCache(LayoutQueries, TokenSteps):
             each group's table is ``ceil(max_seq_len / block_size)`` wide. Default: what the
             smallest full-attention pool can hold (``num_blocks * block_size``), or with only
             window groups the largest pool's.
-        kv_scales: per group ``None`` or ``(k_scale, v_scale)`` (floats or float32
-            ``[num_kv_heads]``) for FP8 groups: fixed per-head scales, not calibrated
-            (stored = value / scale; default 1.0). Float groups take no scales.
+        kv_scales: per group ``None`` or ``(k_scale, v_scale)`` for FP8 groups, each a float,
+            a float32 ``[num_kv_heads]`` tensor (per head) or ``[layers_in_group,
+            num_kv_heads]`` (per layer and head): stored = value / scale (default 1.0).
+            Float groups take no scales. ``set_kv_scales`` replaces them while the cache holds
+            nothing (calibration).
         restore_on_abort: abort puts back the bytes a transaction overwrote, so an aborted token
             leaves the storage bit-identical (costs one gather of the reserved slots per token).
         enable_prefix_caching: automatic prefix caching (SPEC §8.7): requests that give their
@@ -156,10 +159,7 @@ class PagedKVCache(LayoutQueries, TokenSteps):
             )
             for g, spec in enumerate(groups)
         ]
-        for group, pair in zip(self._groups, layout.scales, strict=True):
-            if pair is not None:
-                group.k_scale.copy_(pair[0])
-                group.v_scale.copy_(pair[1])
+        self._write_scales(layout.scales)
         self._num_layers = len(order)
         self._layer_group = tuple(order)
         # per global layer: (k view, v view, group index) for the write path
@@ -200,12 +200,60 @@ class PagedKVCache(LayoutQueries, TokenSteps):
         ):
             if capacity:
                 group.block_cache.host = HostBlockPool(group.kv, capacity)
-        hash_root = extra_key_hash(
-            prefix_caching_key,
-            format_kv_spec(groups),
-            [None if p is None else (_scale_key(p[0]), _scale_key(p[1])) for p in layout.scales],
+        self._prefix_caching_key = prefix_caching_key
+        self._prefix_cache = PrefixCache(
+            self, enable_prefix_caching, self._hash_root(layout.scales)
         )
-        self._prefix_cache = PrefixCache(self, enable_prefix_caching, hash_root)
+
+    def _hash_root(self, scales: list) -> bytes:
+        """The prefix cache's chain root: the model's identity, the layout and the scales."""
+        return extra_key_hash(
+            self._prefix_caching_key,
+            format_kv_spec(self._specs),
+            [None if p is None else (_scale_key(p[0]), _scale_key(p[1])) for p in scales],
+        )
+
+    def _write_scales(self, scales: list) -> None:
+        """Copy checked ``[layers_in_group, Hkv]`` scales into the FP8 groups' fixed tensors."""
+        for group, pair in zip(self._groups, scales, strict=True):
+            if pair is not None:
+                group.k_scales.copy_(pair[0])
+                group.v_scales.copy_(pair[1])
+
+    def set_kv_scales(self, kv_scales: Sequence[tuple[Any, Any] | None]) -> None:
+        """Replace the FP8 groups' scales (as ``kv_scales=`` of the constructor: per group
+        None — unchanged — or a pair), in place: kernels and CUDA graphs keep reading the same
+        addresses. Only while the cache stores nothing that the old scales encoded: no active
+        request, no open transaction, no shared prefix, no cached block (GPU or host tier);
+        RuntimeError otherwise, ValueError/TypeError for bad scales, and nothing changes. The
+        prefix cache's hash root takes the new scales."""
+        scales = check_scales(self._specs, kv_scales)
+        for g, (group, pair) in enumerate(zip(self._groups, scales, strict=True)):
+            if pair is None and group.k_scales is None:
+                continue
+            if pair is None:
+                scales[g] = (group.k_scales.cpu(), group.v_scales.cpu())
+        busy = [
+            what
+            for what, held in (
+                ("active requests", bool(self._requests.active)),
+                ("an open transaction", self._tx.open is not None),
+                ("shared prefixes", bool(self._prefixes.ids())),
+                ("cached blocks", any(len(g.block_cache) for g in self._groups)),
+                (
+                    "host-tier blocks",
+                    any(g.block_cache.host and len(g.block_cache.host) for g in self._groups),
+                ),
+            )
+            if held
+        ]
+        if busy:
+            raise RuntimeError(
+                "set_kv_scales needs a cache that stores nothing the old scales encoded; it "
+                f"holds {', '.join(busy)}"
+            )
+        self._write_scales(scales)
+        self._prefix_cache._rekey(self._hash_root(scales))
 
     def __repr__(self) -> str:
         if not self._single:

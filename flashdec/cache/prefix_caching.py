@@ -48,6 +48,10 @@ class PrefixCache:
             self._hit_tokens -= hit
             self._host_hit_tokens -= host_hit
 
+    def _rekey(self, hash_root: BlockHash) -> None:
+        """The chain's new root (the cache's scales changed while nothing was cached)."""
+        self._hash_root = hash_root
+
     def _require_prefix_caching(self) -> None:
         if not self._enabled:
             raise RuntimeError("automatic prefix caching is off (enable_prefix_caching=False)")

@@ -130,7 +130,7 @@ class TokenSteps:
         k = self._check_token_kv("k", k, len(rids), group)
         v = self._check_token_kv("v", v, len(rids), group)
         if group.is_fp8:
-            k, v = group.quantize(k, v)
+            k, v = group.quantize(group.layers[0], k, v)
         self._steps.append_with(
             rids, lambda k_layer, v_layer, slots: torch_scatter(k_layer, v_layer, k, v, slots)
         )
@@ -304,7 +304,7 @@ class TokenSteps:
         k = self._check_token_kv("k", k, count, group)
         v = self._check_token_kv("v", v, count, group)
         if group.is_fp8 and k.dtype != group.dtype:
-            k, v = group.quantize(k, v)
+            k, v = group.quantize(layer_idx, k, v)
         self.write_token_layer_with(
             open_tx.transaction_id,
             layer_idx,

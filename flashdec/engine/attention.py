@@ -4,8 +4,9 @@ The engine decides *which* step is open and *whether* a layer may run (lifecycle
 graph capture); this class runs it: RoPE + append of the layer's new tokens through the cache,
 then paged decode (one token per request) or extend (n tokens, each over its context and the new
 tokens before it), with the engine's backends. Per group it keeps what follows the group's
-geometry (RoPE and the softmax scale follow its head_dim; its window; its FP8 scales); per step
-it keeps each group's plan, workspace and bound launch on the :class:`OpenStep`.
+geometry (RoPE and the softmax scale follow its head_dim; its window), per layer its FP8
+scales; per step it keeps each group's plan, workspace and bound launch on the
+:class:`OpenStep`.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class StepAttention:
         self.append_backend = append_backend
         self.decode_backend = decode_backend
         self.dtype = dtype
-        # per group: the FP8 scales (cache-owned device tensors: fixed addresses) or None
-        self.scales = tuple(
-            cache.layout.group_kv_scales(g) or (None, None) for g in range(len(specs))
+        # per layer: its FP8 scales (cache-owned device views: fixed addresses) or Nones
+        self.layer_scales = tuple(
+            cache.layout.layer_kv_scales(i) or (None, None) for i in range(cache.num_layers)
         )
         # per group: RoPE and the softmax scale follow the group's head_dim
         self.ropes = tuple(
@@ -73,6 +74,9 @@ class StepAttention:
         )
         self._group_views = tuple(
             [self._layer_views[i] for i in cache.layout.group_layers(g)] for g in range(len(specs))
+        )
+        self._group_scales = tuple(
+            [self.layer_scales[i] for i in cache.layout.group_layers(g)] for g in range(len(specs))
         )
         # per group: the decode plan reused while the layout holds
         self.decode_states: list[DecodeState | None] = [None] * len(specs)
@@ -158,6 +162,7 @@ class StepAttention:
             k,
             v,
             self._group_views[g],
+            self._group_scales[g],
             backup,
             outs[0],
         )
@@ -189,18 +194,25 @@ class StepAttention:
                 step.max_len_after,
                 self.sm_scales[g],
                 self.windows[g],
-                *self.scales[g],
+                *self.layer_scales[layer_idx],
             )
         state = self._decode_state(step, g, q_rot.shape[1])
         # each layer's output outlives the shared workspace
         return state.decode(
-            q_rot, k_layer, v_layer, slots, self.sm_scales[g], torch.empty_like(q_rot)
+            q_rot,
+            k_layer,
+            v_layer,
+            slots,
+            self.sm_scales[g],
+            torch.empty_like(q_rot),
+            *self.layer_scales[layer_idx],
         )
 
     def _write_rope(self, step: OpenStep, layer_idx: int, g: int, q, k, v) -> torch.Tensor:
         """RoPE + append of one layer through the cache with the append backend, unbound (the
         decode step's fast path binds its launches instead); returns the rotated q."""
-        backend, rope, (k_scale, v_scale) = self.append_backend, self.ropes[g], self.scales[g]
+        backend, rope = self.append_backend, self.ropes[g]
+        k_scale, v_scale = self.layer_scales[layer_idx]
         return self.cache.write_token_layer_with(
             step.transaction_id,
             layer_idx,
@@ -228,11 +240,16 @@ class StepAttention:
         if bound is not None and bound[0] == strides:  # a later layer of the group
             _, append, attend, q_rot = bound
             k_layer, v_layer = self._layer_views[layer_idx]
+            k_scale, v_scale = self.layer_scales[layer_idx]
             self.cache.write_token_layer_with(
-                step.transaction_id, layer_idx, lambda *_: append(q, k, v, k_layer, v_layer, q_rot)
+                step.transaction_id,
+                layer_idx,
+                lambda *_: append(
+                    q, k, v, k_layer, v_layer, q_rot, k_scale=k_scale, v_scale=v_scale
+                ),
             )
             # each layer's output outlives the step's shared buffers
-            return attend(q_rot, k_layer, v_layer, torch.empty_like(q_rot))
+            return attend(q_rot, k_layer, v_layer, torch.empty_like(q_rot), k_scale, v_scale)
         slots = step.group_slots[g]
         q_rot = self._write_rope(step, layer_idx, g, q, k, v)
         k_layer, v_layer = self._layer_views[layer_idx]
@@ -253,7 +270,7 @@ class StepAttention:
             step.query_lens,
             self.sm_scales[g],
             self.windows[g],
-            *self.scales[g],
+            *self.layer_scales[layer_idx],
             workspace,
         )
         if self.fused_triton:  # later layers: the same metadata, plan and geometry, bound once
@@ -266,7 +283,7 @@ class StepAttention:
         share (one layer's q is attended before the next layer's append rewrites it)."""
         slots, rope, workspace = step.group_slots[g], self.ropes[g], step.extend[g]
         k0, v0 = self._group_views[g][0]
-        k_scale, v_scale = self.scales[g]
+        k_scale, v_scale = self._group_scales[g][0]
         append = BoundFusedRopeKVAppend(
             q,
             k,
@@ -317,7 +334,8 @@ class StepAttention:
         capturable launch, no host read) or the torch reference over the live rows."""
         slots = step.group_slots[g]
         fixed = step.fixed[g]
-        backend, rope, (k_scale, v_scale) = self.append_backend, self.ropes[g], self.scales[g]
+        backend, rope = self.append_backend, self.ropes[g]
+        k_scale, v_scale = self.layer_scales[layer_idx]
         q_rot = self.cache.write_token_layer_with(
             step.transaction_id,
             layer_idx,
@@ -326,7 +344,7 @@ class StepAttention:
             ),
         )
         k_layer, v_layer = self._layer_views[layer_idx]
-        options = (self.sm_scales[g], self.windows[g], *self.scales[g])
+        options = (self.sm_scales[g], self.windows[g], k_scale, v_scale)
         if self.decode_backend != "triton":  # the reference takes no padding row
             live, tokens = slots.batch, slots.num_tokens
             out = extend_attention(
@@ -404,8 +422,8 @@ class StepAttention:
                     ones.to(torch.int32),
                     self.sm_scales[g],
                     window=spec.window,
-                    k_scale=self.scales[g][0],
-                    v_scale=self.scales[g][1],
+                    k_scale=self._group_scales[g][0][0],
+                    v_scale=self._group_scales[g][0][1],
                     workspace=ExtendWorkspace.allocate(plan),
                 )
                 launches += 1
@@ -426,7 +444,7 @@ class StepAttention:
                     f"got {tuple(t.shape)}"
                 )
         backend = "torch" if self.append_backend == "torch" else "triton"
-        k_scale, v_scale = self.scales[g]
+        k_scale, v_scale = self.layer_scales[layer_idx]
         cache.write_token_layer_with(
             step.transaction_id,
             layer_idx,

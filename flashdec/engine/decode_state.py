@@ -90,13 +90,11 @@ class DecodeState:
 
     __slots__ = (
         "_bound",
-        "k_scale",
         "limit",
         "num_q_heads",
         "num_rows",
         "planned_len",
         "q_rot",
-        "v_scale",
         "window",
         "workspace",
     )
@@ -114,8 +112,6 @@ class DecodeState:
         group must not use: its activations are fp16/bf16)."""
         spec = cache.kv_groups[group]
         dtype = spec.dtype if dtype is None else dtype
-        # an FP8 group's fixed scales: the cache's own device tensors, bound by address
-        self.k_scale, self.v_scale = cache.layout.group_kv_scales(group) or (None, None)
         self.limit = max_table_tokens(cache)
         planned = plan_bucket(cache, max_len, self.limit)
         self.window = spec.window
@@ -146,12 +142,14 @@ class DecodeState:
         k: torch.Tensor,
         v: torch.Tensor,
         layer_views: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        layer_scales: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]],
         backup: torch.Tensor | None,
         out: torch.Tensor,
     ) -> BoundLayerAttention:
         """RoPE + append + decode of this plan for any layer of ``layer_views`` (the group's, in
-        order), bound to ``slots`` (fixed-address for a batch shape), to the transaction's
-        writer ``backup`` (``[2 * layers, rows, D]`` or None) and to these inputs' strides."""
+        order, with its FP8 ``layer_scales``: the cache's fixed-address views, or Nones), bound
+        to ``slots`` (fixed-address for a batch shape), to the transaction's writer ``backup``
+        (``[2 * layers, rows, D]`` or None) and to these inputs' strides."""
         key = (
             id(slots),
             q.stride(),
@@ -165,13 +163,14 @@ class DecodeState:
             if len(self._bound) > 16:
                 self._bound.clear()
             ws = self.workspace
-            if backup is None:
-                layers = [(k_layer, v_layer, None) for k_layer, v_layer in layer_views]
-                backup_v = 0
-            else:  # K rows of layer i at [i], its V rows one group of layers further on
-                count = len(layer_views)
-                layers = [(kv[0], kv[1], backup[i]) for i, kv in enumerate(layer_views)]
-                backup_v = count * backup.stride(0)
+            count = len(layer_views)
+            # K backup rows of layer i at [i], its V rows one group of layers further on
+            backups = [None] * count if backup is None else [backup[i] for i in range(count)]
+            backup_v = 0 if backup is None else count * backup.stride(0)
+            layers = [
+                (kv[0], kv[1], saved, *scales)
+                for kv, saved, scales in zip(layer_views, backups, layer_scales, strict=True)
+            ]
             launch = BoundLayerAttention(
                 q,
                 k,
@@ -192,8 +191,6 @@ class DecodeState:
                 ws.partial_out,
                 ws.partial_lse,
                 slots.num_rows,
-                self.k_scale,
-                self.v_scale,
                 ws.counters,
                 backup_v,
             )
@@ -209,7 +206,10 @@ class DecodeState:
         slots: TransactionSlots,
         sm_scale: float,
         out: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Decode of one layer (an FP8 layer with its own ``k_scale``/``v_scale``)."""
         ws = self.workspace
         return launch_decode(
             q,
@@ -223,7 +223,7 @@ class DecodeState:
             ws.partial_out,
             ws.partial_lse,
             slots.num_rows,
-            self.k_scale,
-            self.v_scale,
+            k_scale,
+            v_scale,
             ws.counters,
         )

@@ -2,7 +2,7 @@
 
 A caller's tensor is used as is (a CUDA graph then sees its fixed address); a float becomes a
 constant tensor cached per (value, heads, device), so an eager call does not allocate one each
-time.
+time. Bound launches take each layer's scales per call (:func:`call_scales`).
 """
 
 from __future__ import annotations
@@ -26,3 +26,15 @@ def scale_tensor(
             _CONSTANTS.clear()
         tensor = _CONSTANTS[key] = torch.full((num_kv_heads,), scale, device=device)
     return tensor
+
+
+def call_scales(
+    bound: tuple[torch.Tensor, torch.Tensor] | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The scale tensors a bound FP8 launch takes per call: the call's (one layer's), or the
+    ``bound`` ones where it passes None; nothing for a float launch (``bound`` None)."""
+    if bound is None:
+        return ()
+    return (bound[0] if k_scale is None else k_scale, bound[1] if v_scale is None else v_scale)

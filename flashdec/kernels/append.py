@@ -42,7 +42,7 @@ from flashdec._checks import (
     kv_dtypes_for,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device, next_power_of_2
-from flashdec.kernels._scales import scale_tensor
+from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.append_kernel import _fused_rope_kv_append_kernel, _kv_append_kernel
 from flashdec.kernels.validation import append_metadata_stats, lookup, metadata_key, remember
 
@@ -231,8 +231,8 @@ class BoundFusedRopeKVAppend:
     """:func:`launch_fused_rope_kv_append` bound to one step's slots and RoPE table: a call takes
     the layer's ``q, k, v, k_cache, v_cache, q_out`` (and ``backup``) — with the dtypes and
     strides of the ones it was bound with — and launches with no per-call argument building. An
-    FP8 cache's ``k_scale``/``v_scale`` tensors are bound (fixed addresses: update values in
-    place).
+    FP8 cache's ``k_scale``/``v_scale`` are per-call too (each layer has its own scales; the
+    ones bound serve a call that passes none).
 
     ``backup`` (``[rows * Hkv, D]`` in the cache's dtype, rows of ``D`` contiguous elements):
     before storing, the kernel copies each slot's old K bytes to row ``b * Hkv + h`` and its old
@@ -241,9 +241,10 @@ class BoundFusedRopeKVAppend:
 
     # positions of the per-call tensors among the launch's tensors
     DYNAMIC = (0, 1, 2, 3, 4, 9)
+    K_SCALE, V_SCALE = 10, 11
     BACKUP = 12
 
-    __slots__ = ("_has_backup", "launch")
+    __slots__ = ("_has_backup", "_scales", "launch")
 
     def __init__(
         self,
@@ -284,13 +285,20 @@ class BoundFusedRopeKVAppend:
         )
         self._has_backup = backup is not None
         dynamic = (*self.DYNAMIC, self.BACKUP) if self._has_backup else self.DYNAMIC
+        fp8 = k_cache.dtype == FP8_DTYPE
+        self._scales = (k_scale, v_scale) if fp8 else None
+        if fp8:
+            dynamic = (*dynamic, self.K_SCALE, self.V_SCALE)
         self.launch = _FUSED.bind(*args, dynamic=dynamic)
 
-    def __call__(self, q, k, v, k_cache, v_cache, q_out, backup=None) -> torch.Tensor:
+    def __call__(
+        self, q, k, v, k_cache, v_cache, q_out, backup=None, k_scale=None, v_scale=None
+    ) -> torch.Tensor:
+        scales = call_scales(self._scales, k_scale, v_scale)
         if self._has_backup:
-            self.launch(q, k, v, k_cache, v_cache, q_out, backup)
+            self.launch(q, k, v, k_cache, v_cache, q_out, backup, *scales)
         else:
-            self.launch(q, k, v, k_cache, v_cache, q_out)
+            self.launch(q, k, v, k_cache, v_cache, q_out, *scales)
         return q_out
 
 

@@ -19,15 +19,19 @@ from flashdec.kernels.append import BoundFusedRopeKVAppend
 from flashdec.kernels.decode_plan import DecodePlan
 from flashdec.kernels.paged_decode import BoundDecode
 
-LayerCaches = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+# per layer: its K and V cache views, its backup rows (or None) and its FP8 scales (or Nones)
+LayerCaches = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]
 
 
 class BoundLayerAttention:
     """RoPE + append into layer ``i``'s cache, then decode over it, for any ``i`` of a step.
 
-    ``layers[i] = (k_cache, v_cache, backup)``: the layer's views and, when the transaction's
-    writers save the old slot bytes, its K backup rows ``[rows * Hkv, D]`` (V rows ``backup_v``
-    elements further on; None for every layer otherwise). A call takes ``q, k, v`` with the
+    ``layers[i] = (k_cache, v_cache, backup, k_scale, v_scale)``: the layer's views; when the
+    transaction's writers save the old slot bytes, its K backup rows ``[rows * Hkv, D]`` (V rows
+    ``backup_v`` elements further on; None for every layer otherwise); an FP8 layer's own scales
+    (float32 ``[Hkv]``, None for float caches). A call takes ``q, k, v`` with the
     dtypes and strides of the ones bound and ``out`` like the one bound; the rotated q goes to
     ``q_rot`` (fixed), the attention output to ``out``.
     """
@@ -55,12 +59,10 @@ class BoundLayerAttention:
         partial_out: torch.Tensor,
         partial_lse: torch.Tensor,
         batch: int,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
         counters: torch.Tensor | None = None,
         backup_v: int = 0,
     ) -> None:
-        k0, v0, backup0 = layers[0]
+        k0, v0, backup0, k_scale, v_scale = layers[0]
         self._append = BoundFusedRopeKVAppend(
             q,
             k,
@@ -97,7 +99,8 @@ class BoundLayerAttention:
         )
         self.q_rot = q_rot
         self._layers = tuple(layers)
-        # (append, decode, merge or None, per-layer (k, v, backup) pointers) once both ran;
+        # (append, decode, merge or None, per-layer (k, v, backup, k_scale, v_scale) pointers,
+        # 0 for None) once both ran;
         # False for a binding that cannot take the direct path (misaligned)
         self._direct: tuple | bool | None = None
 
@@ -114,13 +117,18 @@ class BoundLayerAttention:
             q_ptr, k_ptr, v_ptr, out_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
             if not (q_ptr | k_ptr | v_ptr | out_ptr) & 15:  # bound 16-byte aligned, like these
                 append, decode, merge, pointers = direct
-                k_cache, v_cache, backup = pointers[layer]
+                k_cache, v_cache, backup, k_scale, v_scale = pointers[layer]
                 args = append.args
                 args[0], args[1], args[2], args[3], args[4] = q_ptr, k_ptr, v_ptr, k_cache, v_cache
                 if backup:
                     args[BoundFusedRopeKVAppend.BACKUP] = backup
+                if k_scale:
+                    args[BoundFusedRopeKVAppend.K_SCALE] = k_scale
+                    args[BoundFusedRopeKVAppend.V_SCALE] = v_scale
                 args = decode.args
                 args[1], args[2], args[5] = k_cache, v_cache, out_ptr
+                if k_scale:
+                    args[BoundDecode.K_SCALE], args[BoundDecode.V_SCALE] = k_scale, v_scale
                 if self._decode.single:  # out stands in for the partial buffers
                     args[6] = args[7] = out_ptr
                 stream = current_stream(append.device)
@@ -134,9 +142,9 @@ class BoundLayerAttention:
 
     def _slow(self, layer: int, q, k, v, out) -> None:
         """Through the bound launches (Triton's path when needed); makes the direct copies."""
-        k_cache, v_cache, backup = self._layers[layer]
-        self._append(q, k, v, k_cache, v_cache, self.q_rot, backup)
-        self._decode(self.q_rot, k_cache, v_cache, out)
+        k_cache, v_cache, backup, k_scale, v_scale = self._layers[layer]
+        self._append(q, k, v, k_cache, v_cache, self.q_rot, backup, k_scale, v_scale)
+        self._decode(self.q_rot, k_cache, v_cache, out, k_scale, v_scale)
         if self._direct is None:
             self._direct = self._make_direct()
 
@@ -147,8 +155,7 @@ class BoundLayerAttention:
             return None  # not on the direct path (interpreter, hooks, scratch buffers)
         aligned = (*append.aligned, *decode.aligned, *(() if merge is None else merge.aligned))
         pointers = tuple(
-            (k_cache.data_ptr(), v_cache.data_ptr(), 0 if backup is None else backup.data_ptr())
-            for k_cache, v_cache, backup in self._layers
+            tuple(0 if t is None else t.data_ptr() for t in layer) for layer in self._layers
         )
         if not all(aligned) or any(ptr & 15 for row in pointers for ptr in row):
             return False  # a misaligned binding keeps the bound launches' path

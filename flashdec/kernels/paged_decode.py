@@ -28,7 +28,7 @@ from flashdec._checks import (
     same_device,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
-from flashdec.kernels._scales import scale_tensor
+from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.attention_tiles import _STAGING_BITS, FP8_F16, FP8_ON, LOG2E
 
 # re-exported (unused here): tests read every bit of the KV_FP8 constexpr from this module
@@ -311,11 +311,14 @@ class BoundDecode:
     """:func:`launch_decode` bound to one step's metadata, plan and workspace: a call takes the
     layer's ``q, k_cache, v_cache, out`` — with the dtypes and strides of the ones it was bound
     with (a caller that cannot promise that binds again) — and launches with no per-call
-    argument building. The plan's window applies; an FP8 plan's ``k_scale``/``v_scale``
-    tensors are bound too (fixed addresses: update their values in place), and so are the
-    workspace's ``counters`` (one launch instead of two with a ``fused_merge`` plan)."""
+    argument building. The plan's window applies; an FP8 plan's ``k_scale``/``v_scale`` are
+    per-call too (each layer has its own; the ones bound serve a call that passes none), and
+    the workspace's ``counters`` are bound (one launch instead of two with a ``fused_merge``
+    plan)."""
 
-    __slots__ = ("decode", "merge", "single")
+    K_SCALE, V_SCALE = 8, 9  # positions of the scale pointers among the launch's tensors
+
+    __slots__ = ("_scales", "decode", "merge", "single")
 
     def __init__(
         self,
@@ -351,20 +354,23 @@ class BoundDecode:
             counters,
         )
         self.single = not plan.uses_split  # out also stands in for the two partial buffers
-        if self.single:
-            self.decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5, 6, 7))
-        else:
-            self.decode = _DECODE.bind(*decode_args, dynamic=(0, 1, 2, 5))
+        dynamic = (0, 1, 2, 5, 6, 7) if self.single else (0, 1, 2, 5)
+        fp8 = _plan_constants(plan).fp8
+        self._scales = (decode_args[1][self.K_SCALE], decode_args[1][self.V_SCALE]) if fp8 else None
+        if fp8:
+            dynamic = (*dynamic, self.K_SCALE, self.V_SCALE)
+        self.decode = _DECODE.bind(*decode_args, dynamic=dynamic)
         # splits merged by a second launch (a plan without fused_merge, or no counters)
         self.merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
 
-    def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> torch.Tensor:
+        scales = call_scales(self._scales, k_scale, v_scale)
         if self.single:
-            self.decode(q, k_cache, v_cache, out, out, out)
+            self.decode(q, k_cache, v_cache, out, out, out, *scales)
         else:
-            self.decode(q, k_cache, v_cache, out)
-            if self.merge is not None:
-                self.merge(out)
+            self.decode(q, k_cache, v_cache, out, *scales)
+        if self.merge is not None:
+            self.merge(out)
         return out
 
 

@@ -28,7 +28,7 @@ from flashdec._checks import (
     resolve_sm_scale,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
-from flashdec.kernels._scales import scale_tensor
+from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.attention_tiles import FP8_ON, LOG2E
 from flashdec.kernels.extend_kernel import _extend_kernel
 from flashdec.kernels.extend_plan import (
@@ -194,10 +194,13 @@ def extend_launch_arguments(
 class BoundExtend:
     """:func:`launch_extend` bound to one step's metadata, plan and workspace (as
     :class:`~flashdec.kernels.paged_decode.BoundDecode` is decode's): a call takes the layer's
-    ``q, k_cache, v_cache, out`` with the dtypes and strides of the ones it was bound with and
+    ``q, k_cache, v_cache, out`` (and an FP8 layer's ``k_scale``/``v_scale``; the ones bound
+    serve a call that passes none) with the dtypes and strides of the ones it was bound with and
     launches with no per-call argument building."""
 
-    __slots__ = ("launch", "single")
+    K_SCALE, V_SCALE = 10, 11  # positions of the scale pointers among the launch's tensors
+
+    __slots__ = ("_scales", "launch", "single")
 
     def __init__(
         self,
@@ -235,15 +238,19 @@ class BoundExtend:
             v_scale,
         )
         self.single = not plan.uses_split  # out also stands in for the two partial buffers
-        self.launch = _EXTEND.bind(
-            *args, dynamic=(0, 1, 2, 6, 7, 8) if self.single else (0, 1, 2, 6)
-        )
+        dynamic = (0, 1, 2, 6, 7, 8) if self.single else (0, 1, 2, 6)
+        fp8 = _plan_constants(plan).fp8
+        self._scales = (args[1][self.K_SCALE], args[1][self.V_SCALE]) if fp8 else None
+        if fp8:
+            dynamic = (*dynamic, self.K_SCALE, self.V_SCALE)
+        self.launch = _EXTEND.bind(*args, dynamic=dynamic)
 
-    def __call__(self, q, k_cache, v_cache, out) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> torch.Tensor:
+        scales = call_scales(self._scales, k_scale, v_scale)
         if self.single:
-            self.launch(q, k_cache, v_cache, out, out, out)
+            self.launch(q, k_cache, v_cache, out, out, out, *scales)
         else:
-            self.launch(q, k_cache, v_cache, out)
+            self.launch(q, k_cache, v_cache, out, *scales)
         return out
 
 

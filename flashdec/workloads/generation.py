@@ -49,6 +49,7 @@ def load_llm(config: ModelRunConfig, loaded=None, *, max_model_len: int | None =
         max_model_len=max_model_len,
         cuda_graphs=config.graphs(),
         kv_cache_dtype=config.kv_cache_dtype,
+        kv_scales=config.kv_scales if config.kv_cache_dtype == "fp8" else None,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=config.prefix_caching,
         host_kv_cache_gib=config.host_kv_gib,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from flashdec.workloads.knobs import (
 CUDA_GRAPHS = ("auto", "on", "off")
 SPECULATIVE_CHOICES = ("off", *SPECULATIVE_METHODS)
 KV_CACHE_DTYPES = ("auto", "fp8")  # flashdec.LLM's kv_cache_dtype
+KV_SCALE_MODES = ("dynamic", "static")  # flashdec.LLM's kv_scales, or a path
 _DEFAULT_SPECULATIVE_TOKENS = SpeculativeConfig.num_tokens
 
 
@@ -98,9 +100,15 @@ class ModelRunConfig:
     )
     kv_cache_dtype: str = knob(
         "auto",
-        "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a fixed, "
-        "not calibrated, per-head scale of 1.0; needs a float16/bfloat16 model)",
+        "KV cache storage (auto: the model's dtype; fp8: float8_e4m3fn with a scale per layer "
+        "and KV head, see --kv-scales; needs a float16/bfloat16 model)",
         choices=KV_CACHE_DTYPES,
+    )
+    kv_scales: str = knob(
+        "dynamic",
+        "with --kv-cache-dtype fp8, where the scales come from: dynamic (calibrated per layer "
+        "and KV head from the first prompt's K/V), static (1.0 everywhere) or the path of a "
+        ".safetensors file or checkpoint directory with k_scale / v_scale fields",
     )
 
     def __post_init__(self) -> None:
@@ -120,6 +128,16 @@ class ModelRunConfig:
                 f"kv_cache_dtype fp8 needs a float16 or bfloat16 model; this one would run in "
                 f"{str(dtype).removeprefix('torch.')} ({where}): add --dtype bfloat16"
             )
+        if self.kv_scales not in KV_SCALE_MODES:
+            if self.kv_cache_dtype != "fp8":
+                raise ValueError("--kv-scales needs --kv-cache-dtype fp8")
+            if not Path(self.kv_scales).exists():
+                raise ValueError(
+                    f"--kv-scales: {self.kv_scales!r} is neither dynamic, static nor an existing "
+                    "file or directory"
+                )
+        elif self.kv_scales == "static" and self.kv_cache_dtype != "fp8":
+            raise ValueError("--kv-scales needs --kv-cache-dtype fp8")
         self.draft_config()  # an unknown draft model fails here, before anything loads
         if self.host_kv_gib and not self.prefix_caching:
             raise ValueError("--host-kv-gib needs prefix caching (drop --no-prefix-caching)")

@@ -385,8 +385,9 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
     spec = "(2,8,2,2,4):float8_e4m3fn:1;(2,8,2,2,4):float32:1"
     scales = [(torch.tensor([0.5, 2.0]), 0.25), None]
     cache = PagedKVCache(kv_spec=spec, device="cpu", kv_scales=scales)
-    k_scale, v_scale = cache.layout.group_kv_scales(0)
+    k_scale, v_scale = cache.layout.layer_kv_scales(0)
     assert k_scale.tolist() == [0.5, 2.0] and v_scale.tolist() == [0.25, 0.25]
+    assert cache.layout.group_kv_scales(0)[0].tolist() == [[0.5, 2.0]]  # [layers, Hkv]
     assert cache.layout.group_kv_scales(1) is None
     cache.add_request("a")
     k = torch.tensor([[[1.0, -2.0, 1000.0, 0.0], [4.0, 8.0, -3000.0, 1.0]]])
@@ -405,11 +406,11 @@ def test_fp8_group_quantizes_with_its_fixed_scales():
         (k[0] / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).float(),
     )
     fresh = PagedKVCache(kv_spec=spec, device="cpu")
-    assert fresh.layout.group_kv_scales(0)[0].tolist() == [1.0, 1.0]
+    assert fresh.layout.group_kv_scales(0)[0].tolist() == [[1.0, 1.0]]
     scaled = PagedKVCache(
         kv_spec=spec, device="cpu", kv_scales=[(2.0, torch.tensor([1.0, 3.0])), None]
     )
-    assert scaled.layout.group_kv_scales(0)[1].tolist() == [1.0, 3.0]
+    assert scaled.layout.group_kv_scales(0)[1].tolist() == [[1.0, 3.0]]
     with pytest.raises(ValueError, match="takes no scales"):
         PagedKVCache(kv_spec=spec, device="cpu", kv_scales=[None, (2.0, 2.0)])
     with pytest.raises(ValueError, match="finite and > 0"):

@@ -37,7 +37,8 @@ def test_spec_names_are_on_the_facade():
 def test_the_facade_stays_small_and_its_views_are_attributes():
     public = [name for name in dir(PagedKVCache) if not name.startswith("_")]
     # 43 at the reshape (SPEC's 20, the constructor's arguments read back, the views, the
-    # per-layer write, the scheduling snapshot's reads): the module docstring says why each
-    assert len(public) <= 43, sorted(public)
+    # per-layer write, the scheduling snapshot's reads), + set_kv_scales (FP8 calibration):
+    # the module docstring says why each
+    assert len(public) <= 44, sorted(public)
     for view in ("layout", "steps", "prefix_cache"):
         assert isinstance(getattr(PagedKVCache, view), property)

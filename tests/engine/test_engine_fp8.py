@@ -1,4 +1,4 @@
-"""DecodeEngine over FP8 (float8_e4m3fn) KV groups: bf16 activations, fixed per-head scales.
+"""DecodeEngine over FP8 (float8_e4m3fn) KV groups: bf16 activations, scales per layer and head.
 
 Every backend quantizes on append and dequantizes in decode: a step's output equals the reference
 over the cache's own dequantized storage, the stored token is the rotated K/V within FP8 rounding,
@@ -22,9 +22,14 @@ MIXED = "(2,40,4,2,16):float8_e4m3fn:2;(2,12,4,1,8):bfloat16:1:window=6"
 ONE_GROUP = "(2,24,4,2,16):float8_e4m3fn:3"
 LAYER_GROUPS = [0, 1, 0]
 SCALES = [
-    (torch.tensor([0.5, 2.0]), torch.tensor([1.0, 0.25])),  # per-head, deliberately unequal
-    (torch.tensor([0.75]), torch.tensor([1.5])),
+    # group 0 (2 layers): per layer and head, deliberately unequal
+    (torch.tensor([[0.5, 2.0], [0.125, 1.0]]), torch.tensor([[1.0, 0.25], [3.0, 0.5]])),
+    (torch.tensor([0.75]), torch.tensor([1.5])),  # group 1: per head
 ]
+ONE_GROUP_SCALES = (  # 3 layers x 2 heads
+    torch.tensor([[0.5, 2.0], [0.125, 1.0], [4.0, 0.5]]),
+    torch.tensor([[1.0, 0.25], [3.0, 0.5], [0.5, 0.75]]),
+)
 HQ = 4
 # each append backend once; the decode path does not depend on which one wrote (as in
 # test_engine_groups.py)
@@ -33,7 +38,7 @@ BACKENDS = [("torch", "torch"), ("triton", "torch"), ("fused", "triton")]
 
 def make_engine(append_backend="torch", decode_backend="torch", spec=SPEC):
     one_group = spec == ONE_GROUP
-    scales = [SCALES[0]] if one_group else [SCALES[0], SCALES[1] if "fn:1" in spec else None]
+    scales = [ONE_GROUP_SCALES] if one_group else [SCALES[0], SCALES[1] if "fn:1" in spec else None]
     cache = PagedKVCache(
         kv_spec=spec,
         layer_groups=None if one_group else LAYER_GROUPS,
@@ -71,7 +76,7 @@ def prefill(engine, rid, length, gen):
 
 def stored_rows(cache, layer, slots):
     """Dequantized K and V of a step's reserved slots (float32 ``[rows, Hkv, D]``)."""
-    scales = cache.layout.group_kv_scales(cache.layout.layer_group(layer))
+    scales = cache.layout.layer_kv_scales(layer)
     rows = []
     for t, scale in zip(cache.layout.layer_kv(layer), scales or (None, None), strict=True):
         raw = t.view(torch.uint8)[slots.block_ids.long(), :, slots.offsets.long()].view(t.dtype)
@@ -100,7 +105,7 @@ def checked_step(engine, rids, gen):
         torch.testing.assert_close(v_got, v.float(), **tol)
         # decode equals the reference over the cache's own (dequantized) storage
         k_layer, v_layer = cache.layout.layer_kv(layer)
-        scales = cache.layout.group_kv_scales(g) or (None, None)
+        scales = cache.layout.layer_kv_scales(layer) or (None, None)
         ref = paged_decode_attention_ref(
             apply_rope(q, positions),
             k_layer,
@@ -135,15 +140,17 @@ def test_fp8_steps_match_the_reference_across_blocks_and_the_window(
 
 
 @pytest.mark.parametrize("append_backend", ["torch", "triton"])
-def test_prefill_quantizes_with_the_group_scales(append_backend):
+def test_prefill_quantizes_with_each_layers_scales(append_backend):
     engine = make_engine(append_backend, "torch", ONE_GROUP)
     gen = torch.Generator().manual_seed(2)
     admit(engine, ["a"])
     layers = prefill(engine, "a", 6, gen)
     cache = engine.cache
-    k_scale, v_scale = cache.layout.group_kv_scales(0)
     blocks = torch.tensor(cache.request_block_ids("a")).long()
     for layer, (k, v) in enumerate(layers):
+        k_scale, v_scale = cache.layout.layer_kv_scales(layer)
+        assert torch.equal(k_scale, ONE_GROUP_SCALES[0][layer])
+        assert torch.equal(v_scale, ONE_GROUP_SCALES[1][layer])
         for t, x, scale in zip(
             cache.layout.layer_kv(layer), (k, v), (k_scale, v_scale), strict=True
         ):

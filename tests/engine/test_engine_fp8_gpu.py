@@ -23,9 +23,12 @@ PROMPTS = [70, 15, 33]
 
 def _engine(seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    scales = [
-        (torch.linspace(0.5, 2.0, 8), torch.linspace(2.0, 0.25, 8)),  # per-head
-        (torch.tensor([0.75, 1.25]), torch.tensor([1.5, 0.5])),
+    scales = [  # per layer and head, every layer different (each binds its own scales)
+        (
+            torch.stack([torch.linspace(0.5, 2.0, 8), torch.linspace(3.0, 0.25, 8)]),
+            torch.stack([torch.linspace(2.0, 0.25, 8), torch.linspace(0.125, 1.0, 8)]),
+        ),
+        (torch.tensor([[0.75, 1.25], [0.25, 4.0]]), torch.tensor([[1.5, 0.5], [2.0, 0.3]])),
     ]
     cache = PagedKVCache(
         kv_spec=SPEC, layer_groups=LAYER_GROUPS, device="cuda", max_seq_len=512, kv_scales=scales
@@ -67,7 +70,7 @@ def test_fp8_steps_eager_and_replayed_equal_the_reference():
         want = [eager.step_layer(tx, i, *inputs[i]) for i in LAYERS]
         for i, g in enumerate(LAYER_GROUPS):
             slots = cache.steps.transaction_slots(tx, group=g)
-            k_scale, v_scale = cache.layout.group_kv_scales(g)
+            k_scale, v_scale = cache.layout.layer_kv_scales(i)
             k_layer, v_layer = cache.layout.layer_kv(i)
             ref = paged_decode_attention_ref(
                 apply_rope(inputs[i][0], positions),

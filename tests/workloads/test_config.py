@@ -241,6 +241,20 @@ def test_fp8_kv_cache_on_a_float32_model_is_refused_naming_the_flag():
     assert GenerateConfig(model="llama3-8b-shape", kv_cache_dtype="fp8").dtype == "auto"
 
 
+def test_kv_scales_need_fp8_and_an_existing_path(tmp_path):
+    fp8 = {"kv_cache_dtype": "fp8", "dtype": "bfloat16"}
+    assert GenerateConfig(**fp8).kv_scales == "dynamic"
+    assert GenerateConfig(kv_scales="static", **fp8).kv_scales == "static"
+    saved = tmp_path / "scales.safetensors"
+    saved.write_bytes(b"")
+    assert GenerateConfig(kv_scales=str(saved), **fp8).kv_scales == str(saved)
+    with pytest.raises(ValueError, match="neither dynamic, static nor an existing"):
+        GenerateConfig(kv_scales=str(tmp_path / "missing"), **fp8)
+    for scales in ("static", str(saved)):
+        with pytest.raises(ValueError, match="--kv-scales needs --kv-cache-dtype fp8"):
+            ServeConfig(kv_scales=scales)
+
+
 def test_fp8_kv_cache_reads_a_directory_checkpoint_dtype(tmp_path):
     from flashdec.models import build_random_model
 
