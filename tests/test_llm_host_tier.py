@@ -1,7 +1,8 @@
 """The host tier of automatic prefix caching through ``flashdec.LLM(host_kv_cache_gib=)``: a
 prompt whose cached blocks the small GPU pool evicted is served from the host tier, and the
 tokens are transformers' (and the same as with the tier off), for every family; a copy that
-fails at any point falls back to recomputing with the same tokens; bad sizes are clear errors."""
+fails at any point falls back to recomputing with the same tokens; a step interrupted in any of
+its copies is not taken at all; bad sizes are clear errors."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import functools
 import pytest
 
 import flashdec
+from flashdec.cache.block_transfer import BlockTransfer
+from tests.cache.helpers import cached_prefix_tokens
 from tests.models.greedy import hf_greedy
 from tests.test_llm import FAMILIES, _model
+from tests.test_llm_failures import _bookkeeping
 from tests.test_llm_prefix_cache import _tokens
 
 NEW = 6
@@ -77,6 +81,84 @@ def test_a_failed_copy_recomputes_with_the_same_tokens(monkeypatch, direction):
     assert stats["host_hit_tokens"] == 0
     assert stats["host"][f"failed_{direction}"] > 0
     llm.engine.cache.validate_invariants()
+
+
+def _before_a_copying_step() -> tuple[flashdec.LLM, list[list[int]], list]:
+    """An LLM whose next step admits a new prompt, then ``a`` again, whose blocks the small
+    pool evicted: admitting ``a`` copies a block down (its allocation evicts one) and two up,
+    then the prefill's allocations copy four more down, in two copies. Returns the LLM, every
+    prompt served so far and the two requests' ids."""
+    vocab = _model("tiny-llama").config.vocab_size
+    a, *others = _prompts("tiny-llama")
+    llm = flashdec.LLM(
+        _model("tiny-llama"),
+        max_batch_size=2,
+        num_blocks=6,
+        max_model_len=64,
+        host_kv_cache_gib=HOST_GIB,
+    )
+    for prompt in (a, *others):
+        llm.generate([prompt], NEW)
+    rids = [llm.add_request(_tokens(vocab, 40, 5), NEW), llm.add_request(a, NEW)]
+    return llm, [a, *others], rids
+
+
+def _step_to_the_end(llm: flashdec.LLM, rids: list) -> list[list[int]]:
+    while llm.has_unfinished():
+        llm.step()
+    return [llm.release(rid) for rid in rids]
+
+
+@functools.cache
+def _uninterrupted() -> list[list[int]]:
+    llm, _, rids = _before_a_copying_step()
+    return _step_to_the_end(llm, rids)
+
+
+STEP_COPIES = [("down", 1), ("up", 2), ("down", 3), ("down", 1)]
+
+
+@pytest.mark.parametrize("at", range(len(STEP_COPIES)))
+def test_a_step_interrupted_in_a_copy_is_not_taken(monkeypatch, at):
+    """A KeyboardInterrupt in each of the step's copies (the admission's down and up, the
+    prefill's downs): every request, the queue, the pool and the counters are as before the
+    step, no cached block is lost (each prompt served so far hits as much as before), and
+    stepping on gives the tokens of an uninterrupted run."""
+    llm, served, rids = _before_a_copying_step()
+    cache = llm.engine.cache
+    copies = []
+
+    def interrupting(direction):
+        original = getattr(BlockTransfer, direction)
+
+        def copy(transfer, first, second):
+            copies.append((direction, len(first)))
+            if len(copies) > at:
+                raise KeyboardInterrupt
+            original(transfer, first, second)
+
+        return copy
+
+    for direction in ("down", "up"):
+        monkeypatch.setattr(BlockTransfer, direction, interrupting(direction))
+    hashes = [cache.prefix_cache.block_hashes(p) for p in served]
+
+    def hits() -> list[int]:
+        return [cached_prefix_tokens(cache, h, 40) for h in hashes]
+
+    before, hit_before = _bookkeeping(llm), hits()
+    counters = {k: v for k, v in llm.prefix_cache_stats().items() if "tokens" in k}
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert copies == STEP_COPIES[: at + 1]
+    cache.validate_invariants()
+    assert _bookkeeping(llm) == before
+    assert hits() == hit_before
+    assert {k: v for k, v in llm.prefix_cache_stats().items() if "tokens" in k} == counters
+    monkeypatch.undo()
+    assert _step_to_the_end(llm, rids) == _uninterrupted()
+    cache.validate_invariants()
+    assert cache.num_free_blocks == cache.max_blocks
 
 
 @pytest.mark.parametrize(

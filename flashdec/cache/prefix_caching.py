@@ -190,7 +190,7 @@ class PrefixCache:
                     continue
                 host, wanted = group.block_cache.host, [hashes[first + i] for i in missing]
                 host.touch(wanted)  # the allocation's own evictions must not drop them
-                new = group.allocator.allocate(len(missing), owner)
+                new = _allocate(group, len(missing), owner)
                 loaded[group.index] = (missing, new)
                 if not host.load(wanted, new):
                     raise _CopyUpFailed
@@ -319,6 +319,21 @@ class PrefixCache:
 
 class _CopyUpFailed(Exception):
     """A host tier's copy up raised (counted there): the hit is recomputed instead."""
+
+
+def _allocate(group: LayerGroup, n: int, owner: Any) -> list[int]:
+    """``n`` blocks of ``group`` for ``owner``. An allocation whose copy down of the blocks it
+    evicts raises (an interrupt) takes nothing, and loses nothing: nothing was written into
+    those blocks yet, so they are cached again, as the journal of a token transaction does."""
+    block_cache = group.block_cache
+    block_cache.open_journal()
+    try:
+        taken = group.allocator.allocate(n, owner)
+    except BaseException:
+        block_cache.close_journal(bytes_restored=True)
+        raise
+    block_cache.close_journal(bytes_restored=False)  # kept: the caller writes into them
+    return taken
 
 
 def _cached(group: LayerGroup, block_hash: BlockHash, host: bool) -> bool:

@@ -202,11 +202,13 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> LoopStep:
-        """One step. A step that raises before its decode is committed — in the policy, a
-        prompt import or the decode itself (a KeyboardInterrupt, a model error) — leaves every
-        request as it found it: its admissions and rejections are taken back (an imported
-        prompt with them), the counters are unchanged, and stepping on gives what an
-        uninterrupted run gives. Only the victims a baseline policy cancelled stay cancelled."""
+        """One step. A step that raises before its decode is committed — in the policy, an
+        admission (its host tier copies), a prompt import or the decode itself (a
+        KeyboardInterrupt, a model error) — leaves every request as it found it: its admissions
+        and rejections are taken back (an imported prompt with them; an admission that raised
+        takes back its own), the counters are unchanged, and stepping on gives what an
+        uninterrupted run gives. Only the victims a baseline policy cancelled and the requests
+        swapped out stay so."""
         engine, cache = self.engine, self.engine.cache
         submissions = engine.submissions
         index = self.step_index

@@ -335,22 +335,29 @@ class SubmissionQueue:
     def apply_trusted_decision(self, decision: SchedulerDecision) -> None:
         """Admit and reject without re-planning: for a decision the caller planned itself from
         a snapshot of this engine taken since its last change (the serving loop's path, also for
-        the greedy and cancel baselines)."""
+        the greedy and cancel baselines). All or nothing: an admission that raises (a host tier
+        copy interrupted, say) takes back the ones before it, then the error propagates."""
         self._engine._require_no_open_step("apply_trusted_decision")
         checkpoint = self._queue.checkpoint()
-        for rid in decision.admit:
-            spec = self._specs[rid]
-            self._cache.add_request(rid)
-            if spec.prefix_id is not None:
-                self._cache.attach_prefix(rid, spec.prefix_id)
-            elif rid in self.block_hashes:
-                hashes = self.block_hashes[rid]
-                self._cache.prefix_cache.attach_cached_prefix(
-                    rid, hashes, spec.initial_context_tokens
-                )
-            self._engine._leave_queue(rid, None)
-        for rid in decision.reject:
-            self._engine._leave_queue(rid, EngineRequestState.REJECTED)
+        added = []  # in the cache: each admitted request, and one whose admission raised
+        try:
+            for rid in decision.admit:
+                spec = self._specs[rid]
+                self._cache.add_request(rid)
+                added.append(rid)
+                if spec.prefix_id is not None:
+                    self._cache.attach_prefix(rid, spec.prefix_id)
+                elif rid in self.block_hashes:
+                    hashes = self.block_hashes[rid]
+                    self._cache.prefix_cache.attach_cached_prefix(
+                        rid, hashes, spec.initial_context_tokens
+                    )
+                self._engine._leave_queue(rid, None)
+            for rid in decision.reject:
+                self._engine._leave_queue(rid, EngineRequestState.REJECTED)
+        except BaseException:
+            self._take_back(decision, checkpoint, added)
+            raise
         self._applied = (decision, checkpoint)
 
     def revert_decision(self, decision: SchedulerDecision) -> None:
@@ -373,19 +380,27 @@ class SubmissionQueue:
             context = specs[rid].initial_context_tokens
             if cache.request_state(rid) is not RequestState.ACTIVE or cache.seq_len(rid) > context:
                 raise RuntimeError(f"request {rid!r} has moved on since it was admitted")
-        removed = (*decision.admit, *decision.reject)
-        self._queue.restore(applied[1], removed)  # RuntimeError when anything else changed
+        self._take_back(decision, applied[1], decision.admit)
         self._applied = None
-        for rid in decision.admit:
-            cache.discard_request(rid)
+
+    def _take_back(self, decision: SchedulerDecision, checkpoint: Any, added: Sequence) -> None:
+        """Undo ``decision`` as far as it was applied since the queue's ``checkpoint``: the
+        requests ``added`` to the cache leave it, and those that left the queue (admitted or
+        rejected) wait again. The queue is restored first: its RuntimeError changes nothing."""
+        waiting = self._engine._waiting
+        removed = [rid for rid in (*decision.admit, *decision.reject) if rid not in waiting]
+        self._queue.restore(checkpoint, removed)
+        for rid in added:
+            self._cache.discard_request(rid)
             self._service_wait.pop(rid, None)
             self._active_rows.pop(rid, None)
-        waiting = decision.snapshot.waiting_view
+        queued = decision.snapshot.waiting_view
         for rid in decision.reject:  # rejecting forgot the spec: the snapshot still has it
-            self._engine._closed.discard(rid)
-            specs[rid] = waiting.get(rid).spec
+            if rid in removed:
+                self._engine._closed.discard(rid)
+                self._specs[rid] = queued.get(rid).spec
         for rid in removed:
-            self._engine._waiting[rid] = specs[rid]
+            waiting[rid] = self._specs[rid]
 
     def advance_fairness(
         self, decision: SchedulerDecision, served: Collection, departed: Collection

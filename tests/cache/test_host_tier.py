@@ -282,6 +282,36 @@ def test_transfer_round_trips_blocks_in_any_order():
     host.check_integrity()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_a_copy_never_makes_the_host_wait_for_the_stream(direction):
+    """The block ids go up through pinned memory: with the current stream busy (a sleep), a
+    copy either way is enqueued and returns before the stream is past the sleep; the bytes
+    arrive."""
+    kv = torch.randn(2, LAYERS, 6, HEADS, BS, DIM, device="cuda")
+    transfer = HostBlockPool(kv, 4).transfer
+    transfer.down([0, 1], [0, 1])  # warm: the pinned allocator holds a buffer to reuse
+    transfer.synchronize()
+    original = kv.clone()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s at GPU clocks
+    slept = torch.cuda.Event()
+    slept.record()
+    if direction == "down":
+        transfer.down([4, 5], [2, 3])
+    else:
+        transfer.up([0, 1], [2, 3])
+    assert not slept.query()  # the host did not wait for the stream
+    transfer.synchronize()
+    torch.cuda.synchronize()
+    if direction == "down":
+        kv.zero_()
+        transfer.up([2, 3], [0, 1])
+        torch.cuda.synchronize()
+        assert torch.equal(kv[:, :, :2], original[:, :, 4:])
+    else:
+        assert torch.equal(kv[:, :, 2:4], original[:, :, :2])
+
+
 def test_a_preempted_request_leaves_its_blocks_cached_and_may_be_added_again():
     cache = _cache(num_blocks=6)
     tokens = list(range(7))  # 3 full blocks and one token
@@ -331,4 +361,39 @@ def test_an_interrupted_copy_down_leaves_the_step_untaken_and_the_blocks_cached(
     monkeypatch.undo()
     tx = cache.begin_tokens(["b"], [8])  # now the copy goes through
     cache.abort_token(tx)
+    cache.validate_invariants()
+
+
+def test_a_hit_interrupted_in_its_copies_takes_nothing_and_loses_no_block(monkeypatch):
+    """A hit on a's blocks (in the host tier) allocates four blocks, evicting b's: an interrupt
+    in that copy down, or in the copy up after it, leaves a2 empty and every block of a and b
+    still cached in one tier or the other; then the hit goes through."""
+    cache = _cache()
+    a = _import(cache, "a", list(range(8)), seed=1)
+    b = _import(cache, "b", list(range(100, 108)), seed=2)  # a -> host, b on the GPU
+    pool = cache.layout._group(0).block_cache.host
+    cache.add_request("a2")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    def interrupt(direction: str) -> dict:
+        with monkeypatch.context() as patch:
+            patch.setattr(pool.transfer, direction, interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                cache.prefix_cache.attach_cached_prefix("a2", a, 9)
+        cache.validate_invariants()
+        assert cache.seq_len("a2") == 0 and cache.request_block_ids("a2") == []
+        assert cached_prefix_tokens(cache, a, 9) == cached_prefix_tokens(cache, b, 9) == 8
+        return cache.prefix_cache.stats()
+
+    stats = cache.prefix_cache.stats()
+    # the copy down is cut: nothing changed, b stays cached on the GPU
+    assert interrupt("down") == stats and stats["cached_blocks"] == 4
+    # the copy up is cut after b went down: b is in the host tier beside a, the GPU pool free
+    after = interrupt("up")
+    assert after["host"]["cached_blocks"] == 8 and after["host"]["blocks_up"] == 0
+    assert after["cached_blocks"] == 0 and after["hit_tokens"] == 0
+    assert cache.prefix_cache.attach_cached_prefix("a2", a, 9) == 8
+    assert cache.prefix_cache.stats()["host_hit_tokens"] == 8
     cache.validate_invariants()
