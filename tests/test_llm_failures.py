@@ -1,12 +1,13 @@
 """``flashdec.LLM`` under failure: an exception at any point of a step (scheduling, each prompt's
-import, each layer's attention and MLP, sampling, the commit) leaves every request as the step
-found it, and stepping on gives exactly the tokens of an uninterrupted run; results are whole
-when a request leaves; a request that can never fit is refused up front; a rejected or
-interrupted ``generate`` leaves nothing behind."""
+import, each layer's attention and MLP, sampling, the commit, the host tier's copies) leaves
+every request as the step found it, and stepping on gives exactly the tokens of an
+uninterrupted run; results are whole when a request leaves; a request that can never fit is
+refused up front; a rejected or interrupted ``generate`` leaves nothing behind."""
 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -46,26 +47,29 @@ class Injector:
         self.left: int | None = None  # calls to let through before raising; None: disarmed
         self.exc: type[BaseException] = InjectedError
         self.where: list[str] = []
+        self.failed_at: Counter[str] = Counter()  # the points raised at, over every try
 
     def arm(self, offset: int) -> None:
         self.left = offset
         self.exc = KeyboardInterrupt if offset % 2 == 0 else InjectedError
         self.where = []
 
-    def hit(self, where: str) -> None:
+    def hit(self, where: str, exc: type[BaseException] | None = None) -> None:
         if self.left is None:
             return
         self.where.append(where)
         if self.left == 0:
             self.left = None
-            raise self.exc(f"injected at {where}")
+            self.failed_at[where] += 1
+            raise (exc or self.exc)(f"injected at {where}")
         self.left -= 1
 
-    def wrap(self, obj, name: str, monkeypatch) -> None:
+    def wrap(self, obj, name: str, monkeypatch, exc: type[BaseException] | None = None) -> None:
+        """Make ``obj.name`` a failure point (raising ``exc``, else the armed exception)."""
         original = getattr(obj, name)
 
         def wrapped(*args, **kwargs):
-            self.hit(name)
+            self.hit(name, exc)
             return original(*args, **kwargs)
 
         monkeypatch.setattr(obj, name, wrapped)
@@ -79,6 +83,14 @@ def _instrument(llm, monkeypatch) -> tuple[Injector, list]:
     injector.wrap(llm.engine, "step_layer", monkeypatch)  # each decode layer's attention
     injector.wrap(llm._runner, "_choose", monkeypatch)  # sampling
     injector.wrap(llm.engine, "commit_step", monkeypatch)  # every commit
+    cache = llm.engine.cache
+    for g in range(len(cache.kv_groups)):
+        host = cache.layout._group(g).block_cache.host
+        if host is not None:  # the host tier's copies: down (an eviction), up (a hit)
+            for direction in ("down", "up"):
+                # an Exception there only makes the tier recompute (test_llm_host_tier.py):
+                # an interrupt is what fails the step
+                injector.wrap(host.transfer, direction, monkeypatch, KeyboardInterrupt)
     hooks = [  # each layer's MLP, in prefill and decode
         layer.mlp.register_forward_pre_hook(lambda *_: injector.hit("mlp"))
         for layer in llm.model.model.layers
@@ -113,13 +125,13 @@ def _bookkeeping(llm) -> dict:
     }
 
 
-def _run(llm, injector: Injector | None = None) -> tuple[list[list[int]], int]:
-    """Step the arrivals to the end. With an injector, every step is first tried with the
+def _run(llm, injector: Injector | None = None, arrivals=ARRIVALS) -> tuple[list[list[int]], int]:
+    """Step ``arrivals`` to the end. With an injector, every step is first tried with the
     failure at its 1st point, then its 2nd, ... until a try gets through; each failed try must
     leave everything as it was. Returns the outputs and the number of failed tries."""
     rids, step, failures = [], 0, 0
-    while step <= max(a for a, _, _ in ARRIVALS) or llm.has_unfinished():
-        rids += [llm.add_request(p, n) for at, p, n in ARRIVALS if at == step]
+    while step <= max(a for a, _, _ in arrivals) or llm.has_unfinished():
+        rids += [llm.add_request(p, n) for at, p, n in arrivals if at == step]
         offset = 0
         while injector is not None:
             before = _bookkeeping(llm)
@@ -151,6 +163,20 @@ def _uninterrupted(budget: int = 2048) -> list[list[int]]:
     return _run(_llm(max_num_batched_tokens=budget))[0]
 
 
+# a 2-block prompt, two others whose admissions and imports evict its blocks to the host tier
+# (a 4-block pool), then the first again, whose admission copies them up
+HOST_ARRIVALS = (
+    (0, list(range(100, 133)), 2),
+    (2, list(range(200, 233)), 2),
+    (4, list(range(300, 333)), 2),
+    (6, list(range(100, 133)), 2),
+)
+
+
+def _host_tier_llm() -> flashdec.LLM:
+    return _llm(num_blocks=4, host_kv_cache_gib=0.001)
+
+
 def test_a_failure_anywhere_in_a_step_changes_no_later_token(monkeypatch):
     llm = _llm()
     injector, hooks = _instrument(llm, monkeypatch)
@@ -179,6 +205,27 @@ def test_a_failure_in_a_chunked_prompt_step_changes_no_later_token(monkeypatch):
             hook.remove()
     assert outputs == _uninterrupted(3) == _uninterrupted()
     assert failures >= 20
+
+
+def test_a_failure_in_a_host_tier_copy_changes_no_later_token(monkeypatch):
+    """The same with a host tier on a pool too small for the prompts: failures land in the
+    copies down (evictions at admission and at the prompts' imports) and up (a hit)."""
+    plain = _host_tier_llm()
+    expected = _run(plain, arrivals=HOST_ARRIVALS)[0]
+    stats = plain.prefix_cache_stats()
+    assert stats["host_hit_tokens"] == 32 and stats["host"]["blocks_down"] > 0
+    llm = _host_tier_llm()
+    injector, hooks = _instrument(llm, monkeypatch)
+    try:
+        outputs = _run(llm, injector, HOST_ARRIVALS)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert outputs == expected
+    assert injector.failed_at["down"] >= 3 and injector.failed_at["up"] >= 1
+    # a try taken back after its copy up keeps those blocks cached: the retry hits them on the
+    # GPU (the lookups of the tries taken back do not count)
+    assert llm.prefix_cache_stats()["hit_tokens"] == 32
 
 
 @pytest.mark.gpu

@@ -47,12 +47,15 @@ def _expected(name: str) -> tuple[list[int], list[int]]:
     )
 
 
-def _serve(llm: flashdec.LLM, requests) -> tuple[list[list[int]], list]:
-    """Add every ``(prompt, max_new_tokens)`` at once, step to the end; outputs and records."""
+def _serve(llm: flashdec.LLM, requests, limit: int | None = None) -> tuple[list[list[int]], list]:
+    """Add every ``(prompt, max_new_tokens)`` at once, step to the end (within ``limit`` steps);
+    outputs and records."""
     rids = [llm.add_request(p, n, ignore_eos=True) for p, n in requests]
-    records = []
+    records, steps = [], 0
     while llm.has_unfinished():
+        assert limit is None or steps < limit, f"requests left after {limit} steps"
         record = llm.step()
+        steps += 1
         if record is not None:
             records.append(record)
     return [llm.release(rid) for rid in rids], records
@@ -125,30 +128,65 @@ def _plain_outputs(name: str, requests: tuple) -> list[list[int]]:
     return _serve(llm, [(list(p), n) for p, n in requests])[0]
 
 
+def _watch_swaps(llm: flashdec.LLM) -> list[tuple[object, tuple]]:
+    """Every swap from now on, as ``(the waiting head it made room for, the requests swapped
+    out)``, read off the snapshot each step's preemption was given."""
+    preemption, swaps = llm.loop.preemption, []
+    before_step = preemption.before_step
+
+    def watched(loop, snapshot):
+        swapped = before_step(loop, snapshot)
+        if swapped:
+            swaps.append((snapshot.waiting[0].request_id, swapped))
+        return swapped
+
+    preemption.before_step = watched
+    return swaps
+
+
+@st.composite
+def _swapping_workloads(draw) -> list[tuple[int, int]]:
+    """``(prompt length, max_new_tokens)`` of 2-6 requests, each fitting the 8-block pool alone:
+    the first commits 7 of its blocks for long, the second needs 2 or more, so the second
+    waits and a swap must make room for it; the rest are anything."""
+    first_prompt = draw(st.integers(33, 60))
+    first = (first_prompt, draw(st.integers(100, 112)) - first_prompt)  # 40-79 new tokens
+    second = draw(st.tuples(st.integers(17, 50), st.integers(2, 40)))
+    rest = draw(st.lists(st.tuples(st.integers(1, 50), st.integers(2, 40)), max_size=4))
+    return [first, second, *rest]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2-swa"])  # one KV group, two
 @settings(
-    max_examples=examples(40, 6),
+    max_examples=examples(24, 4),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(
-    lengths=st.lists(st.tuples(st.integers(1, 50), st.integers(2, 40)), min_size=2, max_size=6),
-    patience=st.integers(0, 3),
-    seed=st.integers(0, 10**6),
-)
+@given(lengths=_swapping_workloads(), patience=st.integers(0, 3), seed=st.integers(0, 10**6))
 @pytest.mark.large
-def test_swaps_never_leave_a_request_stuck(lengths, patience, seed):
-    """Random requests on a pool of 8 blocks (each request fits alone): every request finishes
-    within a bounded number of steps, none is swapped twice, a swapped head never causes a
-    swap, and the tokens equal a run where nothing waits for blocks."""
-    vocab = _model("tiny-llama").config.vocab_size
+def test_swaps_never_leave_a_request_stuck(name, lengths, patience, seed):
+    """Random requests on a pool of 8 blocks (in every KV group) that must swap: every request
+    finishes within a bounded number of steps, none is swapped twice, a swapped head never
+    causes a swap, and the tokens equal a run where nothing waits for blocks."""
+    vocab = _model(name).config.vocab_size
     requests = tuple((tuple(_tokens(vocab, p, seed + i)), n) for i, (p, n) in enumerate(lengths))
-    llm = _llm("tiny-llama", swap_patience=patience)
-    outputs, records = _serve(llm, [(list(p), n) for p, n in requests])
+    llm = _llm(name, swap_patience=patience)
+    swaps = _watch_swaps(llm)
+    # bounded: every token of every request, plus the chunks of a prompt import per admission
+    # (a window model imports at most a window per step), a swapped request's twice
+    chunk = llm.engine.max_tokens_per_request_step or llm.max_model_len
+    imports = [-(-(len(p) + n) // chunk) for p, n in requests]
+    tokens = sum(n for _, n in requests)
+    outputs, records = _serve(llm, [(list(p), n) for p, n in requests], tokens + 2 * sum(imports))
+    # the first request gave way to the second (with the later ones running beside it)
+    assert swaps[0][0] == 1 and 0 in swaps[0][1]
     swapped = [rid for r in records for rid in r.swapped]
+    assert swapped == [rid for _, victims in swaps for rid in victims]
     assert len(swapped) == len(set(swapped)) == llm.num_swaps  # at most once each
-    # bounded: every token of every request, plus a prompt import per admission
-    assert len(records) <= sum(n for _, n in requests) + 2 * len(requests) + len(swapped)
-    assert outputs == _plain_outputs("tiny-llama", requests)
+    assert len(records) <= tokens + sum(imports) + sum(imports[rid] for rid in swapped)
+    for i, (head, _) in enumerate(swaps):  # a head that gave way never takes the room back
+        assert all(head not in victims for _, victims in swaps[:i])
+    assert outputs == _plain_outputs(name, requests)
     cache = llm.engine.cache
     cache.validate_invariants()
     assert cache.num_free_blocks == cache.max_blocks
