@@ -70,7 +70,13 @@ class BlockTransfer:
         return self._host[0].numel()
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long).to(self._device, non_blocking=True)
+        """``block_ids`` on the device, through pinned memory on CUDA: a pageable upload may
+        synchronise with the current stream (so the host would wait for the step's kernels,
+        and in ``up`` for the whole copy the stream waits for), a pinned one never does (the
+        pinned allocator keeps the buffer until the copy has run). ``flashdec.runtime.upload``
+        does the same, but the cache may not import the runtime (tests/test_layering.py)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, pin_memory=self._cuda)
+        return ids.to(self._device, non_blocking=self._cuda)
 
     def down(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy ``block_ids[i]`` into host slot ``slots[i]`` (``slots`` ascending)."""
@@ -116,8 +122,9 @@ class BlockTransfer:
             for pos, slot, n in slot_runs(slots):
                 staging[pos : pos + n].copy_(self._host[slot : slot + n], non_blocking=True)
             end.record(stream)
+        index = self._index(block_ids)  # before the wait: it runs beside the copy
         current.wait_stream(stream)
-        self._blocks.index_copy_(0, self._index(block_ids), staging)
+        self._blocks.index_copy_(0, index, staging)
         staging.record_stream(current)
         self._timed.append(("up", begin, end))
 
