@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -512,20 +513,30 @@ def test_bench_serve_reports_speculation_and_stays_exact(tmp_path, capsys):
 
 
 def test_bench_serve_reports_the_host_tier(tmp_path, capsys):
-    """A pool too small for the trace's repeated prompt: its blocks go down to the host tier and
-    come back up; the run says so in its progress lines, its table and its JSON, token-exact."""
+    """One request at a time on a pool of 129 blocks (sized for one 2048-token request): six
+    400-token prompts overflow it, so each one's allocations copy earlier prompts' cached
+    blocks down to the host tier. The run says so in its progress lines, its table and its
+    JSON, token-exact. Nothing comes back up: the trace's prompts are random, none repeats."""
     path = tmp_path / "h.json"
     argv = ["bench-serve", "--num-requests", "6", "--request-rate", "200", "--compare"]
-    argv += ["--min-prompt-len", "40", "--max-prompt-len", "40", "--max-new-tokens", "3"]
-    argv += ["--host-kv-gib", "0.001", "--json", str(path)]
+    argv += ["--min-prompt-len", "400", "--max-prompt-len", "400", "--max-new-tokens", "2"]
+    argv += ["--max-batch-size", "1", "--host-kv-gib", "0.001", "--json", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "6/6 requests identical" in out
-    assert "host tier: 0 hit tokens, 0.00 GiB down" in out  # the progress lines' note
-    assert "host tier down: blocks, GiB, rate" in out
+    text = " ".join(out.split())  # the console wraps long lines at 120 columns
+    assert "6/6 requests identical" in text
     host = json.loads(path.read_text())["host_tier"]
-    assert host["queried_tokens"] == 6 * 40 and host["failed_copies"] == 0
-    assert 0 <= host["host_hit_tokens"] <= host["hit_tokens"] <= host["queried_tokens"]
+    assert host["queried_tokens"] == 6 * 400 and host["failed_copies"] == 0
+    assert host["blocks_down"] > 0 and host["bytes_down"] > 0 and host["copy_down_s"] > 0
+    assert host["hit_tokens"] == host["host_hit_tokens"] == host["blocks_up"] == 0
+    # the last progress line's note is the whole run's traffic, as the JSON and the table say
+    note = (
+        f"host tier: 0 hit tokens; down {host['blocks_down']} blocks, 0.00 GiB, "
+        f"{host['copy_down_s'] * 1e3:.1f} ms; up 0 blocks, 0.00 GiB, 0.0 ms"
+    )
+    assert re.search(r"6/6 requests done \(100%, [\d.]+ s\); " + re.escape(note), text)
+    row = next(line for line in out.splitlines() if "host tier down: blocks, GiB, rate" in line)
+    assert f" {host['blocks_down']}, 0.00, " in row
 
 
 def test_progress_lines_carry_a_note():

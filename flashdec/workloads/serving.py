@@ -142,7 +142,7 @@ def run_serve_benchmark(
 ) -> ServeBenchResult:
     """Serve ``config.num_requests`` Poisson arrivals with ``llm`` (a :class:`flashdec.LLM`);
     ``progress(done, total)`` after every step (with the host tier on,
-    ``progress(done, total, note)``: what it moved so far)."""
+    ``progress(done, total, note)``: what it moved so far, ``HostTierStats.line``)."""
     arrivals = poisson_trace(
         seed=config.seed,
         num_requests=config.num_requests,

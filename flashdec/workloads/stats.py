@@ -167,11 +167,14 @@ class HostTierStats:
         return f"{num_bytes / seconds / 1e9:.1f} GB/s" if seconds > 0 else "-"
 
     def line(self) -> str:
-        """One line for a progress display."""
-        return (
-            f"host tier: {self.host_hit_tokens:,} hit tokens, "
-            f"{self.bytes_down / 2**30:.2f} GiB down, {self.bytes_up / 2**30:.2f} GiB up"
-        )
+        """One line for a progress display: host hits, then blocks, GiB and copy time each way."""
+
+        def way(name: str, blocks: int, num_bytes: int, seconds: float) -> str:
+            return f"{name} {blocks:,} blocks, {num_bytes / 2**30:.2f} GiB, {seconds * 1e3:.1f} ms"
+
+        down = way("down", self.blocks_down, self.bytes_down, self.copy_down_s)
+        up = way("up", self.blocks_up, self.bytes_up, self.copy_up_s)
+        return f"host tier: {self.host_hit_tokens:,} hit tokens; {down}; {up}"
 
     def rows(self) -> list[tuple[str, str]]:
         share = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
