@@ -493,3 +493,31 @@ def run_in_workers(
         return None
     print(f"{len(chunks)} workers: {sum(done)} of {len(jobs)} jobs in {time.time() - start:.0f} s")
     return sum(done)
+
+
+def goal(name: str, value: Any, bar: Any, met: bool | None, margin: str, shown: str = "") -> dict:
+    """One target's row for a results file: ``met`` None when it was not measured."""
+    return {
+        "target": name,
+        "value": value,
+        "bar": bar,
+        "met": met,
+        "margin": margin,
+        "shown": shown,
+    }
+
+
+def goals_section(goals: list[dict]) -> list[str]:
+    """The Markdown lines of a targets table (rows from :func:`goal`): counts, then the table."""
+    verdict = {True: "MET", False: "**MISSED**", None: "not measured"}
+    counts = {v: sum(g["met"] is k for g in goals) for k, v in verdict.items()}
+    table = [
+        [g["target"], g["shown"] or "—", f"{g['bar']:g}", verdict[g["met"]], g["margin"]]
+        for g in goals
+    ]
+    return [
+        f"{counts['MET']} met, {counts['**MISSED**']} missed, {counts['not measured']} not "
+        "measured.",
+        "",
+        markdown_table(["target", "measured", "bar", "verdict", "margin"], table),
+    ]

@@ -69,6 +69,8 @@ from benchmarks._common import (
     bar_plot,
     environment,
     environment_markdown,
+    goal,
+    goals_section,
     load_peer_run,
     markdown_table,
     use_interpreter_without_gpu,
@@ -526,17 +528,6 @@ def load_vllm(path: str, args) -> dict:
     return load_peer_run(path, args, TRACE_ARGS, "records", "vllm_host_tier.py")
 
 
-def _goal(name: str, value, bar, met, margin: str, shown: str = "") -> dict:
-    return {
-        "target": name,
-        "value": value,
-        "bar": bar,
-        "met": met,
-        "margin": margin,
-        "shown": shown,
-    }
-
-
 def targets(args, rows: list[dict], reference: dict | None) -> list[dict]:
     """The issue's targets: each met (True), missed (False) or not measured (None)."""
     by_mode = {r["mode"]: r for r in rows}
@@ -544,7 +535,7 @@ def targets(args, rows: list[dict], reference: dict | None) -> list[dict]:
     goals = []
     ratio = working_set_tokens(args) / args.pool_tokens
     goals.append(
-        _goal(
+        goal(
             f"working set / GPU pool >= {WORKING_SET_TARGET:g}",
             ratio,
             WORKING_SET_TARGET,
@@ -555,37 +546,37 @@ def targets(args, rows: list[dict], reference: dict | None) -> list[dict]:
     )
     name = f"hit share with the tier >= {HIT_SHARE_TARGET:.2f}"
     if on is None:
-        goals.append(_goal(name, None, HIT_SHARE_TARGET, None, "tier on not run"))
+        goals.append(goal(name, None, HIT_SHARE_TARGET, None, "tier on not run"))
     else:
         share = on["hit_share"]
         margin = f"{(share - HIT_SHARE_TARGET) * 100:+.1f} points"
         met = share >= HIT_SHARE_TARGET
-        goals.append(_goal(name, share, HIT_SHARE_TARGET, met, margin, f"{share:.3f}"))
+        goals.append(goal(name, share, HIT_SHARE_TARGET, met, margin, f"{share:.3f}"))
     name = f"TTFT p50 tier off / on >= {TTFT_SPEEDUP_TARGET:g}"
     if on is None or off is None or not on["ttft_p50_ms"]:
-        goals.append(_goal(name, None, TTFT_SPEEDUP_TARGET, None, "needs both modes"))
+        goals.append(goal(name, None, TTFT_SPEEDUP_TARGET, None, "needs both modes"))
     else:
         speedup = off["ttft_p50_ms"] / on["ttft_p50_ms"]
         shown = f"{speedup:.2f}x ({off['ttft_p50_ms']:.1f} / {on['ttft_p50_ms']:.1f} ms)"
         met = speedup >= TTFT_SPEEDUP_TARGET
         margin = f"{speedup - TTFT_SPEEDUP_TARGET:+.2f}x"
-        goals.append(_goal(name, speedup, TTFT_SPEEDUP_TARGET, met, margin, shown))
+        goals.append(goal(name, speedup, TTFT_SPEEDUP_TARGET, met, margin, shown))
     for direction, word in (("down", "GPU -> host"), ("up", "host -> GPU")):
         name = f"copy {direction} ({word}) >= {COPY_SHARE_TARGET:.0%} of a plain pinned copy_"
         tier = None if on is None or on["host"] is None else on["host"][f"{direction}_gb_s"]
         plain = None if reference is None else reference.get(f"{direction}_gb_s")
         if reference is None:
-            goals.append(_goal(name, None, COPY_SHARE_TARGET, None, "no CUDA: no reference"))
+            goals.append(goal(name, None, COPY_SHARE_TARGET, None, "no CUDA: no reference"))
         elif not plain:
-            goals.append(_goal(name, None, COPY_SHARE_TARGET, None, "the reference failed"))
+            goals.append(goal(name, None, COPY_SHARE_TARGET, None, "the reference failed"))
         elif not tier:
-            goals.append(_goal(name, None, COPY_SHARE_TARGET, None, f"no copy {direction} timed"))
+            goals.append(goal(name, None, COPY_SHARE_TARGET, None, f"no copy {direction} timed"))
         else:
             share = tier / plain
             margin = f"{(share - COPY_SHARE_TARGET) * 100:+.1f} points"
             shown = f"{share:.1%} ({tier:.1f} / {plain:.1f} GB/s)"
             goals.append(
-                _goal(name, share, COPY_SHARE_TARGET, share >= COPY_SHARE_TARGET, margin, shown)
+                goal(name, share, COPY_SHARE_TARGET, share >= COPY_SHARE_TARGET, margin, shown)
             )
     return goals
 
@@ -704,21 +695,6 @@ def _copy_table(rows: list[dict], reference: dict | None, reps: int) -> tuple[st
     return markdown_table(columns, table), note
 
 
-def _goals_section(goals: list[dict]) -> list[str]:
-    verdict = {True: "MET", False: "**MISSED**", None: "not measured"}
-    counts = {v: sum(g["met"] is k for g in goals) for k, v in verdict.items()}
-    table = [
-        [g["target"], g["shown"] or "—", f"{g['bar']:g}", verdict[g["met"]], g["margin"]]
-        for g in goals
-    ]
-    return [
-        f"{counts['MET']} met, {counts['**MISSED**']} missed, {counts['not measured']} not "
-        "measured.",
-        "",
-        markdown_table(["target", "measured", "bar", "verdict", "margin"], table),
-    ]
-
-
 def report(args, env: dict, rows: list[dict], reference, vllm: dict | None = None) -> str:
     goals = targets(args, rows, reference)
     kvbpt = kv_bytes_per_token(args.model, args.dtype)
@@ -808,7 +784,7 @@ def report(args, env: dict, rows: list[dict], reference, vllm: dict | None = Non
         "",
         "## Targets",
         "",
-        *_goals_section(goals),
+        *goals_section(goals),
     ]
     if vllm and any(r["mode"] == "on" for r in rows) and vllm["summary"].get("ttft_p50_ms"):
         on_p50 = next(r for r in rows if r["mode"] == "on")["ttft_p50_ms"]
