@@ -230,13 +230,34 @@ def import_cycles(modules: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_the_engine_modules_import_one_another_without_a_cycle():
-    """The engine is split by concept (engine, step, states, submissions, loop, runner, ...):
-    a module it was split from is never imported back, e.g. the submission queue reaches the
-    engine only through the instance it is given (issue 20's reshape)."""
-    names = {module_name(p): p for p in (PACKAGE / "engine").rglob("*.py")}
+PACKAGES = sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+# the one cycle left, and of type annotations alone (imports under TYPE_CHECKING): the cache's
+# storage parts name each other's types (a group's slot buffers, a plan's memo, a transaction's
+# groups); pinned here so that it cannot grow, and so that no other package gets one
+KNOWN_CYCLES = {
+    "cache": [
+        [
+            "flashdec.cache.batch_memo",
+            "flashdec.cache.group_managers",
+            "flashdec.cache.layer_group",
+            "flashdec.cache.reservation",
+            "flashdec.cache.slots",
+            "flashdec.cache.transaction",
+        ]
+    ]
+}
 
-    def resolve(module: str) -> str | None:  # the engine module (or package) an import names
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
+def test_the_modules_of_a_package_import_one_another_without_a_cycle(package):
+    """A package is split by concept (the engine: engine, step, states, submissions, loop,
+    runner, ...; the cache: its facade, views and parts): a module it was split from is never
+    imported back, e.g. the submission queue reaches the engine only through the instance it is
+    given, and the cache's views name the facade's shape through ``cache/core.py``'s Protocol
+    (issue 20's reshape). Imports under TYPE_CHECKING count too."""
+    names = {module_name(p): p for p in package.rglob("*.py")}
+
+    def resolve(module: str) -> str | None:  # the package's module (or package) an import names
         while module and module not in names:
             module = module.rpartition(".")[0]
         return module or None
@@ -245,8 +266,10 @@ def test_the_engine_modules_import_one_another_without_a_cycle():
         name: {r for m in imports_of(path) if (r := resolve(m)) is not None and r != name}
         for name, path in names.items()
     }
-    assert import_cycles(graph) == []
-    # the check itself sees a cycle
+    assert import_cycles(graph) == KNOWN_CYCLES.get(package.name, [])
+
+
+def test_the_cycle_check_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

@@ -19,13 +19,13 @@ from flashdec.cache.reservation import request_owner
 from flashdec.cache.state import RequestId, RequestRecord
 
 if TYPE_CHECKING:
-    from flashdec.cache.paged_kv_cache import PagedKVCache
+    from flashdec.cache.core import CacheCore
 
 
 class PrefixCache:
     """Automatic prefix caching of one :class:`~flashdec.cache.PagedKVCache`."""
 
-    def __init__(self, cache: PagedKVCache, enabled: bool, hash_root: BlockHash) -> None:
+    def __init__(self, cache: CacheCore, enabled: bool, hash_root: BlockHash) -> None:
         self._cache = cache
         self._groups = cache._groups
         self._enabled = enabled

@@ -18,7 +18,7 @@ from flashdec.cache.transaction import TokenTransactionView
 if TYPE_CHECKING:
     import torch
 
-    from flashdec.cache.paged_kv_cache import PagedKVCache
+    from flashdec.cache.core import CacheCore
 
 T = TypeVar("T")
 # a writer stores one layer's K/V of a reservation: writer(k_layer, v_layer, slots)
@@ -28,7 +28,7 @@ LayerWriter = Callable[["torch.Tensor", "torch.Tensor", TransactionSlots], T]
 class StepAccess:
     """The engine's access to a :class:`~flashdec.cache.PagedKVCache`'s token transactions."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: CacheCore) -> None:
         self._cache = cache
 
     @property

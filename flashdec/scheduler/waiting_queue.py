@@ -23,8 +23,9 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn, overload
 
+import flashdec.scheduler._id_trie as _id_trie
+import flashdec.scheduler._order_tree as _order_tree
 from flashdec._checks import check_positive_int
-from flashdec.scheduler import _id_trie, _order_tree
 from flashdec.scheduler.groups import GroupShape, check_window
 from flashdec.scheduler.rows import (
     Geometry,

@@ -14,15 +14,13 @@ vLLM version, or when anything in the registration fails, it logs one line and r
 
 from __future__ import annotations
 
-import logging
+from flashdec.vllm_plugin.logs import LOGGER_NAME, logger
+
+__all__ = ["LOGGER_NAME", "collect_stats", "is_supported_version", "register", "reset_stats"]
 
 # The vLLM release whose attention interfaces the backend was written and tested against.
 SUPPORTED_VLLM_VERSION = "0.24.0"
 BACKEND_CLASS_PATH = "flashdec.vllm_plugin.backend.FlashDecBackend"
-# A child of vLLM's "vllm" logger, so the plugin's lines appear in vLLM's own log format.
-LOGGER_NAME = "vllm.flashdec"
-
-logger = logging.getLogger(LOGGER_NAME)
 
 
 def is_supported_version(version: object) -> bool:

@@ -9,17 +9,14 @@ per layer, so it is off by default (and off in speed runs).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter
 
 import torch
 
-from flashdec.vllm_plugin import LOGGER_NAME
+from flashdec.vllm_plugin.logs import logger
 
 DEVICE_COUNTER_ENV = "FLASHDEC_VLLM_COUNT"
-
-logger = logging.getLogger(LOGGER_NAME)
 
 
 class PluginStats:
