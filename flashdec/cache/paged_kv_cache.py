@@ -26,7 +26,8 @@ public name; the work is in its parts, one concept per module:
   attribute each, hold what only the engine needs: ``layout`` (``group_layout.GroupLayout``:
   per-group and per-layer reads), ``steps`` (``step_access.StepAccess``: a step's device
   metadata, backups, whole-step writes) and ``prefix_cache`` (``prefix_caching.PrefixCache``:
-  SPEC §8.7's hashes, cached runs, stats).
+  SPEC §8.7's hashes, cached runs, stats); the views see the facade through ``core.CacheCore``
+  (a Protocol: no view imports the facade back).
 
 Public members beyond SPEC §4's, and why they stay here: the constructor's arguments read back
 (``num_layers``, ``num_kv_heads``, ``head_dim``, ``block_size``, ``max_blocks``, ``dtype``,
