@@ -144,6 +144,11 @@ BAD_COMMANDS = [
     (["generate", "--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice"),
     (["generate", "--dtype", "float32", "--kv-cache-dtype", "fp8"], "add --dtype bfloat16"),
     (["generate", "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice"),
+    (["generate", "--kv-scales", "static"], "--kv-scales needs --kv-cache-dtype fp8"),
+    (
+        ["generate", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--kv-scales", "/no/x"],
+        "neither dynamic, static nor an existing file or directory",
+    ),
     (["generate", "--top-p", "-0.5"], "top_p must be > 0, got -0.5"),
     (["generate", "--top-p", "0"], "top_p must be > 0, got 0.0"),
     (["generate", "--top-p", "1e999"], "top_p must be finite"),
@@ -453,6 +458,24 @@ def test_generate_with_an_fp8_kv_cache(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert [len(g) for g in result["generated"]] == [4, 4]
     assert result["config"]["kv_cache_dtype"] == "fp8"
+    assert result["config"]["kv_scales"] == "dynamic"  # the default: calibrated
+
+
+def test_generate_loads_fp8_kv_scales_from_a_file(tmp_path, capsys):
+    from flashdec.kv_scales import save_kv_scales, static_kv_scales
+
+    config = GenerateConfig(dtype="bfloat16", kv_cache_dtype="fp8")
+    model_config = config.model_config()
+    scales = static_kv_scales(model_config.num_hidden_layers, model_config.num_key_value_heads, 0.5)
+    scales_path, path = tmp_path / "scales.safetensors", tmp_path / "g.json"
+    save_kv_scales(scales, scales_path)
+    argv = ["generate", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]
+    argv += ["--kv-scales", str(scales_path), "--batch", "1", "--prompt-len", "5"]
+    argv += ["--max-new-tokens", "3", "--json", str(path)]
+    assert main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["config"]["kv_scales"] == str(scales_path)
+    assert [len(g) for g in result["generated"]] == [3]
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the tiny shape's CPU placement")
