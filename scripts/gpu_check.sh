@@ -68,10 +68,15 @@ for phase in $PHASES; do
   start=$(date +%s)
   echo "=== phase $phase ===" | tee -a "$LOG"
   case $phase in
-    tests)  # under pytest-xdist one device call holds it (about 5 minutes with 8 workers)
-      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 $(workers 8) 2>&1 \
+    tests)  # under pytest-xdist one device call holds it (about 5 minutes with 8 workers);
+      # the Llama-3-8B-shape model tests run after, alone: beside seven other workers they ran
+      # out of memory on an 80 GB H100
+      python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=15 $(workers 8) \
+        --ignore=tests/models/test_gpu.py 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]}
+      python3 -m pytest -m gpu tests/models/test_gpu.py -q -p no:cacheprovider 2>&1 \
         | tee -a "$LOG"
-      rc=${PIPESTATUS[0]} ;;
+      [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1 ;;
     tests1)  # the whole gpu suite takes over one device call's 10 minutes: three parts
       python3 -m pytest -m gpu tests/kernels tests/reference -q -p no:cacheprovider \
         --durations=15 $(workers 8) 2>&1 | tee -a "$LOG"
