@@ -72,8 +72,9 @@ class DecodeEngine(RequestLifecycle):
         activation_dtype: the dtype of ``q, k, v`` and of the attention output. ``None`` = the
             cache's dtype (float caches); required — float16 or bfloat16 — when a KV group
             stores float8_e4m3fn. A float group's storage dtype must equal it. FP8 groups
-            quantize on append and dequantize in decode with the cache's fixed per-head scales
-            (``cache.layout.group_kv_scales``; fixed, not calibrated).
+            quantize on append and dequantize in attention with each layer's scales per KV head
+            (``cache.layout.layer_kv_scales``; ``cache.set_kv_scales`` replaces them while the
+            cache holds nothing, as ``flashdec.LLM``'s calibration does).
     """
 
     def __init__(
