@@ -732,6 +732,11 @@ def _check_kv_scales(kv_scales: object, kv_scale: float | None, fp8: bool) -> ob
         mode: object = kv_scales
     elif isinstance(kv_scales, (str, os.PathLike)):
         mode = kv_scales if kv_scales in KV_SCALE_MODES else os.fspath(kv_scales)
+        if mode not in KV_SCALE_MODES and not os.path.exists(mode):
+            raise ValueError(
+                f"kv_scales must be 'dynamic', 'static', an existing .safetensors file or "
+                f"checkpoint directory, or a KVScales; {mode!r} does not exist"
+            )
     else:
         raise TypeError(
             "kv_scales must be 'dynamic', 'static', a path or a KVScales, got "

@@ -113,6 +113,8 @@ def test_bad_kv_scales_are_refused(tmp_path):
         flashdec.LLM(model, kv_cache_dtype="fp8", kv_scales=1.0)
     with pytest.raises(ValueError, match="does not exist"):
         flashdec.LLM(model, kv_cache_dtype="fp8", kv_scales=tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="must be 'dynamic', 'static', an existing"):
+        flashdec.LLM(model, kv_cache_dtype="fp8", kv_scales="dynamc")  # a typo, not a path
     with pytest.raises(ValueError, match="layers x"):
         flashdec.LLM(model, kv_cache_dtype="fp8", kv_scales=static_kv_scales(layers + 1, heads))
     wrong = KVScales(torch.ones(layers, heads + 1), torch.ones(layers, heads + 1), "static")
