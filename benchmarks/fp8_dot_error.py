@@ -212,6 +212,7 @@ def run(args) -> dict:
         per_layer.append(layer_errors(outputs))
         print(f"layer {layer}: " + ", ".join(f"{n} {e:.2e}" for n, e in per_layer[-1].items()))
     return {
+        "name": args.model,
         "model": description,
         "text": text,
         "tokens": len(ids),
@@ -270,7 +271,7 @@ def report(env: dict, results: dict) -> str:
     ]
     return "\n".join(
         [
-            f"# FP8 tensor-core dots: their error on a real model's attention ({results['model']})",
+            f"# FP8 tensor-core dots: their error on a model's own attention ({results['name']})",
             "",
             environment_markdown(env),
             f"- model: {results['model']}",
