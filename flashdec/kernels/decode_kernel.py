@@ -27,207 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdec.kernels.attention_tiles import (
-    _FP8_F16,
-    _FP8_STAGE_K,
-    _FP8_STAGE_V,
-    _load_kv_tile,
-    _page_ids,
-    _query_tile,
-)
-
-
-@triton.jit
-def _opaque(x):
-    """``x``, through an identity the compiler cannot see into (GPU only: no inline asm in the
-    interpreter). Triton would otherwise move the conversion of a loaded e4m3 tile into the MMA
-    operand layout, where V (tokens strided) is read from shared memory one byte per load and
-    packed by hand; behind this, the tile is converted in its load layout (16 bytes per load)
-    and reaches the operand layout through shared memory as 16-bit values (ldmatrix), as a
-    bf16 tile does. Measured on sm_90 SASS: about half the instructions per FP8 byte."""
-    return tl.inline_asm_elementwise(
-        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2
-    )
-
-
-@triton.jit
-def _online_softmax_step(
-    q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8: tl.constexpr
-):
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        if KV_FP8:
-            # e4m3 -> fp16/bf16 is exact: the dots run on q's dtype (FP8 was loaded, half the
-            # bytes; fp16 with FP8_F16); the V scale is applied to the output
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            if _FP8_STAGE_K & KV_FP8:
-                k = _opaque(k)
-            if _FP8_STAGE_V & KV_FP8:
-                v = _opaque(v)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-    if (_FP8_F16 & KV_FP8) == 0:  # else q carries the factor already
-        qk = qk * qk_scale
-    qk = tl.where(mask_n[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_tokens(
-    q,
-    k_base,
-    v_base,
-    table,
-    lo,
-    hi,
-    qk_scale,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    stride_btn,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """Online softmax of the packed query tile over tokens [lo, hi); returns (acc, m, l).
-
-    Without ``WINDOWED``, ``lo`` is a multiple of ``BLOCK_N``. With it, ``lo`` may be anywhere
-    (a sliding window's first position): the tiles start at ``lo`` rounded down to ``BLOCK_N``
-    and the positions before ``lo`` are masked, so neither their table entries nor their K/V are
-    read. Only the first tile can hold such positions, and it also holds ``lo`` itself, so every
-    tile has a valid token (no all-masked row in the online softmax).
-
-    The page ids of the next tile are loaded one iteration early, by hand: their latency then
-    overlaps this tile's math instead of stalling the K/V gather that depends on them, and
-    Triton's pipeliner can keep three stages of K/V loads in flight (measured 1.1-1.5x faster
-    than leaving the indirection to the pipeliner; benchmarks/results/decode_tuning.md).
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if WINDOWED:
-        first = lo // BLOCK_N * BLOCK_N
-        block_ids = _page_ids(
-            table,
-            first + offs_n0,
-            (first + offs_n0 >= lo) & (first + offs_n0 < hi),
-            stride_btn,
-            PAGE_SIZE,
-        )
-    else:
-        first = lo
-        block_ids = _page_ids(table, lo + offs_n0, lo + offs_n0 < hi, stride_btn, PAGE_SIZE)
-    for start_n in range(first, hi, BLOCK_N):
-        offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
-        mask_n = offs_n < hi
-        if WINDOWED:
-            mask_n = mask_n & (offs_n >= lo)
-        k, v = _load_kv_tile(
-            k_base,
-            v_base,
-            block_ids,
-            offs_n,
-            mask_n,
-            offs_d,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-        )
-        next_n = offs_n + BLOCK_N  # past lo: only the first tile can start before it
-        block_ids = _page_ids(table, next_n, next_n < hi, stride_btn, PAGE_SIZE)
-        acc, m_i, l_i = _online_softmax_step(
-            q, k, v, mask_n, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8
-        )
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _merge_group(
-    po_base,  # partial_out of (request, first query head of the group)
-    pl_base,
-    o_base,
-    n_splits,
-    stride_poh,
-    stride_pos,
-    stride_pod,
-    stride_plh,
-    stride_pls,
-    stride_oh,
-    stride_od,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MERGE_G: tl.constexpr,
-    MERGE_S: tl.constexpr,
-):
-    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) for the GROUP heads, by chunks of
-    MERGE_S splits in split order with a running maximum M. The partials were written by other
-    programs of this launch: loaded through L2 (``.cg``), never from a stale L1 line."""
-    offs_g = tl.arange(0, MERGE_G)
-    offs_s0 = tl.arange(0, MERGE_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-    m_run = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([MERGE_G], dtype=tl.float32)
-    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
-    # not software-pipelined: each step is already one wide load, and pipeline buffers would
-    # add shared memory to every stage-1 program (fewer resident per SM) for a short loop
-    for s0 in tl.range(0, n_splits, MERGE_S, num_stages=1):
-        offs_s = s0 + offs_s0
-        mask_gs = mask_g[:, None] & (offs_s[None, :] < n_splits)  # [MERGE_G, MERGE_S]
-        lse = tl.load(
-            pl_base + offs_g[:, None] * stride_plh + offs_s[None, :] * stride_pls,
-            mask=mask_gs,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        po_ptrs = (
-            po_base
-            + offs_g[:, None, None] * stride_poh
-            + offs_s[None, :, None] * stride_pos
-            + offs_d[None, None, :] * stride_pod
-        )
-        o = tl.load(
-            po_ptrs,
-            mask=mask_gs[:, :, None] & mask_d[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [MERGE_G, MERGE_S, BLOCK_D]
-        # finite for real heads (every chunk has a split); padding rows kept at 0, not NaN
-        m_new = tl.where(mask_g, tl.maximum(m_run, tl.max(lse, 1)), 0.0)
-        rescale = tl.exp2(m_run - m_new)
-        w = tl.where(mask_gs, tl.exp2(lse - m_new[:, None]), 0.0)
-        acc = acc * rescale[:, None] + tl.sum(w[:, :, None] * o, 1)
-        denom = denom * rescale + tl.sum(w, 1)
-        m_run = m_new
-    res = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    o_ptrs = o_base + offs_g[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, res.to(o_base.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+from flashdec.kernels.attention_tiles import _attend_keys, _merge_partials, _query_tile
 
 
 @triton.jit
@@ -295,50 +95,7 @@ def _decode_kernel(
     mask_g = offs_g < GROUP
     mask_gd = mask_g[:, None] & (offs_d[None, :] < HEAD_DIM)
 
-    if not SPLIT:
-        b = pid // NUM_KV_HEADS
-        kv_head = pid % NUM_KV_HEADS
-        seq_len = tl.load(seq_lens_ptr + b)
-        lo = 0
-        if WINDOWED:
-            lo = tl.maximum(seq_len - window, 0)
-        heads = kv_head * GROUP + offs_g
-        q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q, head_qk_scale = _query_tile(
-            q_ptrs, mask_gd, qk_scale, k_scale_ptr + kv_head, UPCAST, KV_FP8
-        )  # [BLOCK_G, BLOCK_D]
-        acc, m_i, l_i = _attend_tokens(
-            q,
-            k_ptr + kv_head * stride_kh,
-            v_ptr + kv_head * stride_vh,
-            block_tables_ptr + b * stride_btb,
-            lo,
-            seq_len,
-            head_qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            stride_btn,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_G,
-            BLOCK_D,
-            BLOCK_N,
-            UPCAST,
-            DOT_PRECISION,
-            WINDOWED,
-            KV_FP8,
-        )
-        # seq_len 0 leaves acc = 0 and l = 0 -> a zero row
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        if KV_FP8:
-            o = o * tl.load(v_scale_ptr + kv_head)
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
-    else:
+    if SPLIT:
         # Work list: request b reads tokens [base_b, len_b) (base_b = 0, or with a window its
         # first position rounded down to BLOCK_N) and has n_b = clamp(ceil((len_b - base_b) /
         # tokens_per_split), 1, num_splits) splits; items (split, KV head) are numbered over
@@ -356,8 +113,13 @@ def _decode_kernel(
         n_splits = tl.where(valid_b, n_splits, 0)
         ends = tl.cumsum(n_splits, 0)  # inclusive prefix sum
         total_items = tl.sum(n_splits, 0) * NUM_KV_HEADS
-        for item in range(pid, total_items, num_programs):
-            kv_head = item % NUM_KV_HEADS
+        item_step = num_programs
+    else:  # one item per program: a (request, KV head) and all of its tokens
+        total_items = pid + 1
+        item_step = 1
+    for item in range(pid, total_items, item_step):
+        kv_head = item % NUM_KV_HEADS
+        if SPLIT:
             s_global = item // NUM_KV_HEADS
             b = tl.sum((ends <= s_global).to(tl.int32), 0)
             sel = offs_b == b
@@ -369,93 +131,115 @@ def _decode_kernel(
                 lo += tl.sum(tl.where(sel, bases, 0), 0)
             hi = tl.minimum(lo + tokens_per_split, seq_len)
             hi = tl.where(split == my_splits - 1, seq_len, hi)  # the last split takes the rest
-            if WINDOWED:
-                lo = tl.maximum(lo, seq_len - window)  # the first split starts at the window
+        else:
+            b = item // NUM_KV_HEADS
+            my_splits = 1
+            split = 0
+            seq_len = tl.load(seq_lens_ptr + b)
+            lo = 0
+            hi = seq_len
+        if WINDOWED:
+            lo = tl.maximum(lo, seq_len - window)  # the first split starts at the window
 
-            heads = kv_head * GROUP + offs_g
-            q_ptrs = (
-                q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        heads = kv_head * GROUP + offs_g
+        q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q, head_qk_scale = _query_tile(
+            q_ptrs, mask_gd, qk_scale, k_scale_ptr + kv_head, UPCAST, KV_FP8
+        )  # [BLOCK_G, BLOCK_D]
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        # the range is masked as a whole (no per-row bound): with a window, lo may sit anywhere
+        # in the first tile, whose keys before lo are neither read nor their page ids
+        acc, m_i, l_i = _attend_keys(
+            q,
+            k_ptr + kv_head * stride_kh,
+            v_ptr + kv_head * stride_vh,
+            block_tables_ptr + b * stride_btb,
+            lo // BLOCK_N * BLOCK_N,
+            hi,
+            lo,
+            hi,
+            lo,  # no per-row bounds: never read
+            lo,
+            acc,
+            m_i,
+            l_i,
+            head_qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            stride_btn,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            True,
+            False,
+            False,
+            UPCAST,
+            DOT_PRECISION,
+            KV_FP8,
+        )
+        # seq_len 0 leaves acc = 0 and l = 0 -> a zero row
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        if KV_FP8:
+            o = o * tl.load(v_scale_ptr + kv_head)  # the merge is linear in o
+        if my_splits == 1:
+            # a request with one split needs no merge: write its output directly
+            o_ptrs = (
+                out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
             )
-            q, head_qk_scale = _query_tile(
-                q_ptrs, mask_gd, qk_scale, k_scale_ptr + kv_head, UPCAST, KV_FP8
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
+        else:
+            # stage 1 of 2: normalised partial output and log2-sum-exp of this split
+            po_ptrs = (
+                part_out_ptr
+                + b * stride_pob
+                + heads[:, None] * stride_poh
+                + split * stride_pos
+                + offs_d[None, :] * stride_pod
             )
-            acc, m_i, l_i = _attend_tokens(
-                q,
-                k_ptr + kv_head * stride_kh,
-                v_ptr + kv_head * stride_vh,
-                block_tables_ptr + b * stride_btb,
-                lo,
-                hi,
-                head_qk_scale,
-                stride_kb,
-                stride_kt,
-                stride_kd,
-                stride_vb,
-                stride_vt,
-                stride_vd,
-                stride_btn,
-                PAGE_SIZE,
-                HEAD_DIM,
-                BLOCK_G,
-                BLOCK_D,
-                BLOCK_N,
-                UPCAST,
-                DOT_PRECISION,
-                WINDOWED,
-                KV_FP8,
-            )
-            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            o = acc / l_safe[:, None]
-            if KV_FP8:
-                o = o * tl.load(v_scale_ptr + kv_head)  # the merge is linear in o
-            if my_splits == 1:
-                # a request with one split needs no merge: write its output directly
-                o_ptrs = (
-                    out_ptr
-                    + b * stride_ob
-                    + heads[:, None] * stride_oh
-                    + offs_d[None, :] * stride_od
-                )
-                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_gd)
-            else:
-                # stage 1 of 2: normalised partial output and log2-sum-exp of this split
-                po_ptrs = (
-                    part_out_ptr
-                    + b * stride_pob
-                    + heads[:, None] * stride_poh
-                    + split * stride_pos
-                    + offs_d[None, :] * stride_pod
-                )
-                tl.store(po_ptrs, o, mask=mask_gd)
-                pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
-                tl.store(pl_ptrs, m_i + tl.log2(l_safe), mask=mask_g)
-                if FUSED_MERGE:
-                    # every thread's stores above precede the release of the arrival (the
-                    # atomic runs on one thread); the acquire side pairs with the merge's loads
-                    tl.debug_barrier()
-                    counter = counters_ptr + b * NUM_KV_HEADS + kv_head
-                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                    if arrived == my_splits - 1:
-                        tl.store(counter, 0)  # nobody else touches it until the next launch
-                        head0 = kv_head * GROUP
-                        _merge_group(
-                            part_out_ptr + b * stride_pob + head0 * stride_poh,
-                            part_lse_ptr + b * stride_plb + head0 * stride_plh,
-                            out_ptr + b * stride_ob + head0 * stride_oh,
-                            my_splits,
-                            stride_poh,
-                            stride_pos,
-                            stride_pod,
-                            stride_plh,
-                            stride_pls,
-                            stride_oh,
-                            stride_od,
-                            GROUP,
-                            HEAD_DIM,
-                            BLOCK_D,
-                            MERGE_G,
-                            MERGE_S,
-                        )
+            tl.store(po_ptrs, o, mask=mask_gd)
+            pl_ptrs = part_lse_ptr + b * stride_plb + heads * stride_plh + split * stride_pls
+            tl.store(pl_ptrs, m_i + tl.log2(l_safe), mask=mask_g)
+            if FUSED_MERGE:
+                # every thread's stores above precede the release of the arrival (the atomic
+                # runs on one thread); the acquire side pairs with the merge's loads
+                tl.debug_barrier()
+                counter = counters_ptr + b * NUM_KV_HEADS + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == my_splits - 1:
+                    tl.store(counter, 0)  # nobody else touches it until the next launch
+                    head0 = kv_head * GROUP
+                    res = _merge_partials(
+                        part_out_ptr + b * stride_pob + head0 * stride_poh,
+                        part_lse_ptr + b * stride_plb + head0 * stride_plh,
+                        my_splits,
+                        stride_poh,
+                        stride_pos,
+                        stride_pod,
+                        stride_plh,
+                        stride_pls,
+                        GROUP,
+                        HEAD_DIM,
+                        MERGE_G,
+                        BLOCK_D,
+                        MERGE_S,
+                    )
+                    offs_mg = tl.arange(0, MERGE_G)
+                    o_ptrs = (
+                        out_ptr
+                        + b * stride_ob
+                        + (head0 + offs_mg)[:, None] * stride_oh
+                        + offs_d[None, :] * stride_od
+                    )
+                    mask_out = (offs_mg < GROUP)[:, None] & (offs_d[None, :] < HEAD_DIM)
+                    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
 @triton.jit

@@ -19,8 +19,8 @@ their table entries.
 - Split-KV (stage 1): a tile's key range is cut into ``tokens_per_split`` pieces; each split
   writes its normalised partial output and log2-sum-exp per row.
 - Merge (stage 2, same launch): the last split of a tile to arrive (an atomic counter per tile
-  and KV head) merges the splits by log-sum-exp, in split order (bitwise reproducible), and
-  resets the counter.
+  and KV head) merges the splits by log-sum-exp, a few splits a step in split order (bitwise
+  reproducible), and resets the counter.
 
 Limits: head_dim <= 256; any page size; strides honoured; token-major and dim-major caches; FP8
 (e4m3) caches beside fp16/bf16 queries (tiles converted to q's dtype on chip, the K scale folded
@@ -34,172 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdec.kernels.attention_tiles import _load_kv_tile, _page_ids, _query_tile
-
-
-@triton.jit
-def _operands(q, k, v, UPCAST, KV_FP8: tl.constexpr):
-    """K/V tiles in the dots' dtype: q's (e4m3 -> fp16/bf16 is exact), or fp32 where the
-    interpreter's bf16 dot is wrong."""
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-    return k, v
-
-
-@triton.jit
-def _full_step(q, k, v, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8: tl.constexpr):
-    """Online softmax over a key tile every row attends: no mask."""
-    k, v = _operands(q, k, v, UPCAST, KV_FP8)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _masked_step(
-    q, k, v, keep, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8: tl.constexpr
-):
-    """Online softmax over a key tile with a per-row mask ``keep [BLOCK_M, BLOCK_N]``. A row may
-    have no key in this tile nor before it (a split past its position): its maximum stays -inf
-    and it contributes nothing (exponentials taken against 0 instead of -inf, no NaN)."""
-    k, v = _operands(q, k, v, UPCAST, KV_FP8)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(qk - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_range(
-    q,
-    k_base,
-    v_base,
-    table,
-    start,
-    end,
-    lo,
-    hi,
-    row_lo,
-    pos,
-    acc,
-    m_i,
-    l_i,
-    qk_scale,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    stride_btn,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """Keys [start, end) (start a multiple of BLOCK_N) into the running (acc, m, l).
-
-    Without ``MASKED`` every row attends every key of the range. With it, row ``r`` keeps the
-    keys in ``[row_lo[r], pos[r]]`` (``row_lo`` only when ``WINDOWED``); keys outside the tile's
-    ``[lo, hi)`` are neither loaded nor their page ids read. As in decode, the page ids of the
-    next tile are loaded one step early, so their latency overlaps this tile's math.
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    first_n = start + offs_n0
-    first_mask = (first_n >= lo) & (first_n < hi) if MASKED else first_n < end
-    block_ids = _page_ids(table, first_n, first_mask, stride_btn, PAGE_SIZE)
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
-        mask_n = (offs_n >= lo) & (offs_n < hi) if MASKED else offs_n < end
-        k, v = _load_kv_tile(
-            k_base,
-            v_base,
-            block_ids,
-            offs_n,
-            mask_n,
-            offs_d,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-        )
-        next_n = offs_n + BLOCK_N  # past lo: only a range's first tile can start before it
-        block_ids = _page_ids(table, next_n, next_n < end, stride_btn, PAGE_SIZE)
-        if MASKED:
-            keep = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
-            if WINDOWED:
-                keep = keep & (offs_n[None, :] >= row_lo[:, None])
-            acc, m_i, l_i = _masked_step(
-                q, k, v, keep, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8
-            )
-        else:
-            acc, m_i, l_i = _full_step(
-                q, k, v, acc, m_i, l_i, qk_scale, UPCAST, DOT_PRECISION, KV_FP8
-            )
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _merge_tile(
-    po_base,  # partial_out of (tile, KV head): [splits, BLOCK_M, D]
-    pl_base,  # partial_lse of (tile, KV head): [splits, BLOCK_M]
-    n_splits,
-    stride_pos,
-    stride_pom,
-    stride_pod,
-    stride_pls,
-    stride_plm,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) per row, in split order with a running
-    maximum M. A split with no key for a row wrote lse = -inf and weighs 0. The partials were
-    written by other programs of this launch: loaded through L2 (``.cg``)."""
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_rd = (offs_r[:, None] >= 0) & (offs_d[None, :] < HEAD_DIM)
-    rows_d = offs_r[:, None] * stride_pom + offs_d[None, :] * stride_pod  # [BLOCK_M, BLOCK_D]
-    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in tl.range(0, n_splits, num_stages=1):
-        lse = tl.load(pl_base + s * stride_pls + offs_r * stride_plm, cache_modifier=".cg")
-        o_ptrs = po_base + s * stride_pos + rows_d
-        o = tl.load(o_ptrs, mask=mask_rd, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = tl.exp2(m_run - m_ref)
-        w = tl.exp2(lse - m_ref)
-        acc = acc * rescale[:, None] + w[:, None] * o
-        denom = denom * rescale + w
-        m_run = m_new
-    return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+from flashdec.kernels.attention_tiles import _attend_keys, _merge_partials, _query_tile
 
 
 # ints that change from step to step are not specialised on (Triton would compile a kernel per
@@ -263,6 +98,7 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,  # query at p attends to (p - window, p] only
     KV_FP8: tl.constexpr,  # e4m3 cache: key = stored * k_scale[head], value likewise
+    MERGE_S: tl.constexpr,  # splits per merge step (1 without SPLIT)
 ):
     pid = tl.program_id(0)
     if SPLIT:
@@ -347,7 +183,7 @@ def _extend_kernel(
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             if WINDOWED:
-                acc, m_i, l_i = _attend_range(
+                acc, m_i, l_i = _attend_keys(
                     q,
                     k_base,
                     v_base,
@@ -374,12 +210,13 @@ def _extend_kernel(
                     BLOCK_D,
                     BLOCK_N,
                     True,
+                    True,
                     WINDOWED,
                     UPCAST,
                     DOT_PRECISION,
                     KV_FP8,
                 )
-            acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i = _attend_keys(
                 q,
                 k_base,
                 v_base,
@@ -406,12 +243,13 @@ def _extend_kernel(
                 BLOCK_D,
                 BLOCK_N,
                 False,
-                WINDOWED,
+                False,
+                False,
                 UPCAST,
                 DOT_PRECISION,
                 KV_FP8,
             )
-            acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i = _attend_keys(
                 q,
                 k_base,
                 v_base,
@@ -437,6 +275,7 @@ def _extend_kernel(
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
+                True,
                 True,
                 WINDOWED,
                 UPCAST,
@@ -479,18 +318,20 @@ def _extend_kernel(
                     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                     if arrived == n_split - 1:
                         tl.store(counter, 0)  # nobody else touches it until the next launch
-                        res = _merge_tile(
+                        res = _merge_partials(
                             tile_po,
                             tile_pl,
                             n_split,
-                            stride_pos,
                             stride_pom,
+                            stride_pos,
                             stride_pod,
-                            stride_pls,
                             stride_plm,
+                            stride_pls,
+                            BLOCK_M,
                             HEAD_DIM,
                             BLOCK_M,
                             BLOCK_D,
+                            MERGE_S,
                         )
                         tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask_out)
             else:
