@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,26 @@ FAST_LAUNCH = (
 _MAX_ENTRIES = 4096
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+class PlanMemo:
+    """What a launch reads off a plan, computed once per plan object: ``get(plan)`` returns
+    ``build(plan)`` memoised on the plan's identity. The entry keeps the plan (``.plan``) so that
+    its ``id()`` cannot be reused while the entry lives; past ``limit`` entries the memo starts
+    over (a serving run holds a few plans; tests and sweeps make thousands)."""
+
+    def __init__(self, build: Callable[[Any], Any], limit: int = 1024) -> None:
+        self._build = build
+        self._limit = limit
+        self._entries: dict[int, object] = {}
+
+    def get(self, plan: Any) -> Any:
+        entry = self._entries.get(id(plan))
+        if entry is None or entry.plan is not plan:
+            if len(self._entries) >= self._limit:
+                self._entries.clear()
+            entry = self._entries[id(plan)] = self._build(plan)
+        return entry
 
 
 def int_class(value: int) -> object:

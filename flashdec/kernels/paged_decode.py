@@ -27,7 +27,7 @@ from flashdec._checks import (
     resolve_sm_scale,
     same_device,
 )
-from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
+from flashdec.kernels._runtime import INTERPRET, Launcher, PlanMemo, check_kernel_device
 from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.attention_tiles import _STAGING_BITS, FP8_F16, FP8_ON, LOG2E
 
@@ -141,16 +141,7 @@ class _PlanConstants:
         self.swap_kv = plan.kv_layout == "dim_major"  # (dim, token) strides -> (token, dim)
 
 
-_CONSTANTS: dict[int, _PlanConstants] = {}
-
-
-def _plan_constants(plan: DecodePlan) -> _PlanConstants:
-    consts = _CONSTANTS.get(id(plan))
-    if consts is None or consts.plan is not plan:
-        if len(_CONSTANTS) >= 1024:
-            _CONSTANTS.clear()
-        consts = _CONSTANTS[id(plan)] = _PlanConstants(plan)
-    return consts
+_plan_constants = PlanMemo(_PlanConstants).get
 
 
 def _decode_launches(

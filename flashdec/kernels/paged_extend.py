@@ -27,7 +27,7 @@ from flashdec._checks import (
     check_window,
     resolve_sm_scale,
 )
-from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device
+from flashdec.kernels._runtime import INTERPRET, Launcher, PlanMemo, check_kernel_device
 from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.attention_tiles import FP8_ON, LOG2E
 from flashdec.kernels.extend_kernel import _extend_kernel
@@ -73,16 +73,7 @@ class _PlanConstants:
         self.swap_kv = plan.kv_layout == "dim_major"  # (dim, token) strides -> (token, dim)
 
 
-_CONSTANTS: dict[int, _PlanConstants] = {}
-
-
-def _plan_constants(plan: ExtendPlan) -> _PlanConstants:
-    consts = _CONSTANTS.get(id(plan))
-    if consts is None or consts.plan is not plan:
-        if len(_CONSTANTS) >= 1024:
-            _CONSTANTS.clear()
-        consts = _CONSTANTS[id(plan)] = _PlanConstants(plan)
-    return consts
+_plan_constants = PlanMemo(_PlanConstants).get
 
 
 def launch_extend(
