@@ -50,7 +50,6 @@ from flashdec.kernels.decode_plan import (
     DEFAULT_PROGRAMS_PER_SM,
     LOAD_REGIMES,
     MAX_SPLITS,
-    MERGE_TILE_ELEMS,
     KernelConfig,
     balance_splits,
     default_kernel_config,
@@ -157,16 +156,6 @@ class ExtendPlan:
     @property
     def num_programs(self) -> int:
         return self.max_tiles * self.num_kv_heads * self.num_splits
-
-    @property
-    def merge_chunk_splits(self) -> int:
-        """In-kernel merge: splits per loop step, so that a ``[block_m, splits, D]`` chunk stays
-        within decode's :data:`MERGE_TILE_ELEMS` floats (a verification tile of 16 rows merges
-        4 splits a step; a 64-row prompt tile one). 1 without splits."""
-        if not self.uses_split:
-            return 1
-        fit = max(1, MERGE_TILE_ELEMS // (self.block_m * self.block_d))
-        return min(1 << (fit.bit_length() - 1), next_power_of_2(self.num_splits))
 
     def allocate_workspace(self) -> ExtendWorkspace:
         return ExtendWorkspace.allocate(self)

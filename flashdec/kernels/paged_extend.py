@@ -67,7 +67,6 @@ class _PlanConstants:
             precision,
             plan.window is not None,
             FP8_ON if self.fp8 else 0,
-            plan.merge_chunk_splits,
         )
         self.window = 0 if plan.window is None else plan.window
         self.swap_kv = plan.kv_layout == "dim_major"  # (dim, token) strides -> (token, dim)
