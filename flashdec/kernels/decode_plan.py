@@ -136,8 +136,25 @@ def default_kernel_config(
     return KernelConfig(block_n=block_n, num_warps=4, num_stages=num_stages)
 
 
+class AttentionPlanShape:
+    """What a decode and an extend plan derive alike from their fields (``dtype``, ``kv_dtype``,
+    ``num_q_heads``, ``num_kv_heads``, ``num_splits``)."""
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def uses_split(self) -> bool:
+        return self.num_splits > 1
+
+
 @dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(AttentionPlanShape):
     """Launch configuration of one paged decode batch layout (see :func:`plan_decode`)."""
 
     batch: int
@@ -169,18 +186,6 @@ class DecodePlan:
     fused_merge: bool = False
     fp8_compute: str | None = None  # FP8 KV: the dots' dtype, "f16" or "q" (None: float KV)
     fp8_staging: str | None = None  # FP8 KV: tiles staged as 16-bit, "none"/"v"/"kv"
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.dtype if self.kv_dtype is None else self.kv_dtype
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def uses_split(self) -> bool:
-        return self.num_splits > 1
 
     @property
     def merge_block_g(self) -> int:

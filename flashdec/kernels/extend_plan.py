@@ -50,6 +50,7 @@ from flashdec.kernels.decode_plan import (
     DEFAULT_PROGRAMS_PER_SM,
     LOAD_REGIMES,
     MAX_SPLITS,
+    AttentionPlanShape,
     KernelConfig,
     balance_splits,
     default_kernel_config,
@@ -113,7 +114,7 @@ def extend_kernel_config(
 
 
 @dataclass(frozen=True)
-class ExtendPlan:
+class ExtendPlan(AttentionPlanShape):
     """Launch configuration of one paged extend batch layout (see :func:`plan_extend`)."""
 
     batch: int  # at most this many requests
@@ -140,18 +141,6 @@ class ExtendPlan:
     sm_count: int
     window: int | None = None  # sliding window: query at p attends to (p - window, p]
     kv_dtype: torch.dtype | None = None  # the cache's dtype (None: q's); float8_e4m3fn = FP8
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.dtype if self.kv_dtype is None else self.kv_dtype
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def uses_split(self) -> bool:
-        return self.num_splits > 1
 
     @property
     def num_programs(self) -> int:
