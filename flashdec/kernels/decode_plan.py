@@ -276,6 +276,40 @@ def balance_splits(max_seq_len: int, target: int, block_n: int) -> tuple[int, in
     return math.ceil(max_seq_len / per_split), per_split
 
 
+def check_attention_plan_args(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None,
+    kv_layout: str,
+    device: torch.device | str,
+) -> tuple[torch.dtype, torch.device]:
+    """The checks a decode and an extend plan share (after their positive-int checks); returns
+    the cache dtype (``kv_dtype`` or ``dtype``) and the device, a bare ``"cuda"`` resolved to the
+    current device so that it compares equal to ``q.device``."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    if kv_dtype is None:
+        kv_dtype = dtype
+    elif not kv_dtype_matches(dtype, kv_dtype):
+        raise TypeError(
+            f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
+            f"{kv_dtype}"
+        )
+    check_kv_layout(kv_layout)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return kv_dtype, device
+
+
 def plan_decode(
     batch: int,
     num_q_heads: int,
@@ -339,26 +373,10 @@ def plan_decode(
     window = check_window(window)
     if fused_merge is not None and not isinstance(fused_merge, bool):
         raise TypeError(f"fused_merge must be a bool or None, got {type(fused_merge).__name__}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if head_dim > 256:
-        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
-    if kv_dtype is None:
-        kv_dtype = dtype
-    elif not kv_dtype_matches(dtype, kv_dtype):
-        raise TypeError(
-            f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
-            f"{kv_dtype}"
-        )
+    kv_dtype, device = check_attention_plan_args(
+        num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype, kv_layout, device
+    )
     fp8_compute, fp8_staging, fp8_tile = _fp8_options(kv_dtype, fp8_compute, fp8_staging, fp8_tile)
-    check_kv_layout(kv_layout)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())  # compare equal to q.device
     if max_blocks_per_seq is None:
         max_blocks_per_seq = max(1, math.ceil(max_seq_len / block_size))
     check_positive_int("max_blocks_per_seq", max_blocks_per_seq)

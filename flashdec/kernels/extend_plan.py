@@ -37,12 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from flashdec._checks import (
-    FLOAT_DTYPES,
-    FP8_DTYPE,
-    check_kv_layout,
     check_positive_int,
     check_window,
-    kv_dtype_matches,
 )
 from flashdec.kernels._runtime import next_power_of_2, sm_count
 from flashdec.kernels.decode_plan import (
@@ -53,6 +49,7 @@ from flashdec.kernels.decode_plan import (
     AttentionPlanShape,
     KernelConfig,
     balance_splits,
+    check_attention_plan_args,
     default_kernel_config,
     split_count,
     target_tokens_per_split,
@@ -247,25 +244,9 @@ def plan_extend(
     if total_q < batch:
         raise ValueError(f"total_q ({total_q}) must be >= batch ({batch}): one token each at least")
     window = check_window(window)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if head_dim > 256:
-        raise ValueError(f"head_dim must be <= 256, got {head_dim}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
-    if kv_dtype is None:
-        kv_dtype = dtype
-    elif not kv_dtype_matches(dtype, kv_dtype):
-        raise TypeError(
-            f"kv_dtype must be dtype ({dtype}) or, beside float16/bfloat16, {FP8_DTYPE}; got "
-            f"{kv_dtype}"
-        )
-    check_kv_layout(kv_layout)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())  # compare equal to q.device
+    kv_dtype, device = check_attention_plan_args(
+        num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype, kv_layout, device
+    )
     if max_query_len is None:
         max_query_len = total_q - batch + 1
     check_positive_int("max_query_len", max_query_len)

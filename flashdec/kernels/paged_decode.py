@@ -422,19 +422,11 @@ def decode(
     if window is not None:
         check_window(window)
     kv_dtype = k_cache.dtype
-    if k_scale is not None or v_scale is not None or kv_dtype == FP8_DTYPE:
-        k_scale, v_scale = check_kv_scales(kv_dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
-        k_scale = scale_tensor(k_scale, dims.num_kv_heads, q.device)
-        v_scale = scale_tensor(v_scale, dims.num_kv_heads, q.device)
     if block_size is not None or num_warps is not None or num_stages is not None:
         _check_overrides(dims, block_size, num_warps, num_stages)
-    if dims.head_dim > 256:
-        raise ValueError(f"head_dim must be <= 256, got {dims.head_dim}")
-    scale = resolve_sm_scale(sm_scale, dims.head_dim)
-    if out is not None:
-        out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        if out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    k_scale, v_scale, scale, out = _check_call_arguments(
+        q, kv_dtype, k_scale, v_scale, dims, sm_scale, out
+    )
 
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
@@ -484,6 +476,24 @@ def decode(
         v_scale,
         counters,
     )
+
+
+def _check_call_arguments(q, kv_dtype, k_scale, v_scale, dims, sm_scale, out) -> tuple:
+    """What the public decode and extend calls check alike after their inputs' shapes: the KV
+    scales (``[Hkv]`` float32 tensors on q's device, or None for a float cache without any),
+    head_dim, the softmax scale and ``out``; returns ``(k_scale, v_scale, sm_scale, out)``."""
+    if k_scale is not None or v_scale is not None or kv_dtype == FP8_DTYPE:
+        k_scale, v_scale = check_kv_scales(kv_dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
+        k_scale = scale_tensor(k_scale, dims.num_kv_heads, q.device)
+        v_scale = scale_tensor(v_scale, dims.num_kv_heads, q.device)
+    if dims.head_dim > 256:
+        raise ValueError(f"head_dim must be <= 256, got {dims.head_dim}")
+    scale = resolve_sm_scale(sm_scale, dims.head_dim)
+    if out is not None:
+        out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    return k_scale, v_scale, scale, out
 
 
 def _check_overrides(

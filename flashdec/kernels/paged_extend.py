@@ -19,16 +19,13 @@ import torch
 from flashdec._checks import (
     FP8_DTYPE,
     PagedDecodeDims,
-    check_kv_scales,
     check_paged_decode_stats,
     check_paged_extend_inputs,
     check_query_len_stats,
-    check_tensor,
     check_window,
-    resolve_sm_scale,
 )
 from flashdec.kernels._runtime import INTERPRET, Launcher, PlanMemo, check_kernel_device
-from flashdec.kernels._scales import call_scales, scale_tensor
+from flashdec.kernels._scales import call_scales
 from flashdec.kernels.attention_tiles import FP8_ON, LOG2E
 from flashdec.kernels.extend_kernel import _extend_kernel
 from flashdec.kernels.extend_plan import (
@@ -37,7 +34,7 @@ from flashdec.kernels.extend_plan import (
     allocate_partials,
     plan_extend,
 )
-from flashdec.kernels.paged_decode import _bucket, _check_plan_matches
+from flashdec.kernels.paged_decode import _bucket, _check_call_arguments, _check_plan_matches
 from flashdec.kernels.validation import extend_metadata_stats, lookup, metadata_key, remember
 
 _EXTEND = Launcher(_extend_kernel)
@@ -289,17 +286,9 @@ def extend(
     if window is not None:
         check_window(window)
     kv_dtype = k_cache.dtype
-    if k_scale is not None or v_scale is not None or kv_dtype == FP8_DTYPE:
-        k_scale, v_scale = check_kv_scales(kv_dtype, k_scale, v_scale, dims.num_kv_heads, q.device)
-        k_scale = scale_tensor(k_scale, dims.num_kv_heads, q.device)
-        v_scale = scale_tensor(v_scale, dims.num_kv_heads, q.device)
-    if dims.head_dim > 256:
-        raise ValueError(f"head_dim must be <= 256, got {dims.head_dim}")
-    scale = resolve_sm_scale(sm_scale, dims.head_dim)
-    if out is not None:
-        out = check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        if out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    k_scale, v_scale, scale, out = _check_call_arguments(
+        q, kv_dtype, k_scale, v_scale, dims, sm_scale, out
+    )
 
     if workspace is not None:
         if not isinstance(workspace, ExtendWorkspace):
