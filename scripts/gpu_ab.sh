@@ -11,7 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashdec_ab}
 BASE=${AB_BASE:-.base}
-mkdir -p "$OUT" /tmp/ab
+mkdir -p "$OUT"
+RUNS=$(mktemp -d)  # each run writes its .md/.json/.png here; the .md and .json go on to $OUT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0
@@ -26,8 +27,8 @@ while [ $# -ge 2 ]; do
     echo "=== $bench ($side: $root) ==="
     # eval: the arguments are one string of options, quoted labels included
     eval "PYTHONPATH=$root:\${PYTHONPATH:-} python3 $root/benchmarks/bench_$bench.py $args \
-      --out-dir /tmp/ab --name ${bench}_$side" 2>&1 | tail -3 || status=1
-    cp /tmp/ab/"${bench}_$side".{md,json} "$OUT"/ 2>/dev/null
+      --out-dir $RUNS --name ${bench}_$side" 2>&1 | tail -3 || status=1
+    cp "$RUNS/${bench}_$side".{md,json} "$OUT"/ 2>/dev/null
   done
   python3 - "$OUT/${bench}_base.json" "$OUT/${bench}_head.json" <<'PY'
 import json, math, sys
