@@ -231,21 +231,6 @@ def import_cycles(modules: dict[str, set[str]]) -> list[list[str]]:
 
 
 PACKAGES = sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
-# the one cycle left, and of type annotations alone (imports under TYPE_CHECKING): the cache's
-# storage parts name each other's types (a group's slot buffers, a plan's memo, a transaction's
-# groups); pinned here so that it cannot grow, and so that no other package gets one
-KNOWN_CYCLES = {
-    "cache": [
-        [
-            "flashdec.cache.batch_memo",
-            "flashdec.cache.group_managers",
-            "flashdec.cache.layer_group",
-            "flashdec.cache.reservation",
-            "flashdec.cache.slots",
-            "flashdec.cache.transaction",
-        ]
-    ]
-}
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=[p.name for p in PACKAGES])
@@ -254,7 +239,8 @@ def test_the_modules_of_a_package_import_one_another_without_a_cycle(package):
     runner, ...; the cache: its facade, views and parts): a module it was split from is never
     imported back, e.g. the submission queue reaches the engine only through the instance it is
     given, and the cache's views name the facade's shape through ``cache/core.py``'s Protocol
-    (issue 20's reshape). Imports under TYPE_CHECKING count too."""
+    (issue 20's reshape), its storage parts each other's through ``cache/part_types.py``.
+    Imports under TYPE_CHECKING count too."""
     names = {module_name(p): p for p in package.rglob("*.py")}
 
     def resolve(module: str) -> str | None:  # the package's module (or package) an import names
@@ -266,7 +252,7 @@ def test_the_modules_of_a_package_import_one_another_without_a_cycle(package):
         name: {r for m in imports_of(path) if (r := resolve(m)) is not None and r != name}
         for name, path in names.items()
     }
-    assert import_cycles(graph) == KNOWN_CYCLES.get(package.name, [])
+    assert import_cycles(graph) == []
 
 
 def test_the_cycle_check_sees_a_cycle():

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flashdec.cache.part_types import TableRows
 from flashdec.cache.reservation import NO_NEW, NO_UPDATES, Plan, request_owner
 from flashdec.cache.state import RequestId, RequestRecord
-from flashdec.cache.transaction import TableRows
 
 if TYPE_CHECKING:
     from flashdec.cache.group_managers import GroupManager

@@ -21,7 +21,7 @@ from flashdec.cache.kv_spec import KVGroupSpec
 from flashdec.cache.prefix_registry import PrefixRegistry
 
 if TYPE_CHECKING:
-    from flashdec.cache.slots import SlotBuffers
+    from flashdec.cache.part_types import WriterBackupBuffers
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn: quantization saturates there
@@ -71,7 +71,8 @@ class LayerGroup:
         self.block_cache = BlockCache(self.allocator)  # automatic prefix caching (may stay empty)
         self.device = self.kv.device
         self.tables = DeviceTables(width, self.device)
-        self.slot_buffers: SlotBuffers | None = None  # made for the first one-token batch
+        # the slot builders' SlotBuffers (flashdec.cache.slots), made for the first one-token batch
+        self.slot_buffers: WriterBackupBuffers | None = None
         self.pending_updates: list[tuple[int, int, int]] = []  # device-table writes to flush
         self.local_layer = {layer: i for i, layer in enumerate(layers)}
         # FP8: K and V scales [layers, Hkv] (float32), each layer's row a contiguous [Hkv] view
@@ -119,8 +120,9 @@ class LayerGroup:
 
     def writer_backup(self, num_slot_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[2 * layers, num_slot_rows, D]`` rows of the slot buffers' writer backup (see
-        :class:`SlotBuffers`): as bytes like ``slot_rows`` (for the restore) and in the group's
-        dtype (for the writers). Fixed addresses per buffers; views made once per row count."""
+        :class:`~flashdec.cache.slots.SlotBuffers`): as bytes like ``slot_rows`` (for the
+        restore) and in the group's dtype (for the writers). Fixed addresses per buffers; views
+        made once per row count."""
         buffers = self.slot_buffers
         key = (buffers.generation, num_slot_rows)
         views = self._writer_views.get(key)

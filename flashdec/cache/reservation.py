@@ -9,15 +9,10 @@ them until commit or abort.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from flashdec.cache.part_types import RepeatedBatch, TableRows
 from flashdec.cache.state import RequestId, RequestRecord
-from flashdec.cache.transaction import TableRows
-
-if TYPE_CHECKING:
-    from flashdec.cache.batch_memo import BatchMemo
 
 NO_UPDATES = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 NO_NEW = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -79,7 +74,7 @@ class Plan:
         self.positions: np.ndarray | None = None  # [T] int64 (int32: a memo plan), every token
         self.groups = [Reservation() for _ in range(num_groups)]
         self.rows: np.ndarray | None = None  # [B] int64 device-table rows, when known
-        self.memo: BatchMemo | None = None  # the repeated batch this plan came from
+        self.memo: RepeatedBatch | None = None  # the repeated batch (BatchMemo) it came from
 
     def reserved(self) -> list[dict[RequestId, list[int]]]:
         return [part.reserved for part in self.groups]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from flashdec.cache.part_types import TableRows
 from flashdec.cache.state import RequestId
 
 if TYPE_CHECKING:
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from flashdec.cache.slots import TransactionSlots
 
 HISTORY_LIMIT = 256
-# per request of a transaction: (committed row of its table, first held block, committed end,
-# reserved blocks, logical index of the first reserved one); or a callable that makes that list
-TableRow = tuple[np.ndarray, int, int, Sequence[int], int]
-TableRows = Sequence[TableRow] | Callable[[], Sequence[TableRow]]
 
 
 class TransactionState(StrEnum):
