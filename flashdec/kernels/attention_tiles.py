@@ -142,6 +142,7 @@ def _softmax_step(
     l_i,
     qk_scale,
     MASKED: tl.constexpr,
+    EMPTY_ROWS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -149,25 +150,34 @@ def _softmax_step(
     """One key tile into the running (acc, m, l) of the online softmax (log2 domain).
 
     With ``MASKED``, only the keys where ``keep`` (broadcast to ``[rows, BLOCK_N]``) holds count.
-    A row may then have no key in this tile nor before it (an extend split past its position):
-    its maximum stays -inf and it contributes nothing (exponentials taken against 0 instead of
-    -inf, no NaN). Without it every key of the tile counts: no mask at all."""
+    With ``EMPTY_ROWS`` too, a row may have no key in this tile nor before it (an extend split
+    past its position): its maximum stays -inf and it contributes nothing (exponentials taken
+    against 0 instead of -inf, no NaN); without it every tile has a key for every row (decode's
+    tiles each hold a token of the range). Without ``MASKED`` every key of the tile counts."""
     k, v = _operands(q, k, v, UPCAST, KV_FP8)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, BLOCK_N]
     if (_FP8_F16 & KV_FP8) == 0:  # else q carries the factor already
         qk = qk * qk_scale
     if MASKED:
         qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = m_new
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY_ROWS else m_new
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _key_mask(offs_n, lo, hi, end, MASKED: tl.constexpr, LO_MASK: tl.constexpr):
+    """The keys of ``offs_n`` that ``_attend_keys`` reads: ``[lo, hi)`` (``lo`` only with
+    ``LO_MASK``) with ``MASKED``, else those before ``end``."""
+    if MASKED:
+        if LO_MASK:
+            return (offs_n >= lo) & (offs_n < hi)
+        return offs_n < hi
+    return offs_n < end
 
 
 @triton.jit
@@ -198,6 +208,7 @@ def _attend_keys(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    LO_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     ROW_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -207,21 +218,24 @@ def _attend_keys(
     """Keys [start, end) (``start`` a multiple of ``BLOCK_N``) into the running (acc, m, l).
 
     Without ``MASKED`` every row attends every key of the range (whole tiles). With it, only the
-    keys in ``[lo, hi)`` are read (neither the others' K/V nor their page ids); ``CAUSAL`` rows
-    keep the keys ``<= pos[row]``, and ``ROW_WINDOW`` rows those ``>= row_lo[row]`` too (neither
-    is read otherwise). The page ids of the next tile are loaded one step early, by hand: their
-    latency then overlaps this tile's math instead of stalling the K/V gather that depends on
-    them, and Triton's pipeliner can keep three stages of K/V loads in flight (measured 1.1-1.5x
-    faster than leaving the indirection to the pipeliner; benchmarks/results/decode_tuning.md).
+    keys below ``hi``, and with ``LO_MASK`` from ``lo`` on (a window's first key, anywhere in the
+    first tile), are read (neither the others' K/V nor their page ids); ``CAUSAL`` rows keep the
+    keys ``<= pos[row]`` (and may have none in a tile), and ``ROW_WINDOW`` rows those ``>=
+    row_lo[row]`` too (neither is read otherwise).
+
+    The page ids of the next tile are loaded one step early, by hand: their latency then
+    overlaps this tile's math instead of stalling the K/V gather that depends on them, and
+    Triton's pipeliner can keep three stages of K/V loads in flight (measured 1.1-1.5x faster
+    than leaving the indirection to the pipeliner; benchmarks/results/decode_tuning.md).
     """
     offs_d = tl.arange(0, BLOCK_D)
     offs_n0 = tl.arange(0, BLOCK_N)
     first_n = start + offs_n0
-    first_mask = (first_n >= lo) & (first_n < hi) if MASKED else first_n < end
+    first_mask = _key_mask(first_n, lo, hi, end, MASKED, LO_MASK)
     block_ids = _page_ids(table, first_n, first_mask, stride_btn, PAGE_SIZE)
     for start_n in range(start, end, BLOCK_N):
         offs_n = tl.multiple_of(start_n, BLOCK_N) + offs_n0
-        mask_n = (offs_n >= lo) & (offs_n < hi) if MASKED else offs_n < end
+        mask_n = _key_mask(offs_n, lo, hi, end, MASKED, LO_MASK)
         k, v = _load_kv_tile(
             k_base,
             v_base,
@@ -247,7 +261,7 @@ def _attend_keys(
         if ROW_WINDOW:
             keep = keep & (offs_n[None, :] >= row_lo[:, None])
         acc, m_i, l_i = _softmax_step(
-            q, k, v, keep, acc, m_i, l_i, qk_scale, MASKED, UPCAST, DOT_PRECISION, KV_FP8
+            q, k, v, keep, acc, m_i, l_i, qk_scale, MASKED, CAUSAL, UPCAST, DOT_PRECISION, KV_FP8
         )
     return acc, m_i, l_i
 
@@ -281,34 +295,57 @@ def _merge_partials(
     m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    # not software-pipelined: each step is already one wide load, and pipeline buffers would
-    # add shared memory to every stage-1 program (fewer resident per SM) for a short loop
-    for s0 in tl.range(0, n_splits, MERGE_S, num_stages=1):
-        offs_s = s0 + offs_s0
-        mask_rs = mask_r[:, None] & (offs_s[None, :] < n_splits)  # [BLOCK_R, MERGE_S]
-        lse = tl.load(
-            pl_base + offs_r[:, None] * stride_plr + offs_s[None, :] * stride_pls,
-            mask=mask_rs,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        po_ptrs = (
-            po_base
-            + offs_r[:, None, None] * stride_por
-            + offs_s[None, :, None] * stride_pos
-            + offs_d[None, None, :] * stride_pod
-        )
-        o = tl.load(
-            po_ptrs,
-            mask=mask_rs[:, :, None] & mask_d[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [BLOCK_R, MERGE_S, BLOCK_D]
-        m_new = tl.maximum(m_run, tl.max(lse, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: weigh 0
-        rescale = tl.exp2(m_run - m_ref)
-        w = tl.exp2(lse - m_ref[:, None])
-        acc = acc * rescale[:, None] + tl.sum(w[:, :, None] * o, 1)
-        denom = denom * rescale + tl.sum(w, 1)
-        m_run = m_new
+    if MERGE_S == 1:
+        # one split a step in 2-D tiles: the 3-D chunk's size-1 axis costs registers (a
+        # 128-row split extend tile compiled to 252 instead of 225 on sm_90)
+        mask_rd = mask_r[:, None] & mask_d[None, :]
+        rows_d = offs_r[:, None] * stride_por + offs_d[None, :] * stride_pod
+        for s in tl.range(0, n_splits, num_stages=1):
+            lse = tl.load(
+                pl_base + s * stride_pls + offs_r * stride_plr,
+                mask=mask_r,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            o = tl.load(
+                po_base + s * stride_pos + rows_d, mask=mask_rd, other=0.0, cache_modifier=".cg"
+            )
+            m_new = tl.maximum(m_run, lse)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            rescale = tl.exp2(m_run - m_ref)
+            w = tl.exp2(lse - m_ref)
+            acc = acc * rescale[:, None] + w[:, None] * o
+            denom = denom * rescale + w
+            m_run = m_new
+    else:
+        # not software-pipelined: each step is already one wide load, and pipeline buffers would
+        # add shared memory to every stage-1 program (fewer resident per SM) for a short loop
+        for s0 in tl.range(0, n_splits, MERGE_S, num_stages=1):
+            offs_s = s0 + offs_s0
+            mask_rs = mask_r[:, None] & (offs_s[None, :] < n_splits)  # [BLOCK_R, MERGE_S]
+            lse = tl.load(
+                pl_base + offs_r[:, None] * stride_plr + offs_s[None, :] * stride_pls,
+                mask=mask_rs,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            po_ptrs = (
+                po_base
+                + offs_r[:, None, None] * stride_por
+                + offs_s[None, :, None] * stride_pos
+                + offs_d[None, None, :] * stride_pod
+            )
+            o = tl.load(
+                po_ptrs,
+                mask=mask_rs[:, :, None] & mask_d[None, None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # [BLOCK_R, MERGE_S, BLOCK_D]
+            m_new = tl.maximum(m_run, tl.max(lse, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: weigh 0
+            rescale = tl.exp2(m_run - m_ref)
+            w = tl.exp2(lse - m_ref[:, None])
+            acc = acc * rescale[:, None] + tl.sum(w[:, :, None] * o, 1)
+            denom = denom * rescale + tl.sum(w, 1)
+            m_run = m_new
     return acc / tl.where(denom > 0.0, denom, 1.0)[:, None]

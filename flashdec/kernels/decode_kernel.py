@@ -178,6 +178,7 @@ def _decode_kernel(
             BLOCK_D,
             BLOCK_N,
             True,
+            WINDOWED,
             False,
             False,
             UPCAST,
