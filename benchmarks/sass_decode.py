@@ -88,8 +88,22 @@ def launch_arguments(plan, lens: list[int]):
     part_lse = torch.empty(shape, dtype=torch.float32, device=meta)
     scale = torch.empty(hkv, dtype=torch.float32, device=meta)
     scales = (scale, scale) if plan.kv_dtype == FP8 else (None, None)
+    # a fused-merge plan launches with its workspace's arrival counters (the in-kernel merge)
+    counters = torch.empty(b, hkv, dtype=torch.int32, device=meta) if plan.fused_merge else None
     args, _ = pd._decode_launches(
-        q, k, k.clone(), tables, seq_lens, d**-0.5, plan, q, part_out, part_lse, b, *scales
+        q,
+        k,
+        k.clone(),
+        tables,
+        seq_lens,
+        d**-0.5,
+        plan,
+        q,
+        part_out,
+        part_lse,
+        b,
+        *scales,
+        counters,
     )
     _, tensors, scalars, constexprs, _, _ = args
     return tensors, scalars, constexprs
