@@ -90,7 +90,7 @@ def launch_arguments(plan, lens: list[int]):
     scales = (scale, scale) if plan.kv_dtype == FP8 else (None, None)
     # a fused-merge plan launches with its workspace's arrival counters (the in-kernel merge)
     counters = torch.empty(b, hkv, dtype=torch.int32, device=meta) if plan.fused_merge else None
-    args, _ = pd._decode_launches(
+    args, _, _ = pd._decode_launches(
         q,
         k,
         k.clone(),

@@ -170,7 +170,9 @@ class _Compiled:
 
 class Launcher:
     """Launches one ``@triton.jit`` kernel whose parameters are, in order: ``tensors`` (pointers),
-    ``scalars`` (ints, floats, bools), then ``constexprs``. The grid is 1-D.
+    ``scalars`` (ints, floats, bools), then ``constexprs``. The grid is 1-D. ``pdl=True`` launches
+    it with programmatic dependent launch (:mod:`flashdec.kernels.dependent_launch`): only for a
+    kernel whose constexprs make it wait for its inputs.
 
     Two memos: the compiled kernel per specialisation class (:func:`specialization_key`), and in
     front of it the same kernel per exact scalar values, so that the steady state (same shapes
@@ -191,20 +193,21 @@ class Launcher:
         constexprs: tuple[object, ...],
         num_warps: int,
         num_stages: int | None = None,
+        *,
+        pdl: bool = False,
     ) -> None:
+        options = _launch_options(num_warps, num_stages, pdl)
         if not FAST_LAUNCH:
-            self.kernel[(grid,)](
-                *tensors, *scalars, *constexprs, num_warps=num_warps, num_stages=num_stages
-            )
+            self.kernel[(grid,)](*tensors, *scalars, *constexprs, **options)
             return
         device = _current_device()
         ptrs = [t.data_ptr() for t in tensors]
         key = self._value_key(device, tensors, ptrs, scalars, constexprs, num_warps, num_stages)
+        if pdl:
+            key += (True,)
         compiled = self._by_value.get(key)
         if compiled is None:
-            compiled, launched = self._lookup(
-                grid, tensors, scalars, constexprs, num_warps, num_stages
-            )
+            compiled, launched = self._lookup(grid, tensors, scalars, constexprs, options)
             if len(self._by_value) >= _MAX_ENTRIES:
                 self._by_value.clear()
             self._by_value[key] = compiled
@@ -258,28 +261,36 @@ class Launcher:
         num_stages: int | None = None,
         *,
         dynamic: tuple[int, ...],
+        pdl: bool = False,
     ) -> BoundLaunch:
         """A launch with every argument fixed but the tensors at positions ``dynamic``, which
         the caller passes per call — with the dtypes and strides of the ones given here."""
-        return BoundLaunch(self, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic)
+        return BoundLaunch(
+            self, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic, pdl
+        )
 
-    def _lookup(
-        self, grid, tensors, scalars, constexprs, num_warps, num_stages
-    ) -> tuple[_Compiled, bool]:
+    def _lookup(self, grid, tensors, scalars, constexprs, options) -> tuple[_Compiled, bool]:
         """The compiled kernel of this specialisation class, and whether this call already
         launched it (a new class is compiled and launched through Triton)."""
-        key = (_current_device(), constexprs, num_warps, num_stages)
+        key = (_current_device(), constexprs, *sorted(options.items()))
         key += specialization_key(tensors, scalars)
         compiled = self._by_class.get(key)
         if compiled is not None:
             return compiled, False
-        kernel = self.kernel[(grid,)](
-            *tensors, *scalars, *constexprs, num_warps=num_warps, num_stages=num_stages
-        )
+        kernel = self.kernel[(grid,)](*tensors, *scalars, *constexprs, **options)
         if len(self._by_class) >= _MAX_ENTRIES:
             self._by_class.clear()
         compiled = self._by_class[key] = _Compiled(kernel)
         return compiled, True
+
+
+def _launch_options(num_warps: int, num_stages: int | None, pdl: bool) -> dict:
+    """The launch's options for Triton (``launch_pdl`` only when set: the interpreter knows no
+    such option, and never gets one)."""
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if pdl:
+        options["launch_pdl"] = True
+    return options
 
 
 class BoundLaunch:
@@ -297,15 +308,17 @@ class BoundLaunch:
         "_grid",
         "_launcher",
         "_patch",
+        "_pdl",
         "_spec",
         "aligned",
         "dynamic",
     )
 
     def __init__(
-        self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic
+        self, launcher, grid, tensors, scalars, constexprs, num_warps, num_stages, dynamic, pdl
     ) -> None:
         self._launcher = launcher
+        self._pdl = pdl
         self._spec = (
             grid,
             tuple(tensors),
@@ -370,13 +383,17 @@ class BoundLaunch:
         tensors = list(tensors)
         for index, tensor in zip(self.dynamic, dynamic, strict=True):
             tensors[index] = tensor
-        self._launcher(grid, tuple(tensors), scalars, constexprs, num_warps, num_stages)
+        self._launcher(
+            grid, tuple(tensors), scalars, constexprs, num_warps, num_stages, pdl=self._pdl
+        )
         if FAST_LAUNCH and self._args is None:
             device = _current_device()
             ptrs = [t.data_ptr() for t in tensors]
             key = self._launcher._value_key(
                 device, tensors, ptrs, scalars, constexprs, num_warps, num_stages
             )
+            if self._pdl:
+                key += (True,)
             compiled = self._launcher._by_value.get(key)
             if compiled is not None and compiled.direct:
                 self._compiled, self._device = compiled, device

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_shape, check_tensor
 from flashdec.kernels._runtime import Launcher, check_kernel_device
+from flashdec.kernels.dependent_launch import _await_inputs, dependent_launch
 
 BLOCK_I = 1024  # columns per program
 
@@ -28,6 +29,7 @@ def _silu_and_mul_kernel(
     stride_o,
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # a 1-D grid over (row, column block), column blocks fastest
     blocks_per_row: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
@@ -35,6 +37,7 @@ def _silu_and_mul_kernel(
     row = (pid // blocks_per_row).to(tl.int64)
     offs = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < WIDTH
+    _await_inputs(PDL)
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # silu, rounded like torch's
@@ -78,11 +81,13 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
     else:
         gate, up2 = _rows(x, width), _rows(up, width)
     out2 = out.view(-1, width)
+    pdl = dependent_launch(x.device)
     _SILU_AND_MUL(
         out2.shape[0] * triton.cdiv(width, BLOCK_I),
         (gate, up2, out2),
         (gate.stride(0), up2.stride(0), out2.stride(0)),
-        (width, BLOCK_I),
+        (width, BLOCK_I, pdl),
         num_warps=4,
+        pdl=pdl,
     )
     return out

@@ -44,6 +44,7 @@ from flashdec._checks import (
 from flashdec.kernels._runtime import INTERPRET, Launcher, check_kernel_device, next_power_of_2
 from flashdec.kernels._scales import call_scales, scale_tensor
 from flashdec.kernels.append_kernel import _fused_rope_kv_append_kernel, _kv_append_kernel
+from flashdec.kernels.dependent_launch import dependent_launch
 from flashdec.kernels.validation import append_metadata_stats, lookup, metadata_key, remember
 
 _KV_APPEND = Launcher(_kv_append_kernel)
@@ -81,7 +82,8 @@ def launch_kv_append(
     if batch == 0:
         return
     quantize = k_cache.dtype == FP8_DTYPE
-    key = (num_kv_heads, head_dim, quantize)
+    pdl = dependent_launch(k.device)
+    key = (num_kv_heads, head_dim, quantize, pdl)
     consts = _APPEND_CONSTEXPRS.get(key)
     if consts is None:
         consts = _APPEND_CONSTEXPRS[key] = (
@@ -90,6 +92,7 @@ def launch_kv_append(
             next_power_of_2(num_kv_heads),
             next_power_of_2(head_dim),
             quantize,
+            pdl,
         )
     if not quantize:  # never read: block_ids stands in for the scale pointers
         k_scale = v_scale = block_ids
@@ -99,6 +102,7 @@ def launch_kv_append(
         (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()),
         consts,
         4,
+        pdl=pdl,
     )
 
 
@@ -119,9 +123,9 @@ def _fused_launch(
     v_scale,
     backup=None,
     backup_v=0,
-) -> tuple:
-    """The arguments of one fused RoPE + append launch (``backup``: see
-    :class:`BoundFusedRopeKVAppend`)."""
+) -> tuple[tuple, bool]:
+    """The positional arguments of one fused RoPE + append launch (``backup``: see
+    :class:`BoundFusedRopeKVAppend`) and whether it is a dependent launch."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if rotary_dim is None:
@@ -134,7 +138,8 @@ def _fused_launch(
     has_backup = backup is not None
     if not has_backup:  # never read
         backup = positions
-    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim, quantize, has_backup)
+    pdl = dependent_launch(q.device)
+    key = (num_q_heads, num_kv_heads, head_dim, rotary_dim, quantize, has_backup, pdl)
     consts = _FUSED_CONSTEXPRS.get(key)
     if consts is None:
         consts = _FUSED_CONSTEXPRS[key] = (
@@ -148,8 +153,9 @@ def _fused_launch(
             not INTERPRET,
             quantize,
             has_backup,
+            pdl,
         )
-    return (
+    launch = (
         batch,
         (
             q,
@@ -180,6 +186,7 @@ def _fused_launch(
         consts,
         4,
     )
+    return launch, pdl
 
 
 def launch_fused_rope_kv_append(
@@ -206,24 +213,23 @@ def launch_fused_rope_kv_append(
         q_out = torch.empty_like(q)
     if q.shape[0] == 0:
         return q_out
-    _FUSED(
-        *_fused_launch(
-            q,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            block_ids,
-            offsets,
-            positions,
-            rotary_dim,
-            base,
-            q_out,
-            inv_freq,
-            k_scale,
-            v_scale,
-        )
+    args, pdl = _fused_launch(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_ids,
+        offsets,
+        positions,
+        rotary_dim,
+        base,
+        q_out,
+        inv_freq,
+        k_scale,
+        v_scale,
     )
+    _FUSED(*args, pdl=pdl)
     return q_out
 
 
@@ -265,7 +271,7 @@ class BoundFusedRopeKVAppend:
         backup=None,
         backup_v=0,
     ) -> None:
-        args = _fused_launch(
+        args, pdl = _fused_launch(
             q,
             k,
             v,
@@ -289,7 +295,7 @@ class BoundFusedRopeKVAppend:
         self._scales = (k_scale, v_scale) if fp8 else None
         if fp8:
             dynamic = (*dynamic, self.K_SCALE, self.V_SCALE)
-        self.launch = _FUSED.bind(*args, dynamic=dynamic)
+        self.launch = _FUSED.bind(*args, dynamic=dynamic, pdl=pdl)
 
     def __call__(
         self, q, k, v, k_cache, v_cache, q_out, backup=None, k_scale=None, v_scale=None

@@ -14,6 +14,7 @@ from triton.language.extra import libdevice
 
 from flashdec._checks import FP8_MAX
 from flashdec.kernels._runtime import INTERPRET
+from flashdec.kernels.dependent_launch import _await_inputs
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 # Triton 3.6's interpreter rounds float -> FP8 wrongly (half-up, no carry into the exponent) but
@@ -50,8 +51,10 @@ def _kv_append_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANTIZE: tl.constexpr,  # FP8 cache: store x / scale, saturated
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
+    _await_inputs(PDL)
     block = tl.load(block_ids_ptr + b).to(tl.int64)
     slot = tl.load(offsets_ptr + b)
     offs_h = tl.arange(0, BLOCK_H)
@@ -157,6 +160,7 @@ def _fused_rope_kv_append_kernel(
     USE_LIBDEVICE: tl.constexpr,  # accurate sin/cos on the GPU (angles reach 1e4+ radians)
     QUANTIZE: tl.constexpr,  # FP8 cache: store x / scale, saturated (k from its float32 rotation)
     BACKUP: tl.constexpr,  # copy the slot's old bytes to backup row b * Hkv + h first (abort)
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     half: tl.constexpr = ROTARY_DIM // 2
@@ -165,7 +169,8 @@ def _fused_rope_kv_append_kernel(
     first = offs_d < half
     # same float32 ops as the reference: angle = float(position) * inv_freq[i]
     freq_idx = tl.where(first, offs_d, offs_d - half)
-    inv_freq = tl.load(inv_freq_ptr + freq_idx * stride_f, mask=rot, other=0.0)
+    inv_freq = tl.load(inv_freq_ptr + freq_idx * stride_f, mask=rot, other=0.0)  # a constant
+    _await_inputs(PDL)
     angle = tl.load(positions_ptr + b).to(tl.float32) * inv_freq
     if USE_LIBDEVICE:
         cos = libdevice.cos(angle)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from flashdec.kernels.attention_tiles import _attend_keys, _merge_partials, _query_tile
+from flashdec.kernels.dependent_launch import _await_inputs
 
 
 @triton.jit
@@ -88,7 +89,9 @@ def _decode_kernel(
     FUSED_MERGE: tl.constexpr,  # split path: the last split of a (request, KV head) merges
     MERGE_G: tl.constexpr,  # GROUP padded to a power of two
     MERGE_S: tl.constexpr,  # splits per merge step
+    PDL: tl.constexpr,  # wait for the kernel before (dependent launch) before reading anything
 ):
+    _await_inputs(PDL)
     pid = tl.program_id(0)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -269,7 +272,9 @@ def _merge_splits_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the decode kernel's tile: a window's range starts on a multiple
     WINDOWED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _await_inputs(PDL)
     # stage 2 of 2: out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M), M = max_s lse_s.
     # One program per (request, query head, slice of MERGE_D dims): a split launch is used
     # where few (request, head) pairs merge many splits (MQA or small KV at batch 1), so the

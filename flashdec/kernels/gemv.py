@@ -27,6 +27,7 @@ import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_tensor
 from flashdec.kernels._runtime import Launcher, check_kernel_device, next_power_of_2, sm_count
+from flashdec.kernels.dependent_launch import _await_inputs, dependent_launch
 
 MAX_ROWS = 8  # rows of x the kernel takes; the decoder uses it up to ROWS_USED
 # at 4 rows it ran 1.4-1.9x cuBLAS on the H200 (one row: 0.81-0.97x where it is used)
@@ -72,6 +73,27 @@ def default_config(rows: int, out_features: int, in_features: int, sms: int) -> 
 
 
 @triton.jit
+def _weight_tile(w_ptr, rows, offs_n, k, N, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """``W[offs_n, k : k + BLOCK_K]`` (zeros past N and K unless ``EVEN``), streamed once."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] + offs_k[None, :]
+    if EVEN:  # no masks: N, the slices and M fill their blocks
+        return tl.load(w_ptrs, eviction_policy="evict_first")
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _input_tile(x_ptr, offs_m, stride_xm, k, M, K, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """``x[offs_m, k : k + BLOCK_K]`` (zeros past M and K unless ``EVEN``)."""
+    offs_k = k + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if EVEN:
+        return tl.load(x_ptrs)
+    return tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -89,6 +111,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # program = (column block, K slice), slices fastest: neighbours read neighbouring rows
     pid = tl.program_id(0)
@@ -97,23 +120,15 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_n.to(tl.int64) * stride_wn
     k_start = split * k_per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k_start, k_start + k_per_split, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + rows[:, None] + offs_k[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        if EVEN:  # no masks: N, the slices and M fill their blocks
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs)
-        else:
-            in_k = offs_k < K
-            w = tl.load(
-                w_ptrs,
-                mask=(offs_n[:, None] < N) & in_k[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0)
+    # the first weight tile is loaded before the wait (no step writes a weight): with PDL its
+    # loads are in flight while the kernel before this one finishes
+    w = _weight_tile(w_ptr, rows, offs_n, k_start, N, K, BLOCK_K, EVEN)
+    _await_inputs(PDL)
+    x = _input_tile(x_ptr, offs_m, stride_xm, k_start, M, K, BLOCK_K, EVEN)
+    acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, K]
+    for k in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
+        w = _weight_tile(w_ptr, rows, offs_n, k, N, K, BLOCK_K, EVEN)
+        x = _input_tile(x_ptr, offs_m, stride_xm, k, M, K, BLOCK_K, EVEN)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -137,9 +152,11 @@ def _gemv_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
+    _await_inputs(PDL)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # in slice order: the same sum on every run
         y += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0)
@@ -216,6 +233,7 @@ def _launch(
     block_m = next_power_of_2(rows)
     even = rows == block_m and out_features % cfg.block_n == 0 and in_features % k_per_split == 0
     has_bias = bias is not None
+    pdl = dependent_launch(x.device)
     target = (
         out
         if split == 1
@@ -225,8 +243,9 @@ def _launch(
         triton.cdiv(out_features, cfg.block_n) * split,
         (x, weight, bias if has_bias else weight, target),
         (out_features, in_features, k_per_split, x.stride(0), weight.stride(0)),
-        (rows, block_m, cfg.block_n, block_k, split, has_bias, even),
+        (rows, block_m, cfg.block_n, block_k, split, has_bias, even, pdl),
         num_warps=cfg.num_warps,
+        pdl=pdl,
     )
     if split > 1:
         size = rows * out_features
@@ -234,8 +253,9 @@ def _launch(
             triton.cdiv(size, REDUCE_BLOCK),
             (target, bias if has_bias else target, out),
             (out_features, size),
-            (split, has_bias, REDUCE_BLOCK),
+            (split, has_bias, REDUCE_BLOCK, pdl),
             num_warps=4,
+            pdl=pdl,
         )
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_shape, check_tensor
 from flashdec.kernels._runtime import Launcher, check_kernel_device, next_power_of_2
+from flashdec.kernels.dependent_launch import _await_inputs, dependent_launch
 
 MAX_HIDDEN = 32768  # one row per program, held in registers
 
@@ -37,10 +38,13 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     mask = offs_h < HIDDEN
+    w = tl.load(weight_ptr + offs_h, mask=mask, other=0.0)  # a weight: no step writes it
+    _await_inputs(PDL)
     x = tl.load(x_ptr + row * stride_x + offs_h, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r + offs_h
@@ -51,7 +55,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / HIDDEN
     normed = (xf * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + offs_h, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs_h, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -106,11 +109,13 @@ def rms_norm(
     r2 = residual.view(rows, hidden) if residual is not None else x2
     out2 = out.view(rows, hidden)
     block_h = next_power_of_2(hidden)
+    pdl = dependent_launch(x.device)
     _RMS_NORM(
         rows,
         (x2, r2, weight.contiguous(), out2),
         (x2.stride(0), r2.stride(0), out2.stride(0), float(eps)),
-        (hidden, block_h, residual is not None),
+        (hidden, block_h, residual is not None, pdl),
         num_warps=min(16, max(1, block_h // 256)),
+        pdl=pdl,
     )
     return out

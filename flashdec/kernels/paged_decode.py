@@ -36,6 +36,7 @@ from flashdec.kernels.attention_tiles import FP8_STAGE_K as FP8_STAGE_K
 from flashdec.kernels.attention_tiles import FP8_STAGE_V as FP8_STAGE_V
 from flashdec.kernels.decode_kernel import _decode_kernel, _merge_splits_kernel
 from flashdec.kernels.decode_plan import DecodePlan, DecodeWorkspace, plan_decode
+from flashdec.kernels.dependent_launch import dependent_launch
 from flashdec.kernels.validation import decode_metadata_stats, lookup, metadata_key, remember
 
 _DECODE = Launcher(_decode_kernel)
@@ -159,10 +160,12 @@ def _decode_launches(
     k_scale,
     v_scale,
     counters,
-) -> tuple[tuple, tuple | None]:
+) -> tuple[tuple, tuple | None, bool]:
     """The arguments of the decode launch and, with splits merged by a second kernel (a plan
-    without ``fused_merge``, or no counters), of the merge launch."""
+    without ``fused_merge``, or no counters), of the merge launch; whether both are dependent
+    launches (:mod:`flashdec.kernels.dependent_launch`)."""
     consts = _plan_constants(plan)
+    pdl = dependent_launch(q.device)
     if not consts.fp8:  # never read: seq_lens stands in for the scale pointers
         k_scale = v_scale = seq_lens
     fused = plan.fused_merge and counters is not None
@@ -228,7 +231,7 @@ def _decode_launches(
             *out.stride(),
             *partial_strides,
         ),
-        consts.decode_fused if fused else consts.decode,
+        (*(consts.decode_fused if fused else consts.decode), pdl),
         plan.num_warps,
         plan.num_stages,
     )
@@ -245,10 +248,10 @@ def _decode_launches(
                 *out.stride(),
                 consts.window,
             ),
-            consts.merge,
+            (*consts.merge, pdl),
             4,
         )
-    return decode_args, merge_args
+    return decode_args, merge_args, pdl
 
 
 def launch_decode(
@@ -276,7 +279,7 @@ def launch_decode(
     plan launches a second, merge kernel."""
     if batch == 0:
         return out
-    decode_args, merge_args = _decode_launches(
+    decode_args, merge_args, pdl = _decode_launches(
         q,
         k_cache,
         v_cache,
@@ -292,9 +295,9 @@ def launch_decode(
         v_scale,
         counters,
     )
-    _DECODE(*decode_args)
+    _DECODE(*decode_args, pdl=pdl)
     if merge_args is not None:
-        _MERGE(*merge_args)
+        _MERGE(*merge_args, pdl=pdl)
     return out
 
 
@@ -328,7 +331,7 @@ class BoundDecode:
         v_scale=None,
         counters=None,
     ) -> None:
-        decode_args, merge_args = _decode_launches(
+        decode_args, merge_args, pdl = _decode_launches(
             q,
             k_cache,
             v_cache,
@@ -350,9 +353,9 @@ class BoundDecode:
         self._scales = (decode_args[1][self.K_SCALE], decode_args[1][self.V_SCALE]) if fp8 else None
         if fp8:
             dynamic = (*dynamic, self.K_SCALE, self.V_SCALE)
-        self.decode = _DECODE.bind(*decode_args, dynamic=dynamic)
+        self.decode = _DECODE.bind(*decode_args, dynamic=dynamic, pdl=pdl)
         # splits merged by a second launch (a plan without fused_merge, or no counters)
-        self.merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,))
+        self.merge = None if merge_args is None else _MERGE.bind(*merge_args, dynamic=(3,), pdl=pdl)
 
     def __call__(self, q, k_cache, v_cache, out, k_scale=None, v_scale=None) -> torch.Tensor:
         scales = call_scales(self._scales, k_scale, v_scale)
