@@ -79,12 +79,15 @@ QWEN = {shape.name for shape in QWEN2_7B}
 def sweep_configs():
     from flashdec.kernels.gemv import GemvConfig
 
+    # register caps: 64 per thread lets 8 four-warp programs share an SM (66, the compiler's
+    # choice for 4 x 1,024, lets 7): o and down's 1,024 programs then fit one wave on 132 SMs
     return [
-        GemvConfig(block_n, block_k, split_k, warps)
-        for block_n in (4, 8, 16)
-        for block_k in (256, 512, 1024)
-        for split_k in (1, 2, 4, 8)
+        GemvConfig(block_n, block_k, split_k, warps, registers)
+        for block_n in (2, 4, 8)
+        for block_k in (512, 1024)
+        for split_k in (1, 2)
         for warps in ((4, 8) if block_k == 1024 else (4,))
+        for registers in (None, 64, 56)
     ]
 
 
@@ -243,6 +246,7 @@ def measure_gemv(args, rows: list[dict], measured: dict) -> list[dict]:
             default_us = time_gemm(shape, m, dtype, device, copies, gemv)
             best_us, best = default_us, "default"
             used = gemv_wins(m, weight) if weight.is_cuda else False
+            swept = []
             if args.sweep and m == 1 and device == "cuda" and (used or shape.name in QWEN):
                 for cfg in sweep_configs():
                     us = time_gemm(
@@ -254,6 +258,7 @@ def measure_gemv(args, rows: list[dict], measured: dict) -> list[dict]:
                         functools.partial(gemv, config=cfg),
                         **quick,
                     )
+                    swept.append({**asdict(cfg), "us": us})
                     if us < best_us:
                         best_us, best = us, cfg
             nbytes = itemsize * (
@@ -270,9 +275,10 @@ def measure_gemv(args, rows: list[dict], measured: dict) -> list[dict]:
                 "gemv_of_copy": nbytes / (default_us * 1e-6) / 1e12 / copy if copy else None,
                 "best_of_copy": nbytes / (best_us * 1e-6) / 1e12 / copy if copy else None,
                 "used": used,
+                "sweep": swept,
             }
             out.append(row)
-            print(row, flush=True)
+            print({k: v for k, v in row.items() if k != "sweep"}, flush=True)
         del weight
     return out
 
@@ -290,7 +296,8 @@ def gemv_table(gemv_rows: list[dict]) -> str:
             _share(r["best_of_copy"]),
             "default"
             if r["best_config"] == "default"
-            else "{block_n}/{block_k}/{split_k}/{num_warps}".format(**r["best_config"]),
+            else "{block_n}/{block_k}/{split_k}/{num_warps}".format(**r["best_config"])
+            + _registers(r["best_config"]),
             "yes" if r["used"] else "",
         ]
         for r in gemv_rows
@@ -305,7 +312,7 @@ def gemv_table(gemv_rows: list[dict]) -> str:
             "GEMV / cuBLAS",
             "best us",
             "best of copy",
-            "best launch (n/k/split/warps)",
+            "best launch (n/k/split/warps[/registers])",
             "decoder uses it",
         ],
         body,
@@ -321,6 +328,12 @@ def step_totals(rows: list[dict]) -> list[dict]:
         nbytes = sum(r["bytes"] * r["per_step"] for r in at)
         totals.append({"m": m, "us": us, "bytes": nbytes, "tbs": nbytes / (us * 1e-6) / 1e12})
     return totals
+
+
+def _registers(config: dict) -> str:
+    """A swept launch's register cap, as ``/r64`` (nothing without one)."""
+    cap = config.get("max_registers")
+    return "" if cap is None else f"/r{cap}"
 
 
 def _share(value: float | None) -> str:

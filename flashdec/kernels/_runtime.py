@@ -195,16 +195,17 @@ class Launcher:
         num_stages: int | None = None,
         *,
         pdl: bool = False,
+        max_registers: int | None = None,
     ) -> None:
-        options = _launch_options(num_warps, num_stages, pdl)
+        options = _launch_options(num_warps, num_stages, pdl, max_registers)
         if not FAST_LAUNCH:
             self.kernel[(grid,)](*tensors, *scalars, *constexprs, **options)
             return
         device = _current_device()
         ptrs = [t.data_ptr() for t in tensors]
         key = self._value_key(device, tensors, ptrs, scalars, constexprs, num_warps, num_stages)
-        if pdl:
-            key += (True,)
+        if pdl or max_registers is not None:
+            key += (pdl, max_registers)
         compiled = self._by_value.get(key)
         if compiled is None:
             compiled, launched = self._lookup(grid, tensors, scalars, constexprs, options)
@@ -284,12 +285,17 @@ class Launcher:
         return compiled, True
 
 
-def _launch_options(num_warps: int, num_stages: int | None, pdl: bool) -> dict:
-    """The launch's options for Triton (``launch_pdl`` only when set: the interpreter knows no
-    such option, and never gets one)."""
+def _launch_options(
+    num_warps: int, num_stages: int | None, pdl: bool, max_registers: int | None = None
+) -> dict:
+    """The launch's options for Triton. ``launch_pdl`` only when set (the interpreter knows no
+    such option, and never gets one); ``maxnreg`` (registers per thread, ptxas's cap) only when
+    given."""
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if pdl:
         options["launch_pdl"] = True
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
     return options
 
 
@@ -393,7 +399,7 @@ class BoundLaunch:
                 device, tensors, ptrs, scalars, constexprs, num_warps, num_stages
             )
             if self._pdl:
-                key += (True,)
+                key += (True, None)
             compiled = self._launcher._by_value.get(key)
             if compiled is not None and compiled.direct:
                 self._compiled, self._device = compiled, device

@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from flashdec._checks import FLOAT_DTYPES, check_tensor
-from flashdec.kernels._runtime import Launcher, check_kernel_device, next_power_of_2, sm_count
+from flashdec.kernels._runtime import (
+    INTERPRET,
+    Launcher,
+    check_kernel_device,
+    next_power_of_2,
+    sm_count,
+)
 from flashdec.kernels.dependent_launch import _await_inputs, dependent_launch
 
 MAX_ROWS = 8  # rows of x the kernel takes; the decoder uses it up to ROWS_USED
@@ -41,12 +47,15 @@ MIN_IN_FEATURES = 2048
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch shape: output columns per program, K per loop step, K slices, warps."""
+    """One launch shape: output columns per program, K per loop step, K slices, warps, and a
+    cap on registers per thread (None: the compiler's choice; fewer registers, more programs
+    resident per SM)."""
 
     block_n: int
     block_k: int
     split_k: int
     num_warps: int
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "split_k"):
@@ -55,20 +64,41 @@ class GemvConfig:
                 raise ValueError(f"{name} must be a power of two >= 1, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.max_registers is not None and not 16 <= self.max_registers <= 255:
+            raise ValueError(
+                f"max_registers must be in [16, 255] or None, got {self.max_registers}"
+            )
+
+
+# One-row launches, largest tiles first, with the programs of each that fit on an SM at once:
+# sm_90 compiles 4 x 1,024 to 66 registers a thread (7 four-warp programs an SM), 64 under a
+# cap (8), 4 x 512 to 48 (10). A launch whose programs all fit runs in one wave; one more than
+# fit runs a second, nearly empty wave at a fraction of the bandwidth (the H100 sweep of
+# ``benchmarks/results/gemv_sweep.md``: Llama-3-8B's o and down, 1,024 programs, 16.1 -> 14.2
+# and 51.6 -> 45.6 us with the cap; Qwen2-7B's qkv, 1,152, 15.6 -> 13.8 us with 4 x 512).
+ONE_WAVE_LAUNCHES = (
+    (GemvConfig(4, 1024, 1, 4), 7),
+    (GemvConfig(4, 1024, 1, 4, max_registers=64), 8),
+    (GemvConfig(4, 512, 1, 4), 10),
+)
 
 
 def default_config(rows: int, out_features: int, in_features: int, sms: int) -> GemvConfig:
-    """Four output columns per program over all of K, 1,024 columns of K a loop step: the
-    fastest launch of the H200 sweep at one row on Llama-3-8B's o and down and Qwen2-7B's o and
-    down (``benchmarks/results/gemm.md``). More rows keep the float32 products a program holds
-    (rows x block_n x block_k) at 4,096; K slices are added only where there are fewer output
-    blocks than about four per SM."""
+    """Four output columns per program over all of K, 1,024 columns of K a loop step (the
+    fastest launch of the H200 sweep at one row, ``benchmarks/results/gemm.md``), at one row the
+    first of :data:`ONE_WAVE_LAUNCHES` whose programs fit on the SMs at once (none fits: the
+    first). More rows keep the float32 products a program holds (rows x block_n x block_k) at
+    4,096; K slices are added only where there are fewer output blocks than about four per SM."""
     block_n = 4
     block_k = min(1024 // next_power_of_2(rows), next_power_of_2(in_features))
     blocks = triton.cdiv(out_features, block_n)
     split = 1
     while blocks * split < 4 * sms and in_features >= 2 * split * 4 * block_k:
         split *= 2
+    if split == 1 and block_k == 1024:  # one row, K of 1,024 or more
+        for config, per_sm in ONE_WAVE_LAUNCHES:
+            if triton.cdiv(out_features, config.block_n) <= per_sm * sms:
+                return config
     return GemvConfig(block_n, block_k, split, 4)
 
 
@@ -246,6 +276,7 @@ def _launch(
         (rows, block_m, cfg.block_n, block_k, split, has_bias, even, pdl),
         num_warps=cfg.num_warps,
         pdl=pdl,
+        max_registers=None if INTERPRET else cfg.max_registers,
     )
     if split > 1:
         size = rows * out_features

@@ -110,11 +110,28 @@ def test_bad_input_is_refused(device):
         GemvConfig(block_n=6, block_k=16, split_k=1, num_warps=4)
     with pytest.raises(ValueError, match="num_warps"):
         GemvConfig(block_n=8, block_k=16, split_k=1, num_warps=3)
+    for cap in (8, 256):
+        with pytest.raises(ValueError, match="max_registers"):
+            GemvConfig(block_n=8, block_k=16, split_k=1, num_warps=4, max_registers=cap)
+
+
+def test_a_register_cap_is_a_launch_option_only(device):
+    """The interpreter has no registers: a capped config computes what the uncapped one does."""
+    x = _rand((2, 64), torch.float32, device)
+    weight = _rand((24, 64), torch.float32, device, seed=1)
+    capped = gemv(x, weight, config=GemvConfig(4, 16, 2, 2, max_registers=64))
+    torch.testing.assert_close(capped, gemv(x, weight, config=GemvConfig(4, 16, 2, 2)))
 
 
 def test_default_config_fills_the_machine_with_whole_k_steps():
-    # Llama-3-8B's o projection at M = 1: 1,024 column blocks, no K slices
-    assert default_config(1, 4096, 4096, 132) == GemvConfig(4, 1024, 1, 4)
+    # one row: the largest tile whose programs fit on the SMs at once (one wave)
+    assert default_config(1, 3584, 3584, 132) == GemvConfig(4, 1024, 1, 4)  # 896 <= 7 x 132
+    # Llama-3-8B's o and down: 1,024 column blocks, 8 an SM under a register cap
+    assert default_config(1, 4096, 4096, 132) == GemvConfig(4, 1024, 1, 4, max_registers=64)
+    assert default_config(1, 4096, 14336, 132) == GemvConfig(4, 1024, 1, 4, max_registers=64)
+    assert default_config(1, 4608, 3584, 132) == GemvConfig(4, 512, 1, 4)  # Qwen2-7B's qkv
+    assert default_config(1, 6144, 4096, 132) == GemvConfig(4, 1024, 1, 4)  # two waves anyway
+    assert default_config(1, 4096, 4096, 78).max_registers is None  # fewer SMs: none fits
     assert default_config(4, 4096, 4096, 132).block_k == 256  # 4 rows: products stay at 4,096
     cfg = default_config(1, 256, 8192, 132)  # 64 column blocks: K slices up to ~4 per SM
     assert cfg.split_k == 2 and 8192 // cfg.split_k >= 4 * cfg.block_k
@@ -148,7 +165,12 @@ def test_gpu_model_sizes(dtype, rows, out_features, in_features):
     x = _rand((rows, in_features), dtype, "cuda")
     weight = _rand((out_features, in_features), dtype, "cuda", seed=1) / in_features**0.5
     bias = _rand((out_features,), dtype, "cuda", seed=2)
-    for config in (None, GemvConfig(16, 256, 1, 8), GemvConfig(4, 1024, 8, 4)):
+    for config in (
+        None,
+        GemvConfig(16, 256, 1, 8),
+        GemvConfig(4, 1024, 8, 4),
+        GemvConfig(4, 1024, 1, 4, max_registers=56),
+    ):
         _assert_close(gemv(x, weight, config=config), x, weight)
         _assert_close(gemv(x, weight, bias, config=config), x, weight, bias)
 
