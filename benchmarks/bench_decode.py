@@ -14,12 +14,14 @@ The review method (issue 10; shared GPU notes, "How kernel ratios are judged"):
 The matrix: head configurations of the Llama, Qwen2/2.5/3, Mistral and Gemma families (GQA
 groups 1-8 and MQA; head_dim 64, 128, 256), pages 16/32/64, uniform batches (B 1..512, contexts
 1..128k), short contexts at large batch (B=1024, L<=64), ragged batches (random lengths, fixed
-seed) and skewed batches (one long request among many short ones), each paired with the uniform
-batch of equal bytes. ``--quick`` covers every class in about four minutes on an H200. ``--fp8``
+seed), skewed batches (one long request among many short ones), each paired with the uniform
+batch of equal bytes, and shared-prefix batches (every request's first 2,048 tokens on the same
+pages, as a prefix cache shares a system prompt), each paired with the same lengths on pages of
+their own. ``--quick`` covers every class in about four and a half minutes on an H200. ``--fp8``
 adds FlashDec FP8 e4m3 KV (same shape) against FlashDec bf16 and FlashInfer's FP8 decode, with the
 output error against the bf16 result. Without FlashInfer the benchmark still runs and says so.
 
-    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick                  # every class, ~4 min
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick                  # every class, ~4.5 min
     PYTHONPATH=. python3 benchmarks/bench_decode.py                          # the full matrix
     PYTHONPATH=. python3 benchmarks/bench_decode.py --heads 28/4/128 --kinds ragged skewed
     PYTHONPATH=. python3 benchmarks/bench_decode.py --issue25 --fp8 --name decode_issue25
@@ -90,13 +92,13 @@ HEAD_CONFIGS = {
 PRIMARY = "32/8/128"
 # the head configs that get every page size of --pages by default (others get the first only)
 PAGE_HEADS = ["32/8/128", "28/4/128", "16/8/256", "32/1/128"]
-KINDS = ("uniform", "short", "ragged", "skewed")
+KINDS = ("uniform", "short", "ragged", "skewed", "shared")
 FI_PATHS = (("HND", True), ("HND", False), ("NHD", True), ("NHD", False))
 # outputs of unit-variance random data differ by about one bf16 ulp (0.03 at |x| < 8); beyond
 # this limit one of the two is wrong
 DIFF_LIMIT = 0.05
 
-# --quick: every class, the weak shapes of issue 10, five head configs (about 4 min on an H200)
+# --quick: every class, the weak shapes of issue 10, five head configs (about 4.5 min on an H200)
 QUICK = {
     "heads": ["32/8/128", "28/4/128", "16/8/256", "32/1/128", "12/2/128"],
     "pages": [16, 32, 64],
@@ -108,6 +110,7 @@ QUICK = {
         "B=1024 L=64",
         "ragged 48x1..12345",
         "skewed 1x32768+63x1024",
+        "shared 64x2240 prefix 2048",
     ],
     # the other families (MHA, groups 3/5/8, head_dim 64) on two target shapes each, last
     "more_heads": ["32/32/128", "24/8/128", "40/8/128", "64/8/128", "32/8/64", "14/2/64"],
@@ -162,6 +165,9 @@ class Shape:
     kind: str  # one of KINDS
     lens: tuple[int, ...]
     pair: str | None = None  # skewed: the uniform batch of equal bytes; its partner: the skewed
+    # shared: every request's first ``shared_prefix`` tokens are the same pages (a system prompt
+    # the prefix cache shares); its pair holds the same lengths on pages of their own
+    shared_prefix: int = 0
 
     @property
     def batch(self) -> int:
@@ -209,6 +215,21 @@ def skew_pair(long: int, short: int, num_short: int) -> tuple[Shape, Shape]:
     )
 
 
+def shared_pair(batch: int, length: int, prefix: int) -> tuple[Shape, Shape]:
+    """``batch`` requests of ``length`` tokens whose first ``prefix`` share their pages, and the
+    same lengths on pages of their own (a decode that reads the prefix once per request reads
+    the same bytes in both; only caches can tell them apart)."""
+    if not 0 < prefix < length:
+        raise ValueError(f"the shared prefix ({prefix}) must be shorter than a request ({length})")
+    shared_label = f"shared {batch}x{length} prefix {prefix}"
+    own_label = f"unshared {batch}x{length}"
+    lens = (length,) * batch
+    return (
+        Shape(shared_label, "shared", lens, pair=own_label, shared_prefix=prefix),
+        Shape(own_label, "shared", lens, pair=shared_label),
+    )
+
+
 def all_shapes(seed: int = 0) -> list[Shape]:
     """Every shape of the matrix, in report order."""
     uniform = [
@@ -235,6 +256,9 @@ def all_shapes(seed: int = 0) -> list[Shape]:
     shapes += [pattern_shape((12345, 777, 4097, 1), 8)]
     for long, short, n in ((32768, 1024, 63), (131072, 512, 255)):
         shapes += list(skew_pair(long, short, n))
+    # a 2,048-token system prompt under 64 and 16 decoding requests (prefix_cache.md's trace)
+    for batch in (64, 16):
+        shapes += list(shared_pair(batch, 2240, 2048))
     return shapes
 
 
@@ -310,7 +334,9 @@ MERGE_MODES = {"auto": {}, "fused": {"fused_merge": True}, "separate": {"fused_m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     preset = p.add_mutually_exclusive_group()
-    preset.add_argument("--quick", action="store_true", help="every class, about 4 minutes (H200)")
+    preset.add_argument(
+        "--quick", action="store_true", help="every class, about 4.5 minutes (H200)"
+    )
     preset.add_argument(
         "--issue25", action="store_true", help="issue 25's kernel-table rows, about 4 minutes"
     )
@@ -405,22 +431,29 @@ class Case:
     the FP8 copies are made on first use.
     """
 
-    def __init__(self, lens, hq, hkv, d, page, dtype, seed=0, device="cuda"):
+    def __init__(self, lens, hq, hkv, d, page, dtype, seed=0, device="cuda", shared_prefix=0):
         dev = self.device = torch.device(device)
         torch.manual_seed(seed)
         self.lens_list = list(lens)
         self.batch = len(lens)
         self.hq, self.hkv, self.d, self.page, self.dtype = hq, hkv, d, page, dtype
         pages = torch.tensor([math.ceil(n / page) for n in lens], device=dev)
-        total_pages = int(pages.sum())
+        shared = shared_prefix // page  # whole pages: a prefix cache shares full blocks only
+        if shared and int(pages.min()) <= shared:
+            raise ValueError(f"every request must extend past its {shared_prefix}-token prefix")
+        total_pages = int(pages.sum()) - shared * (self.batch - 1)  # physical pages
         max_pages = int(pages.max())
         perm = torch.randperm(total_pages + 1, device=dev, dtype=torch.int32)
         self.k = torch.randn(total_pages + 1, hkv, page, d, device=dev, dtype=dtype)
         self.v = torch.randn_like(self.k)
         self.tables = torch.zeros(self.batch, max_pages, dtype=torch.int32, device=dev)
         used = torch.arange(max_pages, device=dev)[None, :] < pages[:, None]
-        self.indices = perm[:total_pages].contiguous()
-        self.tables[used] = self.indices
+        own = used.clone()
+        own[:, :shared] = False
+        self.tables[own] = perm[shared:total_pages]
+        self.tables[:, :shared] = perm[:shared]
+        self.indices = self.tables[used].contiguous()  # FlashInfer's page list, request by request
+        self.shared_pages = shared
         self.lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         self.indptr = torch.zeros(self.batch + 1, dtype=torch.int32, device=dev)
         self.indptr[1:] = torch.cumsum(pages, 0)
@@ -656,6 +689,14 @@ def base_row(mc: MatrixCase) -> dict[str, Any]:
         "max_len": s.max_len,
         "total_tokens": s.total_tokens,
         "kv_mib": kv_bytes(s.lens, hkv, d, DTYPES[mc.dtype].itemsize) / 2**20,
+        # what is stored: a shared prefix once (kv_mib counts it per request, as a decode reads)
+        "stored_kv_mib": kv_bytes(
+            [n - s.shared_prefix for n in s.lens[1:]] + list(s.lens[:1]),
+            hkv,
+            d,
+            DTYPES[mc.dtype].itemsize,
+        )
+        / 2**20,
     }
 
 
@@ -694,7 +735,16 @@ def measure(mc: MatrixCase, args, flashinfer, fi_ws, ceilings) -> dict[str, Any]
     built (e.g. out of memory) raises, and :func:`run` records that."""
     row = base_row(mc)
     hq, hkv, d = parse_heads(mc.heads)
-    case = Case(list(mc.shape.lens), hq, hkv, d, mc.page, DTYPES[mc.dtype], seed=args.seed)
+    case = Case(
+        list(mc.shape.lens),
+        hq,
+        hkv,
+        d,
+        mc.page,
+        DTYPES[mc.dtype],
+        seed=args.seed,
+        shared_prefix=mc.shape.shared_prefix,
+    )
     try:
         plan = case.plan(**MERGE_MODES[args.merge])
         row["plan"] = plan_summary(plan)
@@ -748,12 +798,14 @@ def is_mqa(row: dict[str, Any]) -> bool:
     return row["num_kv_heads"] == 1
 
 
-def skew_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Skewed batch time / time of its uniform partner, per (dtype, heads, page) and pair."""
+def pair_ratios(rows: list[dict[str, Any]], kind: str = "skewed") -> list[dict[str, Any]]:
+    """Time of each ``kind`` batch (skewed, or shared prefix) / time of its partner (the
+    uniform batch of equal bytes, or the same lengths on pages of their own), per (dtype, heads,
+    page) and pair."""
     index = {(r["dtype"], r["heads"], r["page"], r["shape"]): r for r in rows}
     out = []
     for r in rows:
-        if r["kind"] != "skewed" or not r["shape"].startswith("skewed") or not r.get("pair"):
+        if r["kind"] != kind or not r["shape"].startswith(kind) or not r.get("pair"):
             continue
         u = index.get((r["dtype"], r["heads"], r["page"], r["pair"]))
         if u is None:
@@ -766,6 +818,11 @@ def skew_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item["fd_us"], item["uniform_fd_us"] = r.get("fd_us"), u.get("fd_us")
         out.append(item)
     return out
+
+
+def skew_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Skewed batch time / time of its uniform partner (:func:`pair_ratios`)."""
+    return pair_ratios(rows, "skewed")
 
 
 def _status(ok: bool | None) -> str:
@@ -897,6 +954,20 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append("Skewed batch / uniform batch of equal bytes:")
         lines.append("")
         for s in skews:
+            lines.append(
+                f"- {s['dtype']} {s['heads']} p{s['page']} {s['shape']} vs {s['uniform']}: "
+                f"FlashDec x{fmt(s['fd'], 2)} ({fmt(s['fd_us'])} vs {fmt(s['uniform_fd_us'])} us), "
+                f"FlashInfer best x{fmt(s['fi'], 2)}"
+            )
+        lines.append("")
+    shared = pair_ratios(rows, "shared")
+    if shared:
+        lines.append(
+            "Shared-prefix batch / the same lengths on pages of their own (each request still "
+            "reads the prefix: below 1 only where the caches serve the repeats):"
+        )
+        lines.append("")
+        for s in shared:
             lines.append(
                 f"- {s['dtype']} {s['heads']} p{s['page']} {s['shape']} vs {s['uniform']}: "
                 f"FlashDec x{fmt(s['fd'], 2)} ({fmt(s['fd_us'])} vs {fmt(s['uniform_fd_us'])} us), "
@@ -1177,7 +1248,16 @@ def warm_up_worker(jobs: list[tuple[str, Any]], seed: int, fp8: bool) -> int:
         try:
             if kind == "case":
                 hq, hkv, d = parse_heads(what.heads)
-                case = Case(list(what.shape.lens), hq, hkv, d, what.page, DTYPES[what.dtype], seed)
+                case = Case(
+                    list(what.shape.lens),
+                    hq,
+                    hkv,
+                    d,
+                    what.page,
+                    DTYPES[what.dtype],
+                    seed,
+                    shared_prefix=what.shape.shared_prefix,
+                )
                 case.flashdec_fns_for(case.plan())[0]()
                 if fp8 and what.dtype == "bf16":
                     case.flashdec_fp8_fn()()
