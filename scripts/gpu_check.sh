@@ -4,7 +4,8 @@
 #
 #   GPU_CHECK_PHASES="tests engine eager e2e" bash scripts/gpu_check.sh
 #   phases: tests (or its parts tests1, tests2, tests3: one device call each) quicktests tune tunefp8 decode decodequick decodefp8 decode25 window append engine eager
-#   launch e2e extendtests extend extendsweep http mixed serve prefix hosttier hosttests spec gemm
+#   launch e2e extendtests extend extendsweep http mixed steps serve prefix hosttier hosttests spec
+#   gemm
 #   extra arguments per phase: TUNE_ARGS, DECODE_ARGS (decode, decodequick), FP8_ARGS,
 #   WINDOW_ARGS, APPEND_ARGS, ENGINE_ARGS, EAGER_ARGS, LAUNCH_ARGS, E2E_ARGS, EXTEND_ARGS
 #   (extend, extendsweep), GEMM_ARGS
@@ -23,6 +24,8 @@
 #     budget, extend.md); extendsweep: its launch-configuration sweep (extend_sweep.md)
 #   mixed: a mixed step's eager wall time against its GPU busy time (~2 min, mixed_step.md;
 #     MIXED_ARGS="--host-profile 16 64" adds its host profile);
+#   steps: every step of a saturated serving pass, wall vs GPU busy and idle (step_profile.md;
+#     STEPS_ARGS="--rate 64 --max-num-batched-tokens 4096");
 #   http: the HTTP layer's cost (bench_http.py; the server wheels carried in .whl); serve:
 #     serve_trace.py's method at 4/16/64 req/s (serve.md; SERVE_ARGS="--vllm-json F" adds vLLM);
 #     prefix: caching on vs off (prefix_cache.md; PREFIX_ARGS="--vllm-json F" adds vLLM's rows
@@ -157,6 +160,9 @@ for phase in $PHASES; do
       rc=${PIPESTATUS[0]} ;;
     mixed)
       python3 benchmarks/bench_mixed_step.py --out-dir "$OUT" ${MIXED_ARGS:-} 2>&1 | tee -a "$LOG"
+      rc=${PIPESTATUS[0]} ;;
+    steps)
+      python3 benchmarks/profile_steps.py --out-dir "$OUT" ${STEPS_ARGS:-} 2>&1 | tee -a "$LOG"
       rc=${PIPESTATUS[0]} ;;
     serve)
       python3 benchmarks/bench_serve.py --out-dir "$OUT" ${SERVE_ARGS:-} 2>&1 | tee -a "$LOG"
