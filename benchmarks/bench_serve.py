@@ -74,12 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
-    """Every (rate, pass) of FlashDec; the LLM's construction: seconds, and its warm start."""
+def build_llm(args: argparse.Namespace, prefix_caching: bool = False):
+    """The warm ``flashdec.LLM`` serve_trace.py's method runs on (``args``: ``model``,
+    ``max_prompt``, ``new``, ``max_batch``, ``max_num_batched_tokens``), and its device."""
     import flashdec
     from flashdec.models import build_random_model
-    from flashdec.workloads.model_config import ServeConfig
-    from flashdec.workloads.serving import run_serve_benchmark
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_random_model(args.model, device=device, seed=0)
@@ -87,15 +86,39 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
     budget = {}
     if args.max_num_batched_tokens is not None:
         budget["max_num_batched_tokens"] = args.max_num_batched_tokens
-    start = time.perf_counter()
     llm = flashdec.LLM(
         model,
         **budget,
         max_batch_size=args.max_batch,
         num_blocks=args.max_batch * (longest // 16 + 2) + 64,  # serve_trace.py's pool
         max_model_len=longest + 64,
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=prefix_caching,
     )
+    return llm, device
+
+
+def trace_config(args: argparse.Namespace, rate: float, device: str):
+    """The seeded Poisson trace of ``args`` at ``rate`` requests per second."""
+    from flashdec.workloads.model_config import ServeConfig
+
+    return ServeConfig(
+        model=args.model,
+        device=device,
+        num_requests=args.requests,
+        request_rate=rate,
+        min_prompt_len=args.min_prompt,
+        max_prompt_len=args.max_prompt,
+        max_new_tokens=args.new,
+        seed=args.seed,
+    )
+
+
+def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every (rate, pass) of FlashDec; the LLM's construction: seconds, and its warm start."""
+    from flashdec.workloads.serving import run_serve_benchmark
+
+    start = time.perf_counter()
+    llm, device = build_llm(args, args.prefix_caching)
     built = {"seconds": time.perf_counter() - start, "budget": llm.max_num_batched_tokens}
     if llm.warm_start is not None:
         built["warm_start"] = dataclasses.asdict(llm.warm_start)
@@ -104,16 +127,7 @@ def serve(args: argparse.Namespace) -> tuple[list[dict], dict]:
         built["mixed_graphs"] = dataclasses.asdict(pieces.warm_start)
     rows = []
     for rate in args.rate:
-        config = ServeConfig(
-            model=args.model,
-            device=device,
-            num_requests=args.requests,
-            request_rate=rate,
-            min_prompt_len=args.min_prompt,
-            max_prompt_len=args.max_prompt,
-            max_new_tokens=args.new,
-            seed=args.seed,
-        )
+        config = trace_config(args, rate, device)
         for pass_ in range(2):
             result = run_serve_benchmark(llm, config).as_dict()
             done = result["output_tokens"] == args.requests * args.new

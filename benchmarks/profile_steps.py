@@ -187,34 +187,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def profile_pass(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The warm-up pass, then the profiled one: ``(rows, info)``, one row per step."""
-    import flashdec
-    from flashdec.models import build_random_model
-    from flashdec.workloads.model_config import ServeConfig
+    from benchmarks.bench_serve import build_llm, trace_config
     from flashdec.workloads.serving import run_serve_benchmark
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_random_model(args.model, device=device, seed=0)
-    longest = args.max_prompt + args.new
-    budget = {}
-    if args.max_num_batched_tokens is not None:
-        budget["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = flashdec.LLM(
-        model,
-        **budget,
-        max_batch_size=args.max_batch,
-        num_blocks=args.max_batch * (longest // 16 + 2) + 64,  # serve_trace.py's pool
-        max_model_len=longest + 64,
-    )
-    config = ServeConfig(
-        model=args.model,
-        device=device,
-        num_requests=args.requests,
-        request_rate=args.rate,
-        min_prompt_len=args.min_prompt,
-        max_prompt_len=args.max_prompt,
-        max_new_tokens=args.new,
-        seed=args.seed,
-    )
+    llm, device = build_llm(args)
+    config = trace_config(args, args.rate, device)
     run_serve_benchmark(llm, config)  # warm: what builds or captures lands here
     records: list[Any] = []
     step = llm.step
